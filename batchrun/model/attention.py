@@ -1,0 +1,157 @@
+"""Paged attention over the KV pool, and the choice of backend.
+
+The runner lays out one step as a flat batch: the decode sequences first (one query token each), then
+the prefill / extend sequences (a chunk of new tokens attending to themselves and to whatever context the
+sequence already has in the cache). Every backend receives the same `AttentionMetadata`, writes the step's
+K/V into their slots first, and then attends over the cache, so prefix-cache hits and chunked prefill are
+the same case as a plain prefill with zero cached tokens.
+
+KV pool layout (one allocation for the whole model, made once):
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+A layer sees `kv_cache[layer]` = [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is block
+s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about one step; built once per step by the runner."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V goes; -1 = padding, skip
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: physical block ids, padded with 0
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: offsets of each sequence's new tokens
+    num_decodes: int  # sequences [0, num_decodes) have exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the per-sequence lengths, known to the scheduler anyway: the CPU path uses them to
+    # slice without a device sync.
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend:
+    """One forward of attention for one layer. Implementations must not allocate persistent state."""
+
+    name = "base"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        raise NotImplementedError
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's K/V into their slots (padding slots, -1, are dropped)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class TorchBackend(AttentionBackend):
+    """Vectorized torch attention for CPUs (and a reference everywhere).
+
+    Decode: all decode sequences of the step in one gather through their block tables and one SDPA call,
+    masked to each sequence's length. Prefill: one SDPA per prefill sequence (few per step); when nothing is
+    cached yet the new K/V are used directly instead of being read back from the pool.
+    """
+
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        store_kv_torch(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        if nd < meta.num_seqs:
+            self._prefill(q, k, v, kv_cache, meta, scale, out)
+        return out
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx: int):
+        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim]."""
+        bs = kv_cache.shape[2]
+        nblk = (ctx + bs - 1) // bs
+        bt = block_tables[:, :nblk].long()
+        kk = kv_cache[0][bt]  # [S, nblk, bs, Hkv, D]
+        vv = kv_cache[1][bt]
+        s = bt.shape[0]
+        kk = kk.view(s, nblk * bs, *kk.shape[3:])[:, :ctx].transpose(1, 2)
+        vv = vv.view(s, nblk * bs, *vv.shape[3:])[:, :ctx].transpose(1, 2)
+        return kk, vv
+
+    def _decode(self, q, kv_cache, meta, scale):
+        nd = q.shape[0]
+        lens = meta.seq_lens_host[:nd]
+        ctx = max(lens)
+        kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
+        mask = None
+        if min(lens) != ctx:
+            pos = torch.arange(ctx, device=q.device)
+            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, ctx)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(kk.dtype), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2).to(q.dtype)
+
+    def _prefill(self, q, k, v, kv_cache, meta, scale, out):
+        start = meta.num_decodes  # decode tokens come first, one per decode sequence
+        for i in range(meta.num_decodes, meta.num_seqs):
+            qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
+            end = start + qlen
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
+            if slen == qlen:  # nothing cached: attend to the new tokens directly
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                ki, vi = self._gather(kv_cache, meta.block_tables[i : i + 1], slen)
+                # query j sits at position slen - qlen + j and sees keys 0..that position
+                qpos = torch.arange(slen - qlen, slen, device=q.device)
+                mask = (torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]).view(1, 1, qlen, slen)
+                o = F.scaled_dot_product_attention(
+                    qi.to(ki.dtype), ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[start:end] = o.squeeze(0).transpose(0, 1).to(q.dtype)
+            start = end
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` is Triton on CUDA and torch elsewhere; Triton on CPU only under TRITON_INTERPRET=1 (tests)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
+                "use 'torch' or 'auto' on CPU"
+            )
+        from batchrun.model.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")

@@ -1,0 +1,96 @@
+"""SamplingParams: vLLM's names and defaults, so a vLLM user changes one import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ValueError naming the field, at construction."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Filled by the engine from the tokenizer / generation config: not a user field.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop) if self.stop else []
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not is_num(getattr(self, name)) or getattr(self, name) != getattr(self, name):
+                bad(name, "must be a number")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0 or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The user-settable fields (what a job file's `sampling:` section may name)."""
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]
