@@ -1,17 +1,67 @@
-"""LLM: the Python API (vLLM's offline names). CONTRACT STUB: being implemented; signatures are final."""
+"""LLM: the offline Python API, with vLLM's names so a vLLM user changes one import."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from batchrun.engine.engine import Engine, EngineConfig
+from batchrun.engine.scheduler import SchedulerConfig
+from batchrun.model.loader import load_config, load_model, resolve_path
+from batchrun.model.memory import cpu_default_bytes, parse_size, profile_cuda_kv_bytes
+from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.outputs import RequestOutput
 from batchrun.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here")
+    return dev
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype) -> torch.dtype:
+    """auto: the checkpoint's dtype on CUDA; float32 on CPU (half-precision matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype, torch.float32)
+        return config_dtype if isinstance(config_dtype, torch.dtype) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _derive_seed(base: int, index: int) -> int:
+    """The seed of a request without its own: a function of the LLM's seed and the request's index."""
+    return (base * 0x9E3779B1 + index * 0x85EBCA77 + 1) & ((1 << 62) - 1)
 
 
 class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool takes 2 GiB (or an eighth of
+    the machine's memory if less); on CUDA it takes `gpu_memory_utilization` of the GPU less the weights
+    and a profiled peak forward. `swap_space` sizes the host pool used by swap preemption.
+    """
+
     def __init__(self, model: str, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, swap_space: int | str = 0,
@@ -19,29 +69,189 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False) -> None:
-        raise NotImplementedError
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
 
-    # the HF fast tokenizer of the model (PreTrainedTokenizerFast)
-    tokenizer: Any
-    # the longest prompt + completion the engine accepts
-    max_model_len: int
+        need(isinstance(block_size, int) and block_size > 0 and block_size & (block_size - 1) == 0,
+             f"block_size must be a power of two, got {block_size!r}")
+        need(isinstance(max_num_seqs, int) and max_num_seqs > 0, f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
+        need(isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0,
+             f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens!r}")
+        need(num_kv_blocks is None or (isinstance(num_kv_blocks, int) and num_kv_blocks > 0),
+             f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        need(0 < gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        need(preemption_mode in ("auto", "swap", "recompute"),
+             f"preemption_mode must be 'auto', 'swap' or 'recompute', got {preemption_mode!r}")
+        need(attention_backend in ("auto", "torch", "triton"),
+             f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
+        need(max_model_len is None or (isinstance(max_model_len, int) and max_model_len > 1),
+             f"max_model_len must be an integer > 1, got {max_model_len!r}")
+        kv_bytes = parse_size(kv_cache_memory, "kv_cache_memory")
+        swap_bytes = parse_size(swap_space, "swap_space") or 0
+        self.device = _resolve_device(device)
+        self.seed = seed
+        self._requests = 0
 
+        cfg = load_config(resolve_path(model))  # the dtype decision needs the config before weights load
+        self.dtype = _resolve_dtype(dtype, self.device, getattr(cfg, "dtype", None))
+        loaded = load_model(model, dtype=self.dtype, device=self.device, max_model_len=max_model_len)
+        self.model_path = loaded.path
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        shape = cache_shape(loaded.model, block_size, self.dtype)
+
+        if num_kv_blocks is None:
+            if kv_bytes is None:
+                if self.device.type == "cuda":
+                    def probe():
+                        return ModelRunner(loaded.model, shape, 1, 0, self.device, attention_backend)
+                    kv_bytes = profile_cuda_kv_bytes(loaded.model, probe, self.device, gpu_memory_utilization,
+                                                     max_num_batched_tokens)
+                else:
+                    kv_bytes = cpu_default_bytes()
+            num_kv_blocks = kv_bytes // shape.bytes_per_block
+            need(num_kv_blocks > 0, f"kv_cache_memory={kv_cache_memory!r} holds no block of "
+                                    f"{shape.bytes_per_block} bytes")
+        num_host_blocks = swap_bytes // shape.bytes_per_block
+        self.max_model_len = loaded.max_model_len
+        if self.max_model_len > num_kv_blocks * block_size:
+            log.warning("max_model_len %d capped at the KV cache's %d tokens", self.max_model_len,
+                        num_kv_blocks * block_size)
+            self.max_model_len = num_kv_blocks * block_size
+        log.info("KV cache: %d blocks of %d tokens (%d bytes/token), %d host blocks", num_kv_blocks, block_size,
+                 shape.bytes_per_token, num_host_blocks)
+
+        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, attention_backend)
+        n_params = sum(p.numel() for p in loaded.model.parameters())
+        on_cuda = self.device.type == "cuda"
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode, flops_per_token=2.0 * n_params,
+            bytes_per_block=shape.bytes_per_block,
+            compute_flops_per_s=2e14 if on_cuda else 5e10, copy_bytes_per_s=2e10 if on_cuda else 5e9,
+        )
+        eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=self.max_model_len, preemption_mode=preemption_mode,
+                               enable_prefix_caching=enable_prefix_caching)
+        self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
+        self.eos_token_ids = loaded.eos_token_ids
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                                 for i in ids):
+                    raise ValueError(f"{where}: prompt_token_ids must be a list of integers")
+                vocab = self.config.vocab_size
+                if any(i < 0 or i >= vocab for i in ids):
+                    raise ValueError(f"{where}: prompt_token_ids has an id outside the vocabulary [0, {vocab})")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        raise ValueError(f"{where}: a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                         f"got {type(prompt).__name__}")
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+        """None when the prompt can run, else a one-line reason (for a row error)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_model_len:
+            return (f"prompt has {n} tokens, leaving no room to generate within max_model_len="
+                    f"{self.max_model_len}")
+        return None
+
+    def _prepare(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        items = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] is not a SamplingParams")
+            if sp.n > 1:
+                raise ValueError(f"sampling_params[{i}]: SamplingParams.n > 1 is not yet supported")
+            text, ids = self._tokenize(p, f"prompts[{i}]")
+            reason = self.check_prompt(ids, sp)
+            if reason:
+                raise ValueError(f"prompts[{i}]: {reason}")
+            items.append((text, ids, sp))
+        return items
+
+    # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """All outputs, in input order."""
-        raise NotImplementedError
+        """Outputs in input order. Every prompt is checked before anything runs."""
+        items = self._prepare(prompts, sampling_params)
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            stream = ((i, {"prompt_token_ids": ids, "prompt": text}, sp) for i, (text, ids, sp) in enumerate(items))
+            for i, out in self.stream(stream, max_in_flight=len(items), _checked=True):
+                results[i] = out
+                bar.update(1)
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
 
-    def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *,
-               max_in_flight: int = 1024) -> Iterator[tuple[Any, RequestOutput]]:
+    def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *, max_in_flight: int = 1024,
+               _checked: bool = False) -> Iterator[tuple[Any, RequestOutput]]:
         """Pull (key, prompt, params) lazily, keep at most max_in_flight requests in the engine, and yield
-        (key, finished RequestOutput) in completion order. Raises ValueError for a prompt that cannot
-        run (empty, too long): callers that want row errors check first with `check_prompt`."""
-        raise NotImplementedError
-
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
-        """None when the prompt can run, else a one-line reason (empty, too long for max_model_len)."""
-        raise NotImplementedError
+        (key, finished RequestOutput) in completion order. A prompt that cannot run raises ValueError:
+        callers that want row errors ask `check_prompt` first."""
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        engine = self.engine
+        source = iter(items)
+        keys: dict[str, Any] = {}
+        exhausted = False
+        index = 0
+        try:
+            while True:
+                while not exhausted and len(keys) < max_in_flight:
+                    try:
+                        key, prompt, sp = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    text, ids = self._tokenize(prompt, f"request {key!r}")
+                    if not _checked:
+                        if sp.n > 1:
+                            raise ValueError(f"request {key!r}: SamplingParams.n > 1 is not yet supported")
+                        reason = self.check_prompt(ids, sp)
+                        if reason:
+                            raise ValueError(f"request {key!r}: {reason}")
+                    rid = f"{self._requests}"
+                    seed = sp.seed if sp.seed is not None else _derive_seed(self.seed, index)
+                    engine.add_request(rid, text, ids, sp, seed)
+                    keys[rid] = key
+                    self._requests += 1
+                    index += 1
+                if not engine.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+                for out in engine.step():
+                    yield keys.pop(out.request_id), out
+        finally:
+            if keys:  # abandoned half way (an exception, or the caller stopped iterating)
+                engine.abort_all()
 
     def metrics(self) -> dict[str, float | int]:
-        raise NotImplementedError
+        return self.engine.metrics.as_dict()

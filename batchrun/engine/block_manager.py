@@ -1,0 +1,236 @@
+"""Paged KV accounting: which physical blocks each sequence owns. Pure Python, no tensors.
+
+Device blocks live in one pool, host (swap) blocks in another. A block is shared by reference count
+(prefix-cache hits, forked sequences); a sequence about to write into a block that others share gets a
+private copy first (copy-on-write), reported as a (src, dst) pair for the runner to copy.
+
+Prefix cache: a full block is keyed by a hash chained over (parent key, its token ids). Freed blocks keep
+their key and wait in an LRU free queue, so a later request with the same prefix still finds them; a
+block's key is dropped only when the block is taken for something else. A hit is checked against the
+stored token ids, so a hash collision costs a miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # Blocks kept free when admitting new work, so running sequences can still grow a little.
+        self.watermark_blocks = int(watermark * num_blocks)
+
+        self.ref = [0] * num_blocks
+        # Free device blocks, evicted from the front. Unhashed blocks go to the front (reused first),
+        # hashed ones to the back (kept as cache as long as possible).
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (hash, tokens)
+        self.cached: dict[int, int] = {}  # hash -> device block holding that prefix block
+        self.tables: dict[int, list[int]] = {}  # seq_id -> device block ids
+        self.hashes: dict[int, list[int]] = {}  # seq_id -> chain hash of each of its full blocks
+
+        self.num_host_blocks = num_host_blocks
+        self.host_ref = [0] * num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.host_tables: dict[int, list[int]] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def num_host_used(self) -> int:
+        return self.num_host_blocks - len(self.host_free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    @staticmethod
+    def _chain(parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def lookup(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Leading cached full blocks of `token_ids` (and their keys). At least one token is left to
+        compute, since the step that computes it is the one that yields the next token's logits."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        keys: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self._chain(parent, toks)
+            b = self.cached.get(h)
+            if b is None or self.block_key[b] != (h, toks):
+                break
+            blocks.append(b)
+            keys.append(h)
+            parent = h
+        return blocks, keys
+
+    def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register the sequence's blocks that `num_computed` tokens have filled, so others can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        keys = self.hashes.setdefault(seq_id, [])
+        table = self.tables[seq_id]
+        bs = self.block_size
+        for i in range(len(keys), num_computed // bs):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self._chain(keys[-1] if keys else None, toks)
+            keys.append(h)
+            b = table[i]
+            if self.block_key[b] is None and h not in self.cached:
+                self.block_key[b] = (h, toks)
+                self.cached[h] = b
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        key = self.block_key[b]
+        if key is not None:  # evict its prefix-cache entry: the block is about to be overwritten
+            if self.cached.get(key[0]) == b:
+                del self.cached[key[0]]
+            self.block_key[b] = None
+        self.ref[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free[b] = None
+            if self.block_key[b] is None:
+                self.free.move_to_end(b, last=False)
+
+    def allocate(self, seq_id: int, num_tokens: int, write_from: int, *, prefix: list[int] | None = None,
+                 prefix_keys: list[int] | None = None, admit: bool = False) -> list[tuple[int, int]] | None:
+        """Make the sequence's table cover `num_tokens` tokens, writing from position `write_from`.
+
+        `prefix` are cached blocks from `lookup` (first allocation only). `admit` keeps the watermark free.
+        Returns the copy-on-write pairs to perform, or None (and changes nothing) when blocks are short.
+        """
+        table = self.tables.get(seq_id)
+        prefix = prefix or []
+        if table is None:
+            table = []
+        elif prefix:
+            raise ValueError("a prefix is only given on a sequence's first allocation")
+        need = self.blocks_for(num_tokens) - len(table) - len(prefix)
+        cow = write_from < len(table) * self.block_size and self.ref[table[write_from // self.block_size]] > 1
+        taken_from_free = sum(1 for b in prefix if self.ref[b] == 0)
+        avail = len(self.free) - taken_from_free - (self.watermark_blocks if admit else 0)
+        if max(need, 0) + cow > avail:
+            return None
+
+        self.tables[seq_id] = table
+        for b in prefix:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            table.append(b)
+        if prefix_keys:
+            self.hashes[seq_id] = list(prefix_keys)
+        copies: list[tuple[int, int]] = []
+        if cow:
+            i = write_from // self.block_size
+            src, dst = table[i], self._take_free()
+            self.ref[src] -= 1  # was > 1: stays held by the others
+            table[i] = dst
+            copies.append((src, dst))
+        for _ in range(need):
+            table.append(self._take_free())
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent; whoever writes into a shared block copies it first."""
+        table = list(self.tables[parent_id])
+        for b in table:
+            self.ref[b] += 1
+        self.tables[child_id] = table
+        self.hashes[child_id] = list(self.hashes.get(parent_id, []))
+
+    def free_seq(self, seq_id: int) -> None:
+        """Give back a sequence's blocks (device or host). Tail blocks are queued for eviction first."""
+        for b in reversed(self.tables.pop(seq_id, [])):
+            self._release(b)
+        for h in self.host_tables.pop(seq_id, []):
+            self.host_ref[h] -= 1
+            if self.host_ref[h] == 0:
+                self.host_free.append(h)
+        self.hashes.pop(seq_id, None)
+
+    # ---- swap ------------------------------------------------------------------------------------
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        distinct = {b for s in seq_ids for b in self.tables.get(s, [])}
+        return len(distinct) <= len(self.host_free)
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to host blocks, keeping sharing among them. Returns (device, host)."""
+        mapping: dict[int, int] = {}
+        for s in seq_ids:
+            host_table = []
+            for b in self.tables.pop(s):
+                if b not in mapping:
+                    mapping[b] = self.host_free.pop()
+                h = mapping[b]
+                self.host_ref[h] += 1
+                host_table.append(h)
+                self._release(b)
+            self.host_tables[s] = host_table
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        distinct = {h for s in seq_ids for h in self.host_tables.get(s, [])}
+        return len(distinct) + self.watermark_blocks <= len(self.free)
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back into fresh device blocks. Returns (host, device) pairs."""
+        mapping: dict[int, int] = {}
+        for s in seq_ids:
+            table = []
+            for h in self.host_tables.pop(s):
+                if h not in mapping:
+                    mapping[h] = self._take_free()
+                else:
+                    self.ref[mapping[h]] += 1
+                table.append(mapping[h])
+                self.host_ref[h] -= 1
+                if self.host_ref[h] == 0:
+                    self.host_free.append(h)
+            self.tables[s] = table
+        return list(mapping.items())
+
+    # ---- invariants (tests) ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError unless the accounting is consistent."""
+        holders = [0] * self.num_blocks
+        for table in self.tables.values():
+            assert len(set(table)) == len(table), "a table holds a block twice"
+            for b in table:
+                holders[b] += 1
+        assert holders == self.ref, "ref counts differ from the tables holding the blocks"
+        assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}
+        for h, b in self.cached.items():
+            assert self.block_key[b] is not None and self.block_key[b][0] == h
+        host_holders = [0] * self.num_host_blocks
+        for table in self.host_tables.values():
+            for h in table:
+                host_holders[h] += 1
+        assert host_holders == self.host_ref, "host ref counts differ from the host tables"
+        assert sorted(self.host_free) == [h for h in range(self.num_host_blocks) if self.host_ref[h] == 0]

@@ -1,0 +1,67 @@
+"""Requests as the engine sees them: a group of sequences that share a prompt (n samples, beams)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchrun.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One token stream. `num_computed` counts the tokens whose K/V are in the cache."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    seed: int  # the random stream of this sequence (request seed, child index mixed in)
+    index: int = 0  # sample index within its group
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass
+class SequenceGroup:
+    """A request: the sequences sampled from one prompt. Scheduling and preemption act on whole groups."""
+
+    request_id: str
+    arrival: int  # FCFS order; a preempted group keeps its place
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    # n > 1: the first sequence is forked into n children when its prompt is done (see Engine._fork)
+    pending_forks: int = 0
+
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.pending_forks == 0 and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,250 @@
+"""Greedy continuous batching, first come first served, on the block manager's budget.
+
+Each step: (1) the running groups advance (a decode token, or the next chunk of a prompt), preempting the
+latest-arrived group when blocks run out; (2) swapped groups come back before anything new; (3) waiting
+groups are admitted while blocks (above the watermark), `max_num_seqs` and the step's token budget allow.
+The result is one `SchedulerOutput`: all the runner is told.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: int
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0] (== tokens already in the cache)
+    block_table: list[int]  # the live table (read-only for the runner)
+    sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # one-token (decode) sequences first, then prefill chunks
+    num_decodes: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in and not self.copies
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    preemption_mode: str = "auto"  # "recompute" | "swap" | "auto"
+    # For the auto cost model (see Scheduler._prefer_swap): filled in by the engine from the model.
+    flops_per_token: float = 0.0
+    bytes_per_block: float = 0.0
+    compute_flops_per_s: float = 1e11
+    copy_bytes_per_s: float = 1e10
+    swap_latency_s: float = 1e-4
+
+
+@dataclass
+class StepStats:
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # in arrival order
+        self.swapped: deque[SequenceGroup] = deque()
+        self.stats = StepStats()
+
+    # ---- queues ----------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(g.live()) + g.pending_forks for g in self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended: its blocks go back at once (its full blocks stay in the prefix cache)."""
+        seq.status = SeqStatus.FINISHED
+        self.bm.free_seq(seq.seq_id)
+
+    def drop_finished_groups(self) -> list[SequenceGroup]:
+        done = [g for g in self.running if g.is_finished]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished]
+        return done
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(seqs=[], num_decodes=0)
+        budget = [cfg.max_num_batched_tokens]
+        preempted = False
+
+        # 1. running groups, oldest first; the newest are the preemption victims
+        i = 0
+        while i < len(self.running):
+            group = self.running[i]
+            while not self._schedule_group(group, out, budget, admit=False):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is group:
+                    break
+            else:
+                i += 1
+                continue
+            break  # the group itself was preempted: it was the newest, nothing after it
+
+        # 2. swapped groups come back before anything new is admitted
+        if not preempted:
+            while self.swapped and budget[0] > 0:
+                group = self.swapped[0]
+                ids = [s.seq_id for s in group.live()]
+                if self.num_running_seqs() + len(ids) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
+                    break
+                self.swapped.popleft()
+                pairs = self.bm.swap_in(ids)
+                out.swap_in.extend(pairs)
+                self.stats.swapped_in_blocks += len(pairs)
+                for s in group.live():
+                    s.status = SeqStatus.RUNNING
+                self._insert_running(group)
+                if not self._schedule_group(group, out, budget, admit=False):
+                    break  # stays running with nothing scheduled this step; it goes first next step
+
+        # 3. admit new work
+        if not preempted and not self.swapped:
+            while self.waiting and budget[0] > 0:
+                group = self.waiting[0]
+                if self.num_running_seqs() + max(group.params.n, len(group.live())) > cfg.max_num_seqs:
+                    break
+                if not self._schedule_group(group, out, budget, admit=bool(self.running)):
+                    break
+                self.waiting.popleft()
+                self._insert_running(group)
+
+        out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
+        out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
+        return out
+
+    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int], admit: bool) -> bool:
+        """Schedule the next tokens of every live sequence of the group, or nothing (False: blocks short)."""
+        planned: list[ScheduledSeq] = []
+        fresh: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        hits = 0
+        budget_before = budget[0]
+        for seq in group.live():
+            if budget[0] <= 0:
+                break
+            prefix, keys = [], []
+            if seq.seq_id not in self.bm.tables:  # first allocation: look for a cached prefix
+                prefix, keys = self.bm.lookup(seq.token_ids)
+                seq.num_computed = len(prefix) * self.bm.block_size
+            n = min(len(seq.token_ids) - seq.num_computed, budget[0])
+            if n <= 0:
+                continue
+            pairs = self.bm.allocate(seq.seq_id, seq.num_computed + n, seq.num_computed, prefix=prefix,
+                                     prefix_keys=keys, admit=admit)
+            if pairs is None:
+                for s in fresh:  # undo this group's first allocations: it is not admitted
+                    self.bm.free_seq(s.seq_id)
+                    s.num_computed = 0
+                if prefix:
+                    seq.num_computed = 0
+                budget[0] = budget_before
+                # copies already made by sibling sequences stand (their tables changed); a later retry
+                # finds nothing more to copy
+                out.copies.extend(copies)
+                return False
+            if prefix:
+                hits += len(prefix) * self.bm.block_size
+            if seq.status is not SeqStatus.RUNNING:
+                fresh.append(seq)
+            copies.extend(pairs)
+            start = seq.num_computed
+            planned.append(ScheduledSeq(seq.seq_id, seq.token_ids[start : start + n], start,
+                                        self.bm.tables[seq.seq_id], start + n == len(seq.token_ids)))
+            budget[0] -= n
+        for s in fresh:
+            s.status = SeqStatus.RUNNING
+        out.seqs.extend(planned)
+        out.copies.extend(copies)
+        self.stats.prefix_hit_tokens += hits
+        return True
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].arrival > group.arrival:
+            i -= 1
+        self.running.insert(i, group)
+
+    # ---- preemption ------------------------------------------------------------------------------
+    def _prefer_swap(self, group: SequenceGroup) -> bool:
+        """The auto cost model. Recompute costs a prefill of every token the group holds (its model FLOPs
+        at the device's compute rate); swap costs moving its distinct blocks out and back over the
+        host link, plus a fixed latency. A forked group always swaps: recompute would lose the sharing."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.bm.num_host_blocks == 0:
+            return False
+        if mode == "swap" or len(group.seqs) > 1:
+            return True
+        cfg = self.config
+        tokens = sum(s.num_computed for s in group.live())
+        blocks = len({b for s in group.live() for b in self.bm.tables.get(s.seq_id, [])})
+        recompute_s = tokens * cfg.flops_per_token / cfg.compute_flops_per_s
+        swap_s = cfg.swap_latency_s + 2 * blocks * cfg.bytes_per_block / cfg.copy_bytes_per_s
+        return swap_s < recompute_s
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        ids = {s.seq_id for s in group.live()}
+        # forget what was already scheduled for it this step
+        out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]
+        live = group.live()
+        if self._prefer_swap(group) and self.bm.can_swap_out(list(ids)):
+            pairs = self.bm.swap_out([s.seq_id for s in live])
+            out.swap_out.extend(pairs)
+            for s in live:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(group)
+            self.stats.preempted_swap += 1
+            self.stats.swapped_out_blocks += len(pairs)
+        else:
+            for s in live:
+                self.bm.free_seq(s.seq_id)
+                s.num_computed = 0
+                s.status = SeqStatus.WAITING
+            self.waiting.appendleft(group)
+            self.stats.preempted_recompute += 1
+        log.debug("preempted %s (%d seqs)", group.request_id, len(live))
+
+    # ---- after the step --------------------------------------------------------------------------
+    def after_step(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """The step's tokens are in the cache now: advance the counters and publish full blocks."""
+        for s in out.seqs:
+            seq = seqs[s.seq_id]
+            seq.num_computed = s.start + len(s.token_ids)
+            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)

@@ -1,0 +1,148 @@
+"""Built-in models: small random-weight checkpoints made offline, for demos, tests and benchmarks.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained with `tokenizers` on a synthetic English
+corpus generated from a fixed seed; the weights are random from a fixed seed. Both are written with
+`save_pretrained` and then loaded through the same code path as any checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+# name -> (architecture, config overrides); tiny-llama is ~11M parameters
+BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
+    "tiny-llama": ("llama", dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048)),
+    "small-llama": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
+                                  vocab_size=32000)),
+}
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = """the a an this that one some every each many few all no other same new old good great small large
+long short high low early late young first last next best right left open close full empty light dark
+time year day week night morning people man woman child friend teacher doctor farmer king queen city town
+village river mountain forest sea island road bridge house school market garden field window door table
+book letter story song word name number question answer idea plan reason problem system world country
+water fire stone tree flower bird horse dog cat fish bread apple coffee music paper machine engine model
+memory block table cache token batch prompt output input file row column value error job cluster node
+is was are were has had will would can could should may might must does did goes went comes came makes
+made takes took sees saw knows knew thinks thought finds found gives gave tells told works worked calls
+asks needs feels becomes leaves puts means keeps lets begins seems helps shows hears plays runs moves
+lives believes brings happens writes provides sits stands loses pays meets includes continues sets learns
+changes leads understands watches follows stops creates speaks reads spends grows opens walks wins offers
+remembers loves considers appears buys waits serves dies sends expects builds stays falls cuts reaches
+quickly slowly always never often sometimes together again still already soon here there now then today
+and but or so because while when where if although after before since until though unless whether
+in on at by for with about against between into through during without under over above below from up
+down out off near far across along around behind beyond inside outside toward upon within
+""".split()
+
+
+def synthetic_corpus(num_sentences: int = 20000, seed: int = 0) -> list[str]:
+    """English-like sentences from a fixed word list and seed: the same text on every machine."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        s = " ".join(words)
+        if rng.random() < 0.2:
+            s += f" {rng.randint(0, 10 ** rng.randint(1, 6))}"
+        lines.append(s[0].upper() + s[1:] + rng.choice([".", ".", ".", "?", "!", ","]))
+    return lines
+
+
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
+    """A byte-level BPE fast tokenizer with an end-of-text token and a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer=None,
+                    dtype: torch.dtype = torch.float32, init_std: float = 0.02, **overrides) -> Path:
+    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) with `save_pretrained`."""
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(_ARCHS)}")
+    config_cls_name, model_cls_name = _ARCHS[arch]
+    tokenizer = tokenizer or train_tokenizer()
+    vocab = len(tokenizer)
+    cfg = dict(vocab_size=(vocab + 63) // 64 * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, initializer_range=init_std)
+    if arch in ("mistral", "qwen2", "qwen3"):
+        cfg["sliding_window"] = None
+    cfg.update(overrides)
+    config = getattr(transformers, config_cls_name)(**cfg)
+    config.architectures = [model_cls_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config).to(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHRUN_CACHE", "~/.cache/batchrun")).expanduser()
+
+
+def builtin_path(name: str) -> Path:
+    """The folder of built-in model `name`, made on first use (atomically: a temp folder, then rename)."""
+    if name not in BUILTIN_MODELS:
+        from batchrun.model.loader import ModelLoadError
+
+        raise ModelLoadError(f"unknown built-in model 'builtin:{name}'; built-in models: "
+                             + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS))
+    path = cache_dir() / "builtin" / f"{name}-v1"
+    if (path / "config.json").is_file():
+        return path
+    arch, overrides = BUILTIN_MODELS[name]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("creating built-in model %s in %s", name, path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    try:
+        make_checkpoint(tmp, arch, seed=0, **overrides)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process made it first
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

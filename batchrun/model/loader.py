@@ -1,0 +1,170 @@
+"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from batchrun.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded (missing path, unsupported architecture, bad checkpoint)."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: PretrainedConfig
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    path: Path
+
+
+def resolve_path(model: str) -> Path:
+    """A local checkpoint folder, or `builtin:NAME` (made on first use in the cache folder)."""
+    if model.startswith("builtin:"):
+        from batchrun.model.builtin import builtin_path
+
+        return builtin_path(model.split(":", 1)[1])
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {model!r} is not a folder (batchrun loads local checkpoints and "
+                             "'builtin:tiny-llama'; it downloads nothing)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {model!r} has no config.json")
+    return path
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else type(config).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r}; batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def model_max_len(config: PretrainedConfig) -> int:
+    """Longest context the model is exact for. Sliding-window attention is not implemented, so a model
+    that uses it is capped at its window (within it, full attention is the same computation)."""
+    limit = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = window and (config.model_type == "mistral" or "sliding_attention" in layer_types)
+    if uses_window and window < limit:
+        log.warning("sliding-window attention is not implemented: max_model_len capped at the window, %d", window)
+        limit = int(window)
+    return limit
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json)")
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come."""
+    params = dict(model.named_parameters())
+    rows_filled = dict.fromkeys(params, 0)
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                dst, offset = _target(name, model)
+                if dst is None:
+                    continue
+                if dst not in params:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
+                t = f.get_tensor(name)
+                p = params[dst]
+                if t.shape[1:] != p.shape[1:] or offset + t.shape[0] > p.shape[0]:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                                         f"which does not fit {dst} {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.data[offset : offset + t.shape[0]].copy_(t)
+                rows_filled[dst] += t.shape[0]
+    missing = [n for n, p in params.items() if rows_filled[n] != p.shape[0]]
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
+
+
+def _target(name: str, model: LlamaForCausalLM) -> tuple[str | None, int]:
+    """Our parameter name for a checkpoint tensor, and the row offset inside a fused parameter."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if "rotary_emb" in name:
+        return None, 0
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None, 0
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "layers":
+        attn = model.layers[int(parts[1])].self_attn
+        mlp = model.layers[int(parts[1])].mlp
+        kind, suffix = parts[3], parts[-1]
+        base = f"layers.{parts[1]}"
+        if kind == "q_proj":
+            return f"{base}.self_attn.qkv_proj.{suffix}", 0
+        if kind == "k_proj":
+            return f"{base}.self_attn.qkv_proj.{suffix}", attn.q_size
+        if kind == "v_proj":
+            return f"{base}.self_attn.qkv_proj.{suffix}", attn.q_size + attn.kv_size
+        if kind == "gate_proj":
+            return f"{base}.mlp.gate_up_proj.{suffix}", 0
+        if kind == "up_proj":
+            return f"{base}.mlp.gate_up_proj.{suffix}", mlp.inter
+    return name, 0
+
+
+def load_tokenizer(path: Path):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+        e = gen.eos_token_id
+        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    except OSError:
+        pass
+    e = getattr(config, "eos_token_id", None)
+    ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None) -> LoadedModel:
+    path = resolve_path(model)
+    config = load_config(path)
+    limit = model_max_len(config)
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
+    tokenizer = load_tokenizer(path)
+    with torch.device("meta"):
+        m = LlamaForCausalLM(config)
+    m = m.to_empty(device=device)
+    m.tie_weights()
+    load_weights(m, path)
+    m = m.to(dtype).eval().requires_grad_(False)
+    m.init_rope(max_model_len)
+    return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

@@ -1,0 +1,167 @@
+"""ModelRunner: turns a SchedulerOutput into one forward over the paged KV pool. It decides nothing.
+
+The device pool and the host (swap) pool are each one tensor allocated at start-up:
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+Per step the runner applies the scheduler's block moves (swap out, swap in, copy-on-write) in bulk, one
+call each, builds the flat batch (token ids, positions, slot mapping, block tables) and runs the model,
+computing logits only for the positions that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.engine.scheduler import SchedulerOutput
+from batchrun.model.attention import AttentionMetadata, select_backend
+from batchrun.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x head dim x dtype bytes; LLaMA-2-7B fp16: 512 KiB."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def pool(self, num_blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: unused slots are read (then masked) by batched attention, and garbage NaNs
+        # would leak through a zero attention weight
+        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+
+def cache_shape(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> CacheShape:
+    attn = model.layers[0].self_attn
+    return CacheShape(len(model.layers), attn.num_kv_heads, attn.head_dim, block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, shape: CacheShape, num_blocks: int, num_host_blocks: int,
+                 device: torch.device, attention_backend: str = "auto") -> None:
+        self.model = model
+        self.shape = shape
+        self.device = device
+        self.block_size = shape.block_size
+        model.backend = select_backend(attention_backend, device)
+        self.backend = model.backend
+        self.kv_cache = shape.pool(num_blocks, device)
+        self.host_cache = shape.pool(num_host_blocks, torch.device("cpu"), pin=device.type == "cuda") \
+            if num_host_blocks else None
+        self.model_time_s = 0.0
+
+    # ---- block moves ---------------------------------------------------------------------------------
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([d for d, _ in pairs], device=self.device)
+        dst = torch.tensor([h for _, h in pairs])
+        self.host_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([h for h, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        moved = self.host_cache.index_select(2, src).to(self.device, non_blocking=True)
+        self.kv_cache.index_copy_(2, dst, moved)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat inputs for the step. Per-token work (positions, slots) is done with tensor ops."""
+        bs = self.block_size
+        seqs = out.seqs
+        input_ids: list[int] = []
+        starts, qlens, slens, tables = [], [], [], []
+        for s in seqs:
+            input_ids.extend(s.token_ids)
+            starts.append(s.start)
+            qlens.append(len(s.token_ids))
+            slens.append(s.start + len(s.token_ids))
+            tables.append(s.block_table)
+        width = max((n + bs - 1) // bs for n in slens)
+        block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in tables],
+                                    dtype=torch.int32)
+        qlen_t = torch.tensor(qlens)
+        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(qlen_t, 0, out=qsl[1:])
+        num_tokens = len(input_ids)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), qlen_t)
+        positions = torch.tensor(starts)[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        sample_rows = [i for i, s in enumerate(seqs) if s.sample]
+        logits_idx = qsl[1:].long()[sample_rows] - 1
+
+        dev = self.device
+        nb = dev.type == "cuda"
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=nb),
+            block_tables=block_tables.to(dev, non_blocking=nb),
+            seq_lens=torch.tensor(slens, dtype=torch.int32).to(dev, non_blocking=nb),
+            query_start_loc=qsl.to(dev, non_blocking=nb),
+            num_decodes=out.num_decodes,
+            max_query_len=max(qlens),
+            max_seq_len=max(slens),
+            seq_lens_host=slens,
+            query_lens_host=qlens,
+        )
+        ids = torch.tensor(input_ids).to(dev, non_blocking=nb)
+        return ids, positions.to(dev, non_blocking=nb), meta, logits_idx.to(dev, non_blocking=nb)
+
+    def profile_forward(self, num_tokens: int) -> None:
+        """One forward at the step-token budget, into a throw-away pool (CUDA memory profiling)."""
+        out, nblk = profile_out(num_tokens, self.model.cos.shape[0], self.block_size)
+        saved, self.kv_cache = self.kv_cache, self.shape.pool(nblk, self.device)
+        try:
+            self.execute(out)
+        finally:
+            self.kv_cache = saved
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Apply block moves, run the forward; logits [num sampling sequences, vocab] in float32."""
+        if out.swap_out:
+            self.swap_out(out.swap_out)
+        if out.swap_in:
+            self.swap_in(out.swap_in)
+        if out.copies:
+            self.copy_blocks(out.copies)
+        if not out.seqs:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        ids, positions, meta, logits_idx = self.prepare(out)
+        t0 = time.perf_counter()
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        self.model_time_s += time.perf_counter() - t0
+        return logits
+
+
+def profile_out(num_tokens: int, max_len: int, block_size: int):
+    """A SchedulerOutput of fresh prefills totalling num_tokens (for peak-memory profiling)."""
+    from batchrun.engine.scheduler import ScheduledSeq
+
+    seqs, block = [], 0
+    while num_tokens > 0:
+        n = min(num_tokens, max_len)
+        nblk = -(-n // block_size)
+        seqs.append(ScheduledSeq(len(seqs), [0] * n, 0, list(range(block, block + nblk)), True))
+        block += nblk
+        num_tokens -= n
+    return SchedulerOutput(seqs=seqs, num_decodes=sum(1 for s in seqs if len(s.token_ids) == 1)), block
