@@ -1,8 +1,50 @@
 import os
+import tempfile
 
+import pytest
 import torch
 
 # Triton kernels run interpreted on machines without CUDA (set before any kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Built-in models are made into a cache folder of the test session, not the user's.
+os.environ.setdefault("BATCHRUN_CACHE", tempfile.mkdtemp(prefix="batchrun-test-cache-"))
+
+# Tiny checkpoints of each supported architecture: GQA and not, tied and untied, a head_dim that is not a
+# power of two. init_std 0.05 keeps logits peaked enough that greedy parity is not decided by rounding.
+ARCH_SPECS = {
+    "llama": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from batchrun.model.builtin import train_tokenizer
+
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory, tokenizer):
+    """make_ckpt(arch, **overrides) -> path of a tiny random checkpoint (cached per arguments)."""
+    from batchrun.model.builtin import make_checkpoint
+
+    made = {}
+
+    def make(arch: str = "llama", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            kw = {**ARCH_SPECS[arch], "init_std": 0.05, **overrides}
+            made[key] = make_checkpoint(tmp_path_factory.mktemp(arch), arch, tokenizer=tokenizer, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(make_ckpt):
+    return make_ckpt("llama")

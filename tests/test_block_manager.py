@@ -1,0 +1,177 @@
+"""Block manager: random operation sequences against a simulated KV memory.
+
+Besides the accounting invariants (free + used == total, ref counts == holders, nothing leaks), the test
+keeps a fake memory of what token each physical slot holds, applies the copy-on-write and swap pairs the
+manager returns, and checks after every operation that every sequence reads back exactly its own tokens
+through its block table. That catches a shared block written without a copy, a stale prefix-cache hit, or
+a swap that loses a block.
+"""
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from batchrun.engine.block_manager import BlockManager
+
+BS = 4
+
+
+class BlockMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 24), num_host=st.integers(0, 16), caching=st.booleans())
+    def setup(self, num_blocks, num_host, caching):
+        self.bm = BlockManager(num_blocks, BS, num_host_blocks=num_host, enable_prefix_caching=caching,
+                               watermark=0.0)
+        self.mem = {b: [None] * BS for b in range(num_blocks)}
+        self.host = {h: [None] * BS for h in range(num_host)}
+        self.tokens: dict[int, list[int]] = {}  # seq -> its tokens
+        self.computed: dict[int, int] = {}  # seq -> tokens written to the cache
+        self.swapped: set[int] = set()
+        self.next_id = 0
+
+    def _write(self, seq, start, end):
+        table = self.bm.table(seq)
+        for p in range(start, end):
+            self.mem[table[p // BS]][p % BS] = self.tokens[seq][p]
+
+    def _copy(self, pairs):
+        for src, dst in pairs:
+            self.mem[dst] = list(self.mem[src])
+
+    def _grow(self, seq, new_tokens):
+        """Append tokens to a resident sequence: allocate, copy on write, write, publish."""
+        start = self.computed[seq]
+        self.tokens[seq] = self.tokens[seq][:start] + new_tokens
+        pairs = self.bm.allocate(seq, start + len(new_tokens), start)
+        if pairs is None:
+            self.tokens[seq] = self.tokens[seq][:start]
+            return
+        self._copy(pairs)
+        self._write(seq, start, start + len(new_tokens))
+        self.computed[seq] = start + len(new_tokens)
+        self.bm.commit(seq, self.tokens[seq], self.computed[seq])
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
+    def admit(self, prompt):
+        seq = self.next_id
+        self.next_id += 1
+        blocks, keys = self.bm.lookup(prompt)
+        start = len(blocks) * BS
+        pairs = self.bm.allocate(seq, len(prompt), start, prefix=blocks, prefix_keys=keys)
+        if pairs is None:
+            assert seq not in self.bm.tables
+            return
+        assert pairs == []
+        self.tokens[seq] = list(prompt)
+        self.computed[seq] = start
+        self._write(seq, start, len(prompt))
+        self.computed[seq] = len(prompt)
+        self.bm.commit(seq, self.tokens[seq], len(prompt))
+
+    def _resident(self):
+        return sorted(s for s in self.tokens if s not in self.swapped)
+
+    @precondition(lambda self: any(s not in self.swapped for s in self.tokens))
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def append(self, data, n):
+        seq = data.draw(st.sampled_from(self._resident()))
+        self._grow(seq, data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)))
+
+    @precondition(lambda self: any(s not in self.swapped for s in self.tokens))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._resident()))
+        child = self.next_id
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.computed[child] = self.computed[parent]
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def finish(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free_seq(seq)
+        del self.tokens[seq], self.computed[seq]
+        self.swapped.discard(seq)
+
+    @precondition(lambda self: any(s not in self.swapped for s in self.tokens))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(self._resident()))
+        if not self.bm.can_swap_out([seq]):
+            return
+        for dev, host in self.bm.swap_out([seq]):
+            self.host[host] = list(self.mem[dev])
+        self.swapped.add(seq)
+
+    @precondition(lambda self: bool(self.swapped))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        if not self.bm.can_swap_in([seq]):
+            return
+        for host, dev in self.bm.swap_in([seq]):
+            self.mem[dev] = list(self.host[host])
+        self.swapped.discard(seq)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check()
+        assert self.bm.num_free + self.bm.num_used == self.bm.num_blocks
+        for seq, toks in self.tokens.items():
+            mem, table = (self.host, self.bm.host_tables[seq]) if seq in self.swapped else (self.mem, self.bm.tables[seq])
+            got = [mem[table[p // BS]][p % BS] for p in range(self.computed[seq])]
+            assert got == toks[: self.computed[seq]], f"seq {seq} reads {got}, wrote {toks}"
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in list(self.tokens):
+            self.bm.free_seq(seq)
+        self.bm.check()
+        assert self.bm.num_used == 0 and self.bm.num_host_used == 0
+
+
+TestBlockManager = BlockMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_prefix_hit_reuses_freed_blocks_and_verifies_tokens():
+    bm = BlockManager(8, BS, watermark=0.0)
+    prompt = list(range(10))
+    assert bm.allocate(1, 10, 0) == []
+    bm.commit(1, prompt, 10)
+    bm.free_seq(1)  # blocks keep their keys in the free queue
+    blocks, _ = bm.lookup(prompt + [99])
+    assert len(blocks) == 2
+    # a collision (same hash, different tokens) is a miss, not a wrong hit
+    h, toks = bm.block_key[blocks[0]]
+    bm.block_key[blocks[0]] = (h, (7, 7, 7, 7))
+    assert bm.lookup(prompt)[0] == []
+
+
+def test_copy_on_write_on_shared_partial_block():
+    bm = BlockManager(8, BS, watermark=0.0)
+    assert bm.allocate(1, 6, 0) == []
+    bm.fork(1, 2)
+    last = bm.table(1)[1]
+    assert bm.ref[last] == 2
+    pairs = bm.allocate(2, 7, 6)  # seq 2 writes position 6, inside the shared second block
+    assert pairs == [(last, bm.table(2)[1])] and bm.table(2)[1] != last
+    assert bm.ref[last] == 1 and bm.table(1)[0] == bm.table(2)[0]
+    assert bm.allocate(1, 7, 6) == []  # now seq 1 owns its block alone: no copy
+    bm.free_seq(1)
+    bm.free_seq(2)
+    bm.check()
+    assert bm.num_used == 0
+
+
+def test_watermark_blocks_admission_but_not_growth():
+    bm = BlockManager(100, BS, watermark=0.05)
+    assert bm.allocate(1, 95 * BS, 0, admit=True) == []
+    assert bm.allocate(2, BS, 0, admit=True) is None  # would dip under the 5-block watermark
+    assert 2 not in bm.tables
+    assert bm.allocate(1, 96 * BS, 95 * BS) == []  # a running sequence may use it
