@@ -1,0 +1,383 @@
+"""GPU check for the CUDA path, in one run of well under 8 minutes on one H200:
+
+1. the kernel tests, compiled on CUDA (`pytest tests/test_kernels.py`);
+2. decode-attention bandwidth: bytes of K/V read per second, and as a share of the GPU's peak, for batch
+   64-256 and contexts 512-8192, at the default tiles and a few alternatives (for tuning);
+3. end to end: a ~1B-parameter random Llama in bf16 on a ShareGPT-like workload, generated tokens per
+   second for batchrun with and without CUDA graphs, next to transformers' static-batched `generate` and
+   transformers' continuous batching, on the same prompts and output lengths (EOS ignored everywhere).
+
+    python -m benchmarks.gpu_check [--json-out results.json]
+    python -m benchmarks.gpu_check --dry-run      # CPU plumbing check on a tiny model, about a minute
+
+Each part reports its own failure and the script goes on, so one broken baseline still leaves figures for
+the rest. Exit code 1 if any part failed. Not yet run on a GPU: written on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the dry run drives the kernels through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Llama-3.2-1B's shape with the built-in tokenizer's small vocabulary: ~0.98B parameters.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+@dataclass
+class Report:
+    sections: dict[str, object] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+
+
+def section(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def run_guarded(report: Report, name: str, fn: Callable[[], object]) -> object | None:
+    """Run one part; a failure is printed and recorded, and the check goes on."""
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - a benchmark part may fail in any way; report and go on
+        traceback.print_exc()
+        report.failed.append(name)
+        report.sections[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{name}] FAILED after {time.perf_counter() - t0:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+        return None
+    report.sections[name] = result
+    print(f"[{name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
+    return result
+
+
+# --- 1. kernel tests -------------------------------------------------------------------------------------
+
+
+def kernel_tests(dry_run: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    if dry_run:  # the full file runs in `make test`; here only prove the subprocess plumbing
+        cmd += ["-k", "store_kv or copy_blocks"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    tail = proc.stdout.strip().splitlines()[-15:]
+    print("\n".join(tail))
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:])
+        raise RuntimeError(f"pytest exited with {proc.returncode}")
+    return {"summary": tail[-1] if tail else ""}
+
+
+# --- 2. decode bandwidth ---------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], object], dry_run: bool) -> float:
+    if dry_run:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+
+
+# Decode shape of a Llama-3-8B layer: 32 query heads sharing 8 KV heads of 128.
+BW_HEADS, BW_KV_HEADS, BW_HEAD_DIM, BW_BLOCK_SIZE = 32, 8, 128, 16
+
+
+def bandwidth_point(batch: int, context: int, variants: list[tuple[int, int]], device: torch.device,
+                    dry_run: bool) -> dict[tuple[int, int], float]:
+    """GB/s of K/V read by one decode step at each (block_n, partition_size), blocks shuffled in the pool."""
+    from kernels import paged_decode_attention
+
+    blocks_per_seq = context // BW_BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    cache = torch.randn(2, num_blocks, BW_BLOCK_SIZE, BW_KV_HEADS, BW_HEAD_DIM, dtype=torch.bfloat16,
+                        device=device)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, BW_HEADS, BW_HEAD_DIM, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * batch * context * BW_KV_HEADS * BW_HEAD_DIM * cache.element_size()
+    gbps = {}
+    for block_n, partition in variants:
+        def step(bn: int = block_n, part: int = partition) -> None:
+            paged_decode_attention(q, cache, tables, seq_lens, BW_HEAD_DIM**-0.5, context, out=out,
+                                   partition_size=part, block_n=bn)
+
+        gbps[(block_n, partition)] = kv_bytes / (time_ms(step, dry_run) * 1e-3) / 1e9
+    return gbps
+
+
+def decode_bandwidth(dry_run: bool, peak_gbps: float) -> list[dict]:
+    device = torch.device("cpu" if dry_run else "cuda")
+    batches, contexts = ([2], [64]) if dry_run else ([64, 128, 256], [512, 1024, 2048, 4096, 8192])
+    # (block_n, partition_size): the default first, then the alternatives worth knowing about when tuning
+    variants = [(16, 32)] if dry_run else [(64, 512), (32, 512), (128, 512), (64, 256), (64, 1024)]
+    print(f"Hq={BW_HEADS} Hkv={BW_KV_HEADS} D={BW_HEAD_DIM} block_size={BW_BLOCK_SIZE} bf16, shuffled blocks; "
+          f"peak {peak_gbps:.0f} GB/s; default tiles block_n/partition = {variants[0][0]}/{variants[0][1]}")
+    print(f"{'batch':>6} {'context':>8} {'GB/s':>8} {'of peak':>8} {'best GB/s':>10} {'best tiles':>11}")
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            gbps = bandwidth_point(batch, context, variants, device, dry_run)
+            default = gbps[variants[0]]
+            (best_n, best_part), best = max(gbps.items(), key=lambda item: item[1])
+            rows.append({"batch": batch, "context": context, "gbps": default,
+                         "fraction_of_peak": default / peak_gbps, "best_gbps": best,
+                         "best_block_n": best_n, "best_partition": best_part})
+            print(f"{batch:>6} {context:>8} {default:>8.0f} {default / peak_gbps:>8.1%} {best:>10.0f} "
+                  f"{f'{best_n}/{best_part}':>11}", flush=True)
+    return rows
+
+
+# --- 3. end to end ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def gen_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def sharegpt_like(tokenizer, num_prompts: int, seed: int, max_prompt: int, max_output: int) -> Workload:
+    """Prompt and output lengths log-normal like ShareGPT conversations (means ~240 and ~175 tokens,
+    long tails), prompts cut from English-like text. No dataset download: the GPU box is offline."""
+    from batchrun.model.builtin import synthetic_corpus
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def lognormal(median: float, sigma: float, lo: int, hi: int) -> list[int]:
+        x = torch.randn(num_prompts, generator=gen) * sigma + math.log(median)
+        return [int(min(hi, max(lo, round(v)))) for v in x.exp().tolist()]
+
+    prompt_lens = lognormal(160, 0.9, 8, max_prompt)
+    output_lens = lognormal(128, 0.8, 8, max_output)
+    text_ids = tokenizer(" ".join(synthetic_corpus(num_sentences=4000, seed=seed)))["input_ids"]
+    prompts, pos = [], 0
+    for n in prompt_lens:
+        if pos + n > len(text_ids):
+            pos = 0
+        prompts.append(text_ids[pos : pos + n])
+        pos += n
+    return Workload(prompts, output_lens)
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool) -> dict:
+    from batchrun import LLM, SamplingParams
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    t0 = time.perf_counter()
+    llm = LLM(str(path), dtype="bfloat16", device=device, enforce_eager=enforce_eager,
+              gpu_memory_utilization=0.5, seed=0)
+    startup_s = time.perf_counter() - t0
+    llm.generate([{"prompt_token_ids": p} for p in work.prompts[:4]], [params(8)] * 4, use_tqdm=False)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], [params(n) for n in work.output_lens],
+                        use_tqdm=False)
+    sync()
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "gen_tokens": produced, "startup_s": startup_s, "metrics": llm.metrics()}
+
+
+def run_hf_static(path: Path, work: Workload, device: str, batch_size: int) -> dict:
+    """Static batches in input order, left-padded; each batch runs to its longest output. Only the tokens a
+    request asked for count (what a batch generates past a request's length is the static-batching waste)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def generate(prompts: list[list[int]], max_new: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                       do_sample=False, pad_token_id=pad)
+
+    with torch.inference_mode():
+        generate(work.prompts[:4], 8)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(0, len(work.prompts), batch_size):
+            generate(work.prompts[i : i + batch_size], max(work.output_lens[i : i + batch_size]))
+        sync()
+        elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "gen_tokens": work.gen_tokens, "batch_size": batch_size}
+
+
+def run_hf_continuous(path: Path, work: Workload, device: str) -> dict:
+    """transformers' continuous batching manager (what `generate_batch` drives), with each request's own
+    output length and no EOS; warm-up (graph capture) happens when the manager starts, before the clock."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens),
+                              pad_token_id=model.config.pad_token_id)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in work.prompts),
+                          max_generated_length=max(work.output_lens), num_requests=len(work.prompts))
+    produced, done = 0, 0
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=10,
+                                                   workload_hints=hints) as manager:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        while done < len(work.prompts):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped early")
+                continue
+            if result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"request {result.request_id}: {result.error}")
+                produced += len(result.generated_tokens)
+                done += 1
+        sync()
+        elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "gen_tokens": produced}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def count_parameters(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total
+
+
+def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dict:
+    from batchrun.model.builtin import make_checkpoint, train_tokenizer
+
+    device = "cpu" if args.dry_run else "cuda"
+    shape = TINY if args.dry_run else LLAMA_1B
+    tmp = Path(tempfile.mkdtemp(prefix="batchrun-gpu-check-"))
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer()
+    path = make_checkpoint(tmp / "llama-1b", "llama", seed=0, tokenizer=tokenizer, dtype=torch.bfloat16,
+                           **shape)
+    n_params = count_parameters(path)
+    print(f"random Llama: {n_params / 1e9:.2f}B parameters, made in {time.perf_counter() - t0:.0f}s at {path}")
+    work = sharegpt_like(tokenizer, args.num_prompts, seed=0, max_prompt=1024 if not args.dry_run else 48,
+                         max_output=512 if not args.dry_run else 12)
+    print(f"workload: {len(work.prompts)} prompts, {sum(map(len, work.prompts))} prompt tokens, "
+          f"{work.gen_tokens} tokens to generate (max prompt {max(map(len, work.prompts))}, "
+          f"max output {max(work.output_lens)})", flush=True)
+
+    runs: list[tuple[str, Callable[[], dict]]] = [
+        ("batchrun (CUDA graphs)", lambda: run_batchrun(path, work, device, enforce_eager=False)),
+        ("batchrun (eager)", lambda: run_batchrun(path, work, device, enforce_eager=True)),
+        (f"HF generate, static batches of {args.static_batch_size}",
+         lambda: run_hf_static(path, work, device, args.static_batch_size)),
+        ("HF continuous batching", lambda: run_hf_continuous(path, work, device)),
+    ]
+    results = {}
+    for name, fn in runs:
+        if time.perf_counter() > deadline:
+            print(f"[{name}] skipped: time budget spent")
+            results[name] = {"error": "skipped: time budget spent"}
+            continue
+        section(name)
+        run_guarded(report, f"e2e: {name}", fn)
+        results[name] = report.sections[f"e2e: {name}"]
+        free_device_memory()  # each run's model and caches are gone once its function returned
+    section("end to end: generated tokens per second")
+    hf_static = results[runs[2][0]].get("seconds")
+    hf_cb = results[runs[3][0]].get("seconds")
+    print(f"{'system':<40} {'gen tok/s':>10} {'seconds':>8} {'x static':>9} {'x HF CB':>8}")
+    for name, r in results.items():
+        if "seconds" not in r:
+            print(f"{name:<40} {r.get('error', '?')}")
+            continue
+        r["gen_tok_per_s"] = r["gen_tokens"] / r["seconds"]
+        x_static = f"{hf_static / r['seconds']:.2f}" if hf_static else "-"
+        x_cb = f"{hf_cb / r['seconds']:.2f}" if hf_cb else "-"
+        print(f"{name:<40} {r['gen_tok_per_s']:>10.0f} {r['seconds']:>8.1f} {x_static:>9} {x_cb:>8}")
+        if r["gen_tokens"] != work.gen_tokens:
+            print(f"  note: produced {r['gen_tokens']} tokens, {work.gen_tokens} were asked for")
+    return {"params": n_params, "num_prompts": len(work.prompts), "gen_tokens": work.gen_tokens, "runs": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU plumbing check: tiny model, interpreted kernels, a few prompts")
+    parser.add_argument("--skip", action="append", default=[], choices=["tests", "bandwidth", "e2e"],
+                        help="skip a part (repeatable)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="end-to-end prompts (default 256; dry run 6)")
+    parser.add_argument("--static-batch-size", type=int, default=64)
+    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak for the fraction (H200: 4800)")
+    parser.add_argument("--time-budget", type=float, default=400.0,
+                        help="seconds from the start after which no further end-to-end run is started")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.num_prompts is None:
+        args.num_prompts = 6 if args.dry_run else 256
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on CPU")
+
+    start = time.perf_counter()
+    report = Report()
+    print(f"torch {torch.__version__}, device: "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (dry run)'}")
+    if "tests" not in args.skip:
+        section("1. kernel tests")
+        run_guarded(report, "kernel tests", lambda: kernel_tests(args.dry_run))
+    if "bandwidth" not in args.skip:
+        section("2. decode attention bandwidth")
+        run_guarded(report, "decode bandwidth", lambda: decode_bandwidth(args.dry_run, args.peak_gbps))
+    if "e2e" not in args.skip:
+        section("3. end to end")
+        run_guarded(report, "end to end", lambda: end_to_end(args, report, start + args.time_budget))
+    total = time.perf_counter() - start
+    print(f"\ntotal {total:.0f}s; failed parts: {', '.join(report.failed) or 'none'}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"total_s": total, "failed": report.failed, **report.sections},
+                                            indent=2, default=str))
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Triton kernels for the paged KV cache, each beside the plain torch reference the tests hold it to.
+
+- `store_kv`: the step's K/V into their slots (kv_store.py)
+- `paged_decode_attention`: one query per sequence, GQA-aware, split-context for long ones (decode_attention.py)
+- `paged_prefill_attention`: new tokens over cached context + themselves, causal (prefill_attention.py)
+- `copy_blocks`: copy-on-write block copies over all layers in one launch (block_copy.py)
+
+Kernels are defined at import, and Triton decides then whether they run compiled or interpreted: set
+TRITON_INTERPRET=1 before importing this package to run them on CPU tensors.
+"""
+
+from kernels.block_copy import copy_blocks, copy_blocks_ref
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.kv_store import store_kv, store_kv_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+__all__ = [
+    "copy_blocks",
+    "copy_blocks_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "store_kv",
+    "store_kv_ref",
+]

@@ -1,0 +1,218 @@
+"""Paged decode attention: one query token per sequence against its whole context in the paged cache.
+
+Decode is bound by reading K/V, so the kernel is organised around reading each K/V byte once:
+- one program per (sequence, KV head, context partition) handles *all* query heads of that KV head (GQA), so a
+  KV head shared by 8 query heads is read once, not 8 times; the group is padded to 16 rows for `tl.dot`;
+- the context is gathered token by token through the block table, so any block size works and a partly
+  filled last block is just masked;
+- long contexts are split into partitions of `partition_size` tokens processed in parallel (flash-decoding):
+  each writes its normalised partial output and log-sum-exp, and a second small kernel merges them. With a
+  single partition the first kernel writes the output directly and the merge is skipped.
+
+The grid depends only on shapes and `max_seq_len`, and everything per sequence is read from tensors, so a
+decode step can be captured in a CUDA graph: capture with `max_seq_len` set to the longest context the graph
+will ever see (e.g. max_model_len); partitions past a sequence's length exit at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache, dot_dtype, dot_precision
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2,
+    stride_qs, stride_qh, stride_os, stride_oh,
+    stride_c, stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION
+    # Partition 0 always runs so that an empty (padding) sequence still gets a defined output (zeros).
+    if start >= tl.maximum(seq_len, 1):
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_row = block_tables_ptr + seq * stride_bt
+    k_base = cache_ptr + kv_head * stride_ch
+    v_base = k_base + stride_c
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
+        k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        # p is rounded to the cache dtype before the product, as a fused GPU kernel does with tensor cores.
+        pv = tl.dot(p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # l_i is 0 only for an empty sequence, whose output is zeros
+    out = acc / l_safe[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + part * stride_pp + offs_d[None, :],
+                 out, mask=out_mask)
+        tl.store(part_lse_ptr + seq * stride_ls + heads * stride_lh + part, lse, mask=g_mask)
+    else:
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
+    stride_os, stride_oh, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PARTITION: tl.constexpr,
+):
+    # Each partition's output is already normalised; weight it by its share of the total softmax mass.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_parts = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION), 1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_row = part_lse_ptr + seq * stride_ls + head * stride_lh
+    lse = tl.load(lse_row + offs_p, mask=offs_p < num_parts, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: every lse is -inf
+    total = tl.sum(tl.exp2(lse - m), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    part_row = part_out_ptr + seq * stride_ps + head * stride_ph
+    for p in range(0, num_parts):
+        w = tl.exp2(tl.load(lse_row + p) - m)
+        acc += w * tl.load(part_row + p * stride_pp + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    partition_size: int = 512,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q: [num_seqs, num_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads,
+    head_dim]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], context length
+    including the new token (already stored). `max_seq_len` (>= every seq_len) sizes the grid; contexts over
+    `partition_size` tokens take the split path. `out` (may be a row slice of a bigger tensor) receives the
+    result. Never syncs with the device.
+    """
+    check_kv_cache(kv_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if partition_size % block_n:
+        raise ValueError(f"partition_size ({partition_size}) must be a multiple of block_n ({block_n})")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    num_parts = max(1, math.ceil(max_seq_len / partition_size))
+    split = num_parts > 1
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    else:  # never touched: the kernel writes `out` directly
+        part_out = part_lse = out
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q, kv_cache, out, part_out, part_lse, block_tables, seq_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        part_out.stride(0) if split else 0, part_out.stride(1) if split else 0, part_out.stride(2) if split else 0,
+        part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
+        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype),
+    )
+    if split:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens,
+            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_parts), PARTITION=partition_size,
+        )
+    return out
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `seq_len` tokens, read slot by slot: [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table.tolist()
+    slots = [(blocks[pos // block_size], pos % block_size) for pos in range(seq_len)]
+    keys = torch.stack([kv_cache[0, block, offset] for block, offset in slots])
+    values = torch.stack([kv_cache[1, block, offset] for block, offset in slots])
+    return keys, values
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], scale: float) -> torch.Tensor:
+    """Attention in fp64 of queries at positions `q_pos` over keys at 0..len(k)-1, each query seeing keys up to
+    its own position; GQA by repeating each KV head for its group of query heads.
+
+    q: [num_q, num_heads, D]; k, v: [num_k, num_kv_heads, D]. Returns fp64 [num_q, num_heads, D].
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    for row, pos in enumerate(q_pos):
+        scores[:, row, pos + 1 :] = float("-inf")
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Sequence by sequence, slot by slot, in fp64, for tests."""
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k, v = gather_context(kv_cache, block_tables[i], seq_len)
+        out[i] = attend_ref(q[i : i + 1].to(kv_cache.dtype), k, v, [seq_len - 1], scale)[0].to(q.dtype)
+    return out

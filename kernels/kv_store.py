@@ -1,0 +1,69 @@
+"""Writing one step's K and V into their paged-cache slots.
+
+Every attention backend does this first, so that attention afterwards reads the whole context (cached and
+new) from one place. Padding tokens (CUDA-graph batches padded up to a captured size) carry slot -1 and are
+skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c, stride_cb, stride_ct, stride_ch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token, all its KV heads at once: a token's K (or V) is one contiguous row in the
+    # cache, so this is a plain strided copy.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src = offs_h[:, None] * stride_kh + offs_d[None, :]
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch \
+        + offs_d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + src, mask=mask)
+    tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(cache_ptr + stride_c + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, Hkv, D];
+    slot_mapping: int64 [num_tokens], -1 for padding."""
+    check_kv_cache(kv_cache)
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v must have unit stride on head_dim")
+    _store_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Token by token, for tests."""
+    block_size = kv_cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        kv_cache[0, slot // block_size, slot % block_size] = k[t].to(kv_cache.dtype)
+        kv_cache[1, slot // block_size, slot % block_size] = v[t].to(kv_cache.dtype)
