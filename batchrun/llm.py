@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.model.loader import load_config, load_model, resolve_path
@@ -184,8 +185,6 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is not a SamplingParams")
-            if sp.n > 1:
-                raise ValueError(f"sampling_params[{i}]: SamplingParams.n > 1 is not yet supported")
             text, ids = self._tokenize(p, f"prompts[{i}]")
             reason = self.check_prompt(ids, sp)
             if reason:
@@ -232,8 +231,6 @@ class LLM:
                         break
                     text, ids = self._tokenize(prompt, f"request {key!r}")
                     if not _checked:
-                        if sp.n > 1:
-                            raise ValueError(f"request {key!r}: SamplingParams.n > 1 is not yet supported")
                         reason = self.check_prompt(ids, sp)
                         if reason:
                             raise ValueError(f"request {key!r}: {reason}")
@@ -252,6 +249,39 @@ class LLM:
         finally:
             if keys:  # abandoned half way (an exception, or the caller stopped iterating)
                 engine.abort_all()
+
+    def beam_search(self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt, in input order. The beams are forked sequences in the engine sharing
+        KV blocks (copy-on-write), all prompts batched together."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        carrier = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, temperature=0.0,
+                                 ignore_eos=params.ignore_eos)
+        items = self._prepare(prompts, carrier)
+        engine = self.engine
+        ids = {}
+        for i, (text, tokens, sp) in enumerate(items):
+            rid = f"{self._requests}"
+            self._requests += 1
+            engine.add_request(rid, text, tokens, sp, _derive_seed(self.seed, i), beam=params)
+            ids[rid] = i
+        results: list[BeamSearchOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="beam search", disable=not use_tqdm, unit="req")
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    i = ids.pop(out.request_id)
+                    prompt_ids = items[i][1]
+                    results[i] = BeamSearchOutput([
+                        BeamSearchSequence(prompt_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
+                        for c in out.outputs])
+                    bar.update(1)
+        finally:
+            bar.close()
+            if ids:
+                engine.abort_all()
+        return results  # type: ignore[return-value]
 
     def metrics(self) -> dict[str, float | int]:
         return self.engine.metrics.as_dict()

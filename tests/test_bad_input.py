@@ -87,6 +87,10 @@ def test_invalid_engine_arguments(tiny_llama_path, kw, match):
         LLM(str(tiny_llama_path), **kw)
 
 
-def test_n_greater_than_one_not_yet_supported(llm):
-    with pytest.raises(ValueError, match="not yet supported"):
-        llm.generate(["a"], SamplingParams(n=2), use_tqdm=False)
+def test_invalid_beam_search_params():
+    from batchrun import BeamSearchParams
+
+    for kw, field in [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
+                      (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature")]:
+        with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
+            BeamSearchParams(**kw)

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from batchrun.beam_search import BeamSearchParams
+from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.detokenizer import Detokenizer
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.sampler import SamplingBatch, sample
-from batchrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.model.runner import ModelRunner
 from batchrun.outputs import CompletionOutput, RequestOutput
 from batchrun.sampling_params import SamplingParams
@@ -52,6 +54,7 @@ class Engine:
         self.groups: dict[int, SequenceGroup] = {}  # seq_id -> its group
         self._next_seq = 0
         self._arrivals = 0
+        self._beam_logp: dict[int, torch.Tensor] = {}  # beams that sampled, waiting for their siblings
         self.metrics = EngineMetrics(kv_blocks_total=config.num_blocks,
                                      kv_host_blocks_total=config.num_host_blocks,
                                      kv_bytes_per_token=runner.shape.bytes_per_token)
@@ -59,15 +62,29 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                    seed: int) -> None:
-        if params.n > 1:
-            raise ValueError("SamplingParams.n > 1 is not yet supported")
+                    seed: int, beam: BeamSearchParams | None = None) -> None:
+        """Queue a request. With n > 1 (or a beam search) one sequence prefills the prompt and is
+        forked when it first samples, so the prompt's blocks are computed and stored once."""
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
-        group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq])
+        width = beam.beam_width if beam else params.n
+        group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
+                              pending_forks=width - 1, beam=beam)
         self._arrivals += 1
         self.groups[seq.seq_id] = group
         self.scheduler.add(group)
         self.metrics.prompt_tokens += len(prompt_ids)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
+        """A child sharing all of the parent's blocks; its random stream is the request's, offset by index."""
+        seed = (group.seed + index * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)
+        child = self._new_seq(list(parent.token_ids), parent.prompt_len, seed, index, group.params)
+        child.status = SeqStatus.RUNNING
+        child.num_computed = parent.num_computed
+        child.cumulative_logprob = parent.cumulative_logprob
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        self.groups[child.seq_id] = group
+        return child
 
     def _new_seq(self, token_ids: list[int], prompt_len: int, seed: int, index: int,
                  params: SamplingParams) -> Sequence:
@@ -86,25 +103,20 @@ class Engine:
         t0 = time.perf_counter()
         model_before = self.runner.model_time_s
         out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.has_unfinished():
+            out = self.scheduler.schedule()  # a step that only preempted leaves the next one free to run
+            if out.is_empty:
+                raise RuntimeError("the scheduler made no progress: the KV cache cannot hold the running "
+                                   "requests (a beam search wider than the cache?)")
         self._sync_scheduler_stats()
         if out.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler made no progress: the KV cache cannot hold one sequence")
             return []
         logits = self.runner.execute(out)
         self.scheduler.after_step(out, self.seqs)
         sampling = [self.seqs[s.seq_id] for s in out.seqs if s.sample]
         finished: list[RequestOutput] = []
         if sampling:
-            batch = self._sampling_batch(sampling, logits.shape[-1])
-            result = sample(logits, batch)
-            tokens = result.tokens.tolist()  # the one host sync of the step
-            lp = result.logprob.tolist() if result.logprob is not None else None
-            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-            for i, seq in enumerate(sampling):
-                self._append(seq, tokens[i], lp[i] if lp else None,
-                             (top_ids[i], top_lp[i]) if top_ids else None)
+            self._sample(sampling, logits)
             for group in self.scheduler.drop_finished_groups():
                 finished.append(self._output(group))
                 for s in group.seqs:
@@ -120,6 +132,88 @@ class Engine:
         m.model_time_s = self.runner.model_time_s
         m.engine_overhead_s += dt - (self.runner.model_time_s - model_before)
         return finished
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        for i, seq in enumerate(sampling):
+            group = self.groups[seq.seq_id]
+            if group.beam is not None:
+                beam_rows.setdefault(group.request_id, []).append((seq, i))
+                continue
+            family = [seq]
+            if group.pending_forks:  # first sample of an n > 1 request: n children, one logits row
+                family += [self._fork(group, seq, j) for j in range(1, group.pending_forks + 1)]
+                group.pending_forks = 0
+            rows += [i] * len(family)
+            seqs += family
+        if seqs:
+            lg = logits if len(rows) == len(sampling) and not beam_rows else logits[torch.tensor(rows, device=logits.device)]
+            result = sample(lg, self._sampling_batch(seqs, logits.shape[-1]))
+            tokens = result.tokens.tolist()  # the one host sync of the step
+            lp = result.logprob.tolist() if result.logprob is not None else None
+            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            for i, seq in enumerate(seqs):
+                self._append(seq, tokens[i], lp[i] if lp else None, (top_ids[i], top_lp[i]) if top_ids else None)
+        for members in beam_rows.values():
+            group = self.groups[members[0][0].seq_id]
+            t = group.beam.temperature
+            idx = torch.tensor([i for _, i in members], device=logits.device)
+            logp = (logits[idx] / t if t > 0 else logits[idx]).log_softmax(dim=-1)
+            for (seq, _), row in zip(members, logp):
+                self._beam_logp[seq.seq_id] = row
+            if all(s.seq_id in self._beam_logp for s in group.live()):
+                self._beam_step(group)
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        """Every live beam has its next-token log-probs: pick the next beams (engine/beam.py)."""
+        params: BeamSearchParams = group.beam
+        beams = group.live()
+        logp = torch.stack([self._beam_logp.pop(b.seq_id) for b in beams])
+        group.pending_forks = 0
+        choices = beam_search.select(beams, logp, params, self.eos_token_ids, group.hypotheses)
+        by_parent: dict[int, list[beam_search.BeamChoice]] = {}
+        for c in choices:
+            by_parent.setdefault(c.parent.seq_id, []).append(c)
+        live: list[Sequence] = []
+        for b in beams:
+            picked = by_parent.get(b.seq_id)
+            if not picked:  # dropped: its blocks go back now
+                self.scheduler.finish(b)
+                continue
+            for c in picked[1:]:
+                child = self._fork(group, b, len(group.seqs))
+                child.token_ids.append(c.token)
+                child.cumulative_logprob = c.cum_logprob
+                live.append(child)
+            b.token_ids.append(picked[0].token)
+            b.cumulative_logprob = picked[0].cum_logprob
+            live.append(b)
+        self.metrics.generation_tokens += len(choices)
+        self._prune(group)
+        if not live:
+            return
+        gen_len = live[0].num_output
+        best = max(b.cumulative_logprob for b in live)
+        at_limit = gen_len >= params.max_tokens or len(live[0].token_ids) >= self.config.max_model_len
+        if at_limit or beam_search.is_done(group.hypotheses, best, gen_len, params):
+            for b in live:
+                if at_limit:
+                    group.hypotheses.append(beam_search.Hypothesis(
+                        list(b.token_ids), b.cumulative_logprob,
+                        beam_search._score(b.cumulative_logprob, gen_len, params.length_penalty), "length"))
+                self.scheduler.finish(b)
+            self._prune(group)
+
+    def _prune(self, group: SequenceGroup) -> None:
+        """Forget a beam group's finished beams: its result lives in its hypotheses."""
+        for s in group.seqs:
+            if s.is_finished:
+                self.seqs.pop(s.seq_id, None)
+                self.groups.pop(s.seq_id, None)
+        group.seqs = group.live()
 
     def _sync_scheduler_stats(self) -> None:
         st, m = self.scheduler.stats, self.metrics
@@ -201,6 +295,14 @@ class Engine:
     def _output(self, group: SequenceGroup) -> RequestOutput:
         self.metrics.num_requests_finished += 1
         p = group.params
+        if group.beam is not None:
+            best = sorted(group.hypotheses, key=lambda h: h.score, reverse=True)[: group.beam.beam_width]
+            outs = [CompletionOutput(index=i, text=self.tokenizer.decode(h.tokens[len(group.prompt_ids):],
+                                                                          skip_special_tokens=True),
+                                     token_ids=h.tokens[len(group.prompt_ids):], cumulative_logprob=h.cum_logprob,
+                                     logprobs=None, finish_reason=h.finish_reason)
+                    for i, h in enumerate(best)]
+            return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished=True)
         outs = [
             CompletionOutput(
                 index=s.index, text=s.detok.text, token_ids=s.output_ids,
@@ -226,6 +328,7 @@ class Engine:
                 self.block_manager.free_seq(s.seq_id)
                 self.seqs.pop(s.seq_id, None)
                 self.groups.pop(s.seq_id, None)
+        self._beam_logp.clear()
         sch.waiting.clear()
         sch.running.clear()
         sch.swapped.clear()

@@ -56,8 +56,11 @@ class SequenceGroup:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    # n > 1: the first sequence is forked into n children when its prompt is done (see Engine._fork)
+    seed: int = 0
+    # n > 1 and beams: the first sequence is forked when its prompt is done (see Engine._fork)
     pending_forks: int = 0
+    beam: object | None = None  # BeamSearchParams for a beam-search request
+    hypotheses: list = field(default_factory=list)  # finished beams (engine/beam.py Hypothesis)
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -107,7 +107,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             group = self.running[i]
-            while not self._schedule_group(group, out, budget, admit=False):
+            while not self._schedule_group(group, out, budget):
+                if len(self.running) == 1 and self._preempt_sibling(group, out):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
@@ -122,27 +124,29 @@ class Scheduler:
         if not preempted:
             while self.swapped and budget[0] > 0:
                 group = self.swapped[0]
-                ids = [s.seq_id for s in group.live()]
-                if self.num_running_seqs() + len(ids) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
+                ids = [s.seq_id for s in group.live() if s.seq_id in self.bm.host_tables]
+                if self.num_running_seqs() + len(group.live()) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
                     break
                 self.swapped.popleft()
                 pairs = self.bm.swap_in(ids)
                 out.swap_in.extend(pairs)
                 self.stats.swapped_in_blocks += len(pairs)
                 for s in group.live():
-                    s.status = SeqStatus.RUNNING
+                    if s.status is SeqStatus.SWAPPED:
+                        s.status = SeqStatus.RUNNING
                 self._insert_running(group)
-                if not self._schedule_group(group, out, budget, admit=False):
+                if not self._schedule_group(group, out, budget):
                     break  # stays running with nothing scheduled this step; it goes first next step
 
         # 3. admit new work
         if not preempted and not self.swapped:
             while self.waiting and budget[0] > 0:
                 group = self.waiting[0]
-                if self.num_running_seqs() + max(group.params.n, len(group.live())) > cfg.max_num_seqs:
+                if self.num_running_seqs() + len(group.live()) + group.pending_forks > cfg.max_num_seqs:
                     break
-                if not self._schedule_group(group, out, budget, admit=bool(self.running)):
-                    break
+                self._schedule_group(group, out, budget)  # nothing resident yet: it cannot fail
+                if not any(s.seq_id in self.bm.tables for s in group.live()):
+                    break  # no room: admitted later
                 self.waiting.popleft()
                 self._insert_running(group)
 
@@ -150,50 +154,61 @@ class Scheduler:
         out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
         return out
 
-    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int], admit: bool) -> bool:
-        """Schedule the next tokens of every live sequence of the group, or nothing (False: blocks short)."""
+    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int]) -> bool:
+        """Schedule the next tokens of the group's live sequences.
+
+        A sequence already holding blocks that cannot grow fails the call (False: the caller preempts
+        and retries); nothing of the group is scheduled then. A sequence without blocks (new, or
+        preempted by recompute) that cannot get them just waits for a later step.
+        """
         planned: list[ScheduledSeq] = []
-        fresh: list[Sequence] = []
         copies: list[tuple[int, int]] = []
-        hits = 0
         budget_before = budget[0]
         for seq in group.live():
             if budget[0] <= 0:
                 break
+            resident = seq.seq_id in self.bm.tables
             prefix, keys = [], []
-            if seq.seq_id not in self.bm.tables:  # first allocation: look for a cached prefix
+            if not resident:  # first allocation: reuse what the prefix cache holds
                 prefix, keys = self.bm.lookup(seq.token_ids)
                 seq.num_computed = len(prefix) * self.bm.block_size
             n = min(len(seq.token_ids) - seq.num_computed, budget[0])
-            if n <= 0:
+            if n <= 0:  # e.g. a beam that has sampled and waits for its siblings
                 continue
+            # the watermark keeps room for resident sequences to grow; it only matters if any exist
             pairs = self.bm.allocate(seq.seq_id, seq.num_computed + n, seq.num_computed, prefix=prefix,
-                                     prefix_keys=keys, admit=admit)
+                                     prefix_keys=keys, admit=not resident and self.bm.num_used > 0)
             if pairs is None:
-                for s in fresh:  # undo this group's first allocations: it is not admitted
-                    self.bm.free_seq(s.seq_id)
-                    s.num_computed = 0
-                if prefix:
-                    seq.num_computed = 0
-                budget[0] = budget_before
-                # copies already made by sibling sequences stand (their tables changed); a later retry
-                # finds nothing more to copy
-                out.copies.extend(copies)
-                return False
-            if prefix:
-                hits += len(prefix) * self.bm.block_size
-            if seq.status is not SeqStatus.RUNNING:
-                fresh.append(seq)
+                if resident:
+                    budget[0] = budget_before
+                    out.copies.extend(copies)  # made for siblings whose tables already changed
+                    return False
+                seq.num_computed = 0
+                continue
+            if not resident:
+                seq.status = SeqStatus.RUNNING
+                self.stats.prefix_hit_tokens += len(prefix) * self.bm.block_size
             copies.extend(pairs)
             start = seq.num_computed
             planned.append(ScheduledSeq(seq.seq_id, seq.token_ids[start : start + n], start,
                                         self.bm.tables[seq.seq_id], start + n == len(seq.token_ids)))
             budget[0] -= n
-        for s in fresh:
-            s.status = SeqStatus.RUNNING
         out.seqs.extend(planned)
         out.copies.extend(copies)
-        self.stats.prefix_hit_tokens += hits
+        return True
+
+    def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """The only running group cannot grow: recompute one of its sequences later instead of the whole
+        group, so a group whose samples together outgrow the cache still finishes, a few at a time."""
+        resident = [s for s in group.live() if s.seq_id in self.bm.tables]
+        if len(resident) <= 1:
+            return False
+        seq = resident[-1]
+        out.seqs[:] = [s for s in out.seqs if s.seq_id != seq.seq_id]
+        self.bm.free_seq(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.stats.preempted_recompute += 1
         return True
 
     def _insert_running(self, group: SequenceGroup) -> None:
@@ -220,15 +235,16 @@ class Scheduler:
         return swap_s < recompute_s
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        ids = {s.seq_id for s in group.live()}
-        # forget what was already scheduled for it this step
-        out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]
         live = group.live()
-        if self._prefer_swap(group) and self.bm.can_swap_out(list(ids)):
-            pairs = self.bm.swap_out([s.seq_id for s in live])
+        ids = {s.seq_id for s in live}
+        out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]  # forget what it had this step
+        resident = [s.seq_id for s in live if s.seq_id in self.bm.tables]
+        if self._prefer_swap(group) and self.bm.can_swap_out(resident):
+            pairs = self.bm.swap_out(resident)
             out.swap_out.extend(pairs)
             for s in live:
-                s.status = SeqStatus.SWAPPED
+                if s.seq_id in self.bm.host_tables:
+                    s.status = SeqStatus.SWAPPED
             self.swapped.append(group)
             self.stats.preempted_swap += 1
             self.stats.swapped_out_blocks += len(pairs)
