@@ -136,6 +136,8 @@ class LLM:
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.max_model_len, preemption_mode=preemption_mode,
                                enable_prefix_caching=enable_prefix_caching)
+        if not enforce_eager:
+            runner.enable_cuda_graphs(min(max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
         self.eos_token_ids = loaded.eos_token_ids
 

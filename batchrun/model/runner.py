@@ -62,23 +62,76 @@ class ModelRunner:
         model.backend = select_backend(attention_backend, device)
         self.backend = model.backend
         self.kv_cache = shape.pool(num_blocks, device)
-        self.host_cache = shape.pool(num_host_blocks, torch.device("cpu"), pin=device.type == "cuda") \
+        self.on_cuda = device.type == "cuda"
+        self.host_cache = shape.pool(num_host_blocks, torch.device("cpu"), pin=self.on_cuda) \
             if num_host_blocks else None
+        # CUDA: swaps run on a side stream; a swap-out lands in a pinned staging buffer and is scattered
+        # into the host pool only when the host pool is next read (the copy overlaps the forward).
+        self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._pending_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
+        self.graphs = None
         self.model_time_s = 0.0
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA with a graph-safe backend only); on failure stay eager."""
+        from batchrun.model.cuda_graphs import DecodeGraphs
+
+        if not self.on_cuda or self.backend.name != "triton":
+            return
+        try:
+            graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len, self.block_size)
+            graphs.capture()
+            self.graphs = graphs
+        except Exception as e:  # noqa: BLE001 - a capture failure must not stop the job: run eagerly
+            log.warning("CUDA graph capture failed (%s); running decode steps eagerly", e)
+            self.graphs = None
 
     # ---- block moves ---------------------------------------------------------------------------------
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([d for d, _ in pairs], device=self.device)
         dst = torch.tensor([h for _, h in pairs])
-        self.host_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
+        moved = self.kv_cache.index_select(2, src)  # ordered before this step's forward overwrites them
+        if not self.on_cuda:
+            self.host_cache.index_copy_(2, dst, moved)
+            return
+        self._flush_pending_out()
+        staging = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            staging.copy_(moved, non_blocking=True)
+            moved.record_stream(self.copy_stream)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._pending_out = (staging, dst, done)
+
+    def _flush_pending_out(self) -> None:
+        if self._pending_out is not None:
+            staging, dst, done = self._pending_out
+            done.synchronize()
+            self.host_cache.index_copy_(2, dst, staging)
+            self._pending_out = None
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._flush_pending_out()
         src = torch.tensor([h for h, _ in pairs])
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        moved = self.host_cache.index_select(2, src).to(self.device, non_blocking=True)
-        self.kv_cache.index_copy_(2, dst, moved)
+        moved = self.host_cache.index_select(2, src)
+        if not self.on_cuda:
+            self.kv_cache.index_copy_(2, dst, moved)
+            return
+        moved = moved.pin_memory()
+        with torch.cuda.stream(self.copy_stream):
+            on_device = moved.to(self.device, non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # before the forward reads them
+        on_device.record_stream(torch.cuda.current_stream(self.device))
+        self.kv_cache.index_copy_(2, dst, on_device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if self.backend.name == "triton":
+            from batchrun.model.triton_backend import copy_blocks
+
+            copy_blocks(self.kv_cache, pairs)
+            return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
@@ -147,7 +200,11 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         ids, positions, meta, logits_idx = self.prepare(out)
         t0 = time.perf_counter()
-        hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.fits(
+                meta.num_seqs, meta.max_seq_len):
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden[logits_idx])
         self.model_time_s += time.perf_counter() - t0
         return logits
