@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchrun.model import cpu_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -107,6 +109,8 @@ class TorchBackend(AttentionBackend):
         nd = q.shape[0]
         lens = meta.seq_lens_host[:nd]
         ctx = max(lens)
+        if kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu" and cpu_attention.available():
+            return cpu_attention.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
         if min(lens) != ctx:
