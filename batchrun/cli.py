@@ -1,0 +1,111 @@
+"""The `batchrun` command: parse, call, map outcomes to exit codes. The work is in batchrun.job.
+
+Exit codes: 0 done; 1 a failure during the run (what is committed stays, a rerun resumes); 2 a bad job
+or unreadable input, one line on stderr, before any model is loaded; 130 / 143 after SIGINT / SIGTERM,
+with every finished row committed first.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from batchrun import __version__
+from batchrun.config import JobError, load_job
+
+log = logging.getLogger("batchrun")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (so it survives stream swaps, e.g. in tests)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _setup_logging(quiet: bool) -> None:
+    """batchrun's own INFO lines (or only warnings with --quiet), other libraries' warnings, on stderr."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s batchrun %(levelname)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    logging.getLogger("batchrun").setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"batchrun: error: {message}", err=True)
+    sys.exit(code)
+
+
+_set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                           help="Override a job file key (the value is parsed as YAML); repeatable.")
+_shard_option = click.option("--shard", metavar="I/N|auto",
+                             help="Process the I-th of N slices of the input (0-based) into "
+                                  "OUTPUT/shard-I-of-N/; 'auto' reads SLURM_ARRAY_TASK_ID/COUNT.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="batchrun")
+def main() -> None:
+    """Offline batch LLM inference: a table of prompts in, a table of completions out."""
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--limit", type=click.IntRange(min=0), help="Process only the first N input rows (of the shard).")
+@_shard_option
+@click.option("--no-resume", is_flag=True, help="Discard committed output in the output folder and start afresh.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or progress lines, only warnings and errors.")
+def run(job: str, overrides: tuple[str, ...], limit: int | None, shard: str | None, no_resume: bool,
+        quiet: bool) -> None:
+    """Run JOB (a YAML job file) and write its output folder."""
+    from batchrun.job import ShardSpec, plan_job, run_job
+
+    _setup_logging(quiet)
+    try:
+        cfg = load_job(job, overrides)
+        plan = plan_job(cfg, shard=ShardSpec.parse(shard), limit=limit, resume=not no_resume)
+    except JobError as e:
+        _fail(str(e))
+    try:
+        result = run_job(plan, quiet=quiet)
+    except JobError as e:
+        _fail(str(e))
+    if result.exit_code == 0:
+        if not quiet:
+            click.echo(f"batchrun: {result.message}")
+        else:
+            click.echo(str(result.out_dir))
+    else:
+        click.echo(f"batchrun: error: {result.message}", err=True)
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@_set_option
+@_shard_option
+def validate(job: str, overrides: tuple[str, ...], shard: str | None) -> None:
+    """Check JOB and its input's schema without loading the model."""
+    from batchrun.job import ShardSpec, describe_plan, plan_job
+
+    _setup_logging(quiet=True)
+    try:
+        cfg = load_job(job, overrides)
+        plan = plan_job(cfg, shard=ShardSpec.parse(shard))
+    except JobError as e:
+        _fail(str(e))
+    click.echo(describe_plan(plan))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""The job file: YAML in, a validated JobConfig out, before anything heavy is imported or loaded.
+
+Every key is declared once in SCHEMA (default, type, allowed values); the `sampling:` section is
+SamplingParams' own fields, checked by SamplingParams itself. A mistake raises JobError with one line
+naming the key path, e.g. ``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from batchrun.sampling_params import SamplingParams
+
+
+class JobError(Exception):
+    """A bad job file, a bad --set or an unreadable input: exit code 2, reported in one line."""
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any = None
+    kind: str = "any"  # str | int | number | bool | str_list | str_map | size | data_files
+    choices: tuple = ()
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    required: bool = False
+
+
+SIZE_RE = re.compile(r"^\s*(\d+(\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "model": {
+        "path": Key(kind="str", required=True),
+        "dtype": Key("auto", "str", ("auto", "float32", "float16", "bfloat16")),
+        "device": Key("auto", "str"),
+        "max_model_len": Key(None, "int", nullable=True, min=1),
+    },
+    "input": {
+        "path": Key(kind="str", required=True),
+        "format": Key(None, "str", ("parquet", "jsonl", "dataset", "openai-batch"), nullable=True),
+        "prompt_column": Key("prompt", "str"),
+        "messages_column": Key(None, "str", nullable=True),
+        "id_column": Key("id", "str", nullable=True),
+        "keep_columns": Key([], "str_list"),
+        "split": Key("train", "str"),
+        "data_files": Key(None, "data_files", nullable=True),
+        "sampling_columns": Key({}, "str_map"),
+        "on_error": Key("record", "str", ("record", "skip", "fail")),
+    },
+    "engine": {
+        "block_size": Key(16, "int", min=1),
+        "kv_cache_memory": Key(None, "size", nullable=True),
+        "num_kv_blocks": Key(None, "int", nullable=True, min=1),
+        "gpu_memory_utilization": Key(0.9, "number", min=0.01, max=1.0),
+        "swap_space": Key(0, "size"),
+        "max_num_seqs": Key(256, "int", min=1),
+        "max_num_batched_tokens": Key(4096, "int", min=1),
+        "preemption_mode": Key("auto", "str", ("auto", "swap", "recompute")),
+        "enable_prefix_caching": Key(True, "bool"),
+        "attention_backend": Key("auto", "str", ("auto", "torch", "triton")),
+        "enforce_eager": Key(False, "bool"),
+    },
+    "output": {
+        "path": Key(kind="str", required=True),
+        "rows_per_part": Key(10000, "int", min=1),
+        "include_prompt": Key(False, "bool"),
+        "include_token_ids": Key(False, "bool"),
+    },
+    "executor": {
+        "kind": Key("local", "str", ("local", "ray")),
+    },
+}
+
+# The job runner's sampling defaults differ from SamplingParams' in two places: a batch job is greedy and
+# reproducible unless asked otherwise, and 16 tokens is rarely what a batch job wants.
+SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "seed": 0}
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass
+class JobConfig:
+    model: dict[str, Any]
+    input: dict[str, Any]
+    sampling: dict[str, Any]
+    engine: dict[str, Any]
+    output: dict[str, Any]
+    executor: dict[str, Any]
+    source: str = "<job>"  # where it was read from, for messages
+    explicit: set[str] = field(default_factory=set)  # key paths the job file (or --set) gave
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        return SamplingParams(**{**self.sampling, **overrides})
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for LLM(model, **kwargs)."""
+        seed = self.sampling.get("seed")
+        return {"dtype": self.model["dtype"], "device": self.model["device"],
+                "max_model_len": self.model["max_model_len"], "seed": 0 if seed is None else seed,
+                **self.engine}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read a job file, apply `--set key.path=value` overrides, expand ${VAR}, validate."""
+    name = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise JobError(f"{name}: cannot read the job file: {e.strerror or e}") from None
+    return parse_job(text, source=name, overrides=overrides)
+
+
+def parse_job(text: str, *, source: str = "<job>", overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobError(f"{source}: invalid YAML{where}: {problem}") from None
+    if raw is None:
+        raise JobError(f"{source}: the job file is empty")
+    if not isinstance(raw, dict):
+        raise JobError(f"{source}: the job file must be a mapping of sections "
+                       f"({', '.join(SCHEMA)} and sampling), got {type(raw).__name__}")
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        apply_set(raw, item)
+    raw = _expand_env(raw, "", source)
+    return validate_raw(raw, source=source)
+
+
+def apply_set(raw: dict, item: str) -> None:
+    """Apply one `key.path=value` (value parsed as YAML); the key must exist in the schema."""
+    if "=" not in item:
+        raise JobError(f"--set {item}: expected key.path=value")
+    path, _, text = item.partition("=")
+    path = path.strip()
+    parts = path.split(".")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {item}: the value is not valid YAML: {getattr(e, 'problem', e)}") from None
+    section = parts[0]
+    known = list(SCHEMA) + ["sampling"]
+    if section not in known:
+        raise JobError(f"--set {item}: unknown section {section!r}{_suggest(section, known)}")
+    keys = _section_keys(section)
+    if len(parts) == 1:
+        raise JobError(f"--set {item}: name a key inside {section}, e.g. {section}.{keys[0]}=...")
+    if parts[1] not in keys:
+        raise JobError(f"--set {item}: unknown key {section}.{parts[1]}{_suggest(parts[1], keys)}")
+    depth_ok = 3 if (section, parts[1]) == ("input", "sampling_columns") else 2
+    if len(parts) > depth_ok:
+        raise JobError(f"--set {item}: {'.'.join(parts[:depth_ok])} has no sub-keys")
+    node = raw
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {} if node.get(p) is None else node[p]
+            if not isinstance(node[p], dict):
+                raise JobError(f"--set {item}: {p} is not a mapping in the job file")
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def _section_keys(section: str) -> list[str]:
+    if section == "sampling":
+        return SamplingParams.field_names()
+    return list(SCHEMA[section])
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(options)})"
+
+
+def _expand_env(node: Any, path: str, source: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _expand_env(v, f"{path}.{k}" if path else str(k), source) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_env(v, f"{path}[{i}]", source) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+        def sub(m: re.Match) -> str:
+            var, default = m.group(1), m.group(2)
+            if var in os.environ:
+                return os.environ[var]
+            if default is not None:
+                return default
+            raise JobError(f"{source}: {path}: environment variable {var} is not set "
+                           f"(use ${{{var}:-default}} for a default)")
+        return _ENV_RE.sub(sub, node)
+    return node
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
+    sections: dict[str, dict] = {}
+    explicit: set[str] = set()
+    for name in raw:
+        if name not in SCHEMA and name != "sampling":
+            raise JobError(f"{source}: {name}: unknown section{_suggest(str(name), list(SCHEMA) + ['sampling'])}")
+    for name, keys in SCHEMA.items():
+        given = raw.get(name)
+        if given is None:
+            given = {}
+        if not isinstance(given, dict):
+            raise JobError(f"{source}: {name}: expected a mapping of keys, got {_show(given)}")
+        out = {}
+        for k in given:
+            if k not in keys:
+                raise JobError(f"{source}: {name}.{k}: unknown key{_suggest(str(k), list(keys))}")
+        for k, spec in keys.items():
+            if k in given:
+                explicit.add(f"{name}.{k}")
+                out[k] = _check(f"{source}: {name}.{k}", given[k], spec)
+            elif spec.required:
+                raise JobError(f"{source}: {name}.{k}: required key is missing")
+            else:
+                out[k] = copy.deepcopy(spec.default)
+        sections[name] = out
+    sampling = _validate_sampling(raw.get("sampling"), source, explicit)
+    cfg = JobConfig(model=sections["model"], input=sections["input"], sampling=sampling,
+                    engine=sections["engine"], output=sections["output"], executor=sections["executor"],
+                    source=source, explicit=explicit)
+    _cross_checks(cfg)
+    return cfg
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check(where: str, value: Any, spec: Key) -> Any:
+    if value is None:
+        if spec.nullable:
+            return None
+        raise JobError(f"{where}: must not be null")
+    kind = spec.kind
+    if kind == "str":
+        if not isinstance(value, str):
+            raise JobError(f"{where}: expected a string, got {_show(value)}")
+        if spec.choices and value not in spec.choices:
+            raise JobError(f"{where}: must be one of {', '.join(spec.choices)}, got {value!r}")
+        if not value.strip():
+            raise JobError(f"{where}: must not be empty")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise JobError(f"{where}: expected an integer, got {_show(value)}")
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise JobError(f"{where}: expected a number, got {_show(value)}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise JobError(f"{where}: expected true or false, got {_show(value)}")
+    elif kind == "str_list":
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise JobError(f"{where}: expected a list of column names, got {_show(value)}")
+        if len(set(value)) != len(value):
+            raise JobError(f"{where}: lists a column twice")
+    elif kind == "str_map":
+        if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+            raise JobError(f"{where}: expected a mapping of name: column, got {_show(value)}")
+    elif kind == "data_files":
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)) or (
+            isinstance(value, dict) and all(isinstance(v, (str, list)) for v in value.values()))
+        if not ok:
+            raise JobError(f"{where}: expected a path, a list of paths or a split: paths mapping, "
+                           f"got {_show(value)}")
+    elif kind == "size":
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and SIZE_RE.match(value))):
+            raise JobError(f"{where}: expected a byte count or a size like '4GiB', got {_show(value)}")
+        if isinstance(value, int) and value < 0:
+            raise JobError(f"{where}: must be >= 0, got {value}")
+    if spec.min is not None and isinstance(value, (int, float)) and value < spec.min:
+        raise JobError(f"{where}: must be >= {spec.min:g}, got {value}")
+    if spec.max is not None and isinstance(value, (int, float)) and value > spec.max:
+        raise JobError(f"{where}: must be <= {spec.max:g}, got {value}")
+    return value
+
+
+def _sampling_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(SamplingParams)
+    return {name: hints[name] for name in SamplingParams.field_names()}
+
+
+def check_type(value: Any, tp: Any) -> bool:
+    """Does a YAML value fit a SamplingParams annotation (int, float, str | list[str] | None, ...)?"""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(check_type(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(check_type(v, item) for v in value)
+    return True
+
+
+def describe_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(t) for t in typing.get_args(tp))
+    names = {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+    if tp in names:
+        return names[tp]
+    if origin is list:
+        return f"a list of {describe_type(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return str(tp)
+
+
+def check_sampling_value(name: str, value: Any) -> str | None:
+    """None if `value` has the right type for SamplingParams.`name`, else why not."""
+    tp = _sampling_types()[name]
+    if check_type(value, tp):
+        return None
+    return f"expected {describe_type(tp)}, got {_show(value)}"
+
+
+def sampling_error(err: ValueError) -> tuple[str | None, str]:
+    """Split SamplingParams' "SamplingParams.top_p must be ..." into (field, message)."""
+    m = re.match(r"SamplingParams\.(\w+) (.*)", str(err))
+    if m:
+        return m.group(1), m.group(2)
+    return None, str(err)
+
+
+def _validate_sampling(given: Any, source: str, explicit: set[str]) -> dict[str, Any]:
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise JobError(f"{source}: sampling: expected a mapping of SamplingParams fields, got {_show(given)}")
+    names = SamplingParams.field_names()
+    for k, v in given.items():
+        if k not in names:
+            raise JobError(f"{source}: sampling.{k}: unknown key{_suggest(str(k), names)}")
+        why = check_sampling_value(k, v)
+        if why:
+            raise JobError(f"{source}: sampling.{k}: {why}")
+        explicit.add(f"sampling.{k}")
+    values = {**SAMPLING_DEFAULTS, **given}
+    try:
+        SamplingParams(**values)
+    except ValueError as e:
+        name, msg = sampling_error(e)
+        raise JobError(f"{source}: sampling{'.' + name if name else ''}: {msg}") from None
+    return values
+
+
+def _cross_checks(cfg: JobConfig) -> None:
+    src, inp = cfg.source, cfg.input
+    if cfg.executor["kind"] == "ray":
+        raise JobError(f"{src}: executor.kind: 'ray' is not supported yet (it comes with the scale-out "
+                       "work); use kind: local, and --shard for job arrays")
+    if "input.prompt_column" in cfg.explicit and inp["messages_column"]:
+        raise JobError(f"{src}: input.messages_column: set either prompt_column or messages_column, not both")
+    names = SamplingParams.field_names()
+    for k in inp["sampling_columns"]:
+        if k not in names:
+            raise JobError(f"{src}: input.sampling_columns.{k}: not a SamplingParams field{_suggest(str(k), names)}")
+    reserved = {"completion", "finish_reason", "prompt_tokens", "completion_tokens", "error", "sample_index",
+                "token_ids", "logprobs", "id"}
+    if cfg.output["include_prompt"]:
+        reserved.add("prompt")
+    for col in inp["keep_columns"]:
+        if col in reserved and col != inp["id_column"]:
+            raise JobError(f"{src}: input.keep_columns: {col!r} clashes with an output column of that name")
+
+
+def size_to_bytes(value: int | str | None) -> int | None:
+    """'4GiB' -> 4294967296 (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024)."""
+    if value is None or isinstance(value, int):
+        return value
+    m = SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r}")
+    unit = (m.group(3) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * mult)

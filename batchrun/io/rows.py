@@ -1,0 +1,220 @@
+"""Input rows -> engine requests: ids, kept columns, prompt text (chat template), token ids, per-row sampling.
+
+A row that cannot become a request (null, empty or non-string prompt, malformed messages, a bad per-row
+sampling value, a prompt too long for the model) becomes a RowTask with `error` set instead; it never
+reaches the engine. Tokenization is batched through the fast tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.config import JobConfig, JobError, check_sampling_value, sampling_error
+from batchrun.io.sources import ROW_ERROR, Row
+from batchrun.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_INT_FIELDS = {"n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"}
+
+
+@dataclass
+class RowTask:
+    pos: int  # position in this run's stream of input rows (0-based within the shard)
+    index: int  # global row index in the whole input
+    id: Any
+    keep: dict[str, Any] = field(default_factory=dict)
+    prompt: str | None = None  # the text the model sees (rendered chat template for messages)
+    prompt_ids: list[int] | None = None
+    prompt_tokens: int | None = None
+    params: SamplingParams | None = None
+    error: str | None = None
+    extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model
+
+
+class RequestBuilder:
+    """Turns batches of input rows into RowTasks for one job."""
+
+    def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
+                 check_prompt: Callable[[list[int], SamplingParams], str | None],
+                 id_column: str | None) -> None:
+        self.cfg = cfg
+        self.inp = cfg.input
+        self.openai = source_format == "openai-batch"
+        self.tokenizer = tokenizer
+        self.check_prompt = check_prompt
+        self.id_column = id_column
+        self.messages_column = self.inp["messages_column"]
+        self.prompt_column = self.inp["prompt_column"]
+        self.base = dict(cfg.sampling)
+        self.base_seed = self.base.get("seed")
+        needs_template = bool(self.messages_column) or self.openai
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.messages_column and not self.has_template:
+            raise JobError(f"input.messages_column: the tokenizer of {cfg.model['path']} has no chat template")
+        if needs_template and not self.has_template:
+            log.warning("the tokenizer has no chat template: chat rows will be errors")
+
+    def columns(self) -> list[str] | None:
+        """The input columns a row needs (None: all, for formats that cannot select)."""
+        if self.openai:
+            return None
+        cols = [self.messages_column or self.prompt_column]
+        if self.id_column:
+            cols.append(self.id_column)
+        cols += list(self.inp["keep_columns"]) + list(self.inp["sampling_columns"].values())
+        return list(dict.fromkeys(cols))
+
+    # ------------------------------------------------------------ per row
+
+    def _text(self, row: Row, task: RowTask) -> tuple[str | None, bool]:
+        """(text, add_special_tokens), or sets task.error. Token ids given directly go to task.prompt_ids."""
+        if self.openai:
+            if "messages" in row:
+                return self._render(row["messages"], task), False
+            prompt = row.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+                task.prompt_ids = list(prompt)
+                return None, True
+            return self._plain(prompt, task, "prompt"), True
+        if self.messages_column:
+            if self.messages_column not in row:
+                task.error = f"column {self.messages_column!r} is missing in this row"
+                return None, False
+            return self._render(row[self.messages_column], task), False
+        if self.prompt_column not in row:
+            task.error = f"column {self.prompt_column!r} is missing in this row"
+            return None, True
+        return self._plain(row[self.prompt_column], task, self.prompt_column), True
+
+    @staticmethod
+    def _plain(value: Any, task: RowTask, name: str) -> str | None:
+        if isinstance(value, str):
+            task.prompt = value  # kept for include_prompt, even when the row is an error
+        if value is None:
+            task.error = f"{name} is null"
+        elif not isinstance(value, str):
+            task.error = f"{name} is not a string ({type(value).__name__})"
+        elif not value.strip():
+            task.error = f"{name} is empty"
+        else:
+            return value
+        return None
+
+    def _render(self, messages: Any, task: RowTask) -> str | None:
+        why = _check_messages(messages)
+        if why:
+            task.error = f"malformed messages: {why}"
+            return None
+        if not self.has_template:
+            task.error = "the tokenizer has no chat template for messages"
+            return None
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template can raise anything (jinja errors, raise_exception)
+            task.error = f"chat template failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            return None
+        if not isinstance(text, str) or not text:
+            task.error = "chat template rendered nothing"
+            return None
+        return text
+
+    def _params(self, row: Row, task: RowTask) -> SamplingParams | None:
+        values = dict(self.base)
+        given = set()
+        for name, column in self.inp["sampling_columns"].items():
+            value = row.get(column)
+            if value is not None:
+                values[name] = _coerce(name, value)
+                given.add(name)
+        if self.openai:
+            for name, value in (row.get("sampling") or {}).items():
+                values[name] = _coerce(name, value)
+                given.add(name)
+        if "seed" not in given and self.base_seed is not None:
+            values["seed"] = self.base_seed + task.index  # each row its own stream; the same on every rerun
+        for name, value in values.items():
+            why = check_sampling_value(name, value)
+            if why:
+                task.error = f"sampling {name}: {why}"
+                return None
+        try:
+            return SamplingParams(**values)
+        except (ValueError, TypeError) as e:
+            name, msg = sampling_error(e) if isinstance(e, ValueError) else (None, str(e))
+            task.error = f"sampling {name}: {msg}" if name else f"sampling: {msg}"
+            return None
+
+    # ------------------------------------------------------------ batches
+
+    def build(self, items: list[tuple[int, int, Row]]) -> list[RowTask]:
+        """items: (pos, global index, row). Returns one RowTask per item, in order."""
+        tasks: list[RowTask] = []
+        to_tokenize: dict[bool, list[tuple[RowTask, str]]] = {True: [], False: []}
+        for pos, index, row in items:
+            task = RowTask(pos=pos, index=index, id=index)
+            tasks.append(task)
+            if ROW_ERROR in row:
+                task.error = row[ROW_ERROR]
+                if self.openai and row.get("custom_id") is not None:
+                    task.extra = {"custom_id": row["custom_id"], "url": None, "model": None}
+                    task.id = row["custom_id"]
+                continue
+            if self.openai:
+                task.extra = {"custom_id": row.get("custom_id"), "url": row.get("url"), "model": row.get("model")}
+                task.id = row.get("custom_id") if row.get("custom_id") is not None else index
+            elif self.id_column:
+                task.id = row.get(self.id_column)
+            task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
+            text, special = self._text(row, task)
+            if task.error:
+                continue
+            task.prompt = text
+            task.params = self._params(row, task)
+            if task.error:
+                continue
+            if text is not None:
+                to_tokenize[special].append((task, text))
+        for special, pairs in to_tokenize.items():
+            if not pairs:
+                continue
+            encoded = self.tokenizer([t for _, t in pairs], add_special_tokens=special)["input_ids"]
+            for (task, _), ids in zip(pairs, encoded):
+                task.prompt_ids = list(ids)
+        for task in tasks:
+            if task.error is None and task.prompt_ids is not None:
+                task.prompt_tokens = len(task.prompt_ids)
+                why = self.check_prompt(task.prompt_ids, task.params)
+                if why:
+                    task.error = why
+            if task.error is not None:
+                task.prompt_ids = None
+                task.params = None
+        return tasks
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Integral floats (as JSON / pandas often store counts) become ints for integer fields."""
+    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _check_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list):
+        return f"expected a list of {{role, content}}, got {type(messages).__name__}"
+    if not messages:
+        return "the list is empty"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i} is not a mapping ({type(m).__name__})"
+        if not isinstance(m.get("role"), str) or not m.get("role"):
+            return f"message {i} has no role"
+        content = m.get("content")
+        if not isinstance(content, str):
+            return f"message {i} content is not a string ({type(content).__name__})"
+    return None

@@ -1,0 +1,297 @@
+"""plan_job(): everything about a job that can be checked without the model, and how its rows are sliced.
+
+Checks the model path, opens the input (readable, the columns exist), picks this shard's slice of rows,
+checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
+another one (refused, exit 2). Nothing is loaded, nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchrun.config import JobConfig, JobError
+from batchrun.io.sinks import (
+    SUCCESS,
+    OpenAIBatchSink,
+    OutputSpec,
+    ParquetSink,
+    Sink,
+    SinkError,
+    fingerprint_hash,
+    part_files,
+    read_job_file,
+)
+from batchrun.io.sources import Source, open_source
+
+FINGERPRINT_VERSION = 1
+
+
+# ---------------------------------------------------------------- shards
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str | None, env: dict[str, str] | None = None) -> ShardSpec | None:
+        if text is None:
+            return None
+        env = os.environ if env is None else env
+        if text == "auto":
+            if "SLURM_ARRAY_TASK_ID" not in env or "SLURM_ARRAY_TASK_COUNT" not in env:
+                raise JobError("--shard auto: SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT are not set "
+                               "(not inside a Slurm job array); use --shard I/N")
+            try:
+                task, count = int(env["SLURM_ARRAY_TASK_ID"]), int(env["SLURM_ARRAY_TASK_COUNT"])
+                base = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+            except ValueError:
+                raise JobError("--shard auto: the SLURM_ARRAY_TASK_* variables are not integers") from None
+            return cls._checked(task - base, count, text)
+        i, sep, n = text.partition("/")
+        try:
+            return cls._checked(int(i), int(n), text) if sep else cls._checked(-1, 0, text)
+        except ValueError:
+            raise JobError(f"--shard {text}: expected I/N (0 <= I < N) or auto") from None
+
+    @classmethod
+    def _checked(cls, index: int, count: int, text: str) -> ShardSpec:
+        if count < 1 or not 0 <= index < count:
+            raise JobError(f"--shard {text}: expected I/N with 0 <= I < N, or auto")
+        return cls(index, count)
+
+    @property
+    def dirname(self) -> str:
+        width = len(str(self.count - 1))
+        return f"shard-{self.index:0{width}d}-of-{self.count}"
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+# ---------------------------------------------------------------- checks that need no model
+
+
+def builtin_model_names() -> set[str]:
+    try:
+        from batchrun.model.builtin import BUILTIN_MODELS  # type: ignore[import-not-found]
+    except ImportError:
+        # NOTE: batchrun.model.builtin does not exist yet; until it does, this is the list.
+        return {"tiny-llama"}
+    return set(BUILTIN_MODELS)
+
+
+def check_model_path(path: str) -> None:
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        names = builtin_model_names()
+        if name not in names:
+            raise JobError(f"model.path: {path!r} is not a built-in model (built-in: "
+                           f"{', '.join('builtin:' + n for n in sorted(names))})")
+        return
+    local = Path(os.path.expanduser(path))
+    if local.exists():
+        if not local.is_dir():
+            raise JobError(f"model.path: {path} is not a folder (expected a Hugging Face checkpoint folder)")
+        if not (local / "config.json").is_file():
+            raise JobError(f"model.path: {path} has no config.json (not a Hugging Face checkpoint folder)")
+        return
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            if isinstance(try_to_load_from_cache(path, "config.json"), str):
+                return
+        except Exception:  # noqa: BLE001 - a malformed repo id is simply "not found"
+            pass
+        raise JobError(f"model.path: {path} does not exist (neither a local folder nor a model in the "
+                       "Hugging Face cache)")
+    raise JobError(f"model.path: {path} does not exist")
+
+
+def check_output_dir(path: Path) -> None:
+    """The folder exists and is writable, or can be created."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise JobError(f"output.path: {path} cannot be created: {p} is not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise JobError(f"output.path: {path} is not writable ({p} is read-only for this user)")
+
+
+def probe_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}.batchrun-tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise JobError(f"output.path: {path} is not writable ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------- plan
+
+
+@dataclass
+class JobPlan:
+    cfg: JobConfig
+    source: Source
+    shard: ShardSpec | None
+    limit: int | None
+    out_dir: Path
+    fingerprint: dict[str, Any]
+    id_column: str | None
+    lo: int = 0  # global index of this shard's first row (contiguous slices)
+    hi: int | None = None  # one past its last row (None: to the end)
+    strided: bool = False  # slice i % N == I instead (when the row count is unknown)
+    state: str = "fresh"  # fresh | resume | complete
+    committed: int = 0  # input rows already committed
+    total: int | None = None  # rows this shard covers (after --limit), when known
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp_hash(self) -> str:
+        return fingerprint_hash(self.fingerprint)
+
+
+def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
+    inp = cfg.input
+    return {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
+            "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
+            "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    a, b = _flatten(old), _flatten(new)
+    diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+             if a.get(k) != b.get(k) and k != "version"]
+    return "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "") or "unknown change"
+
+
+def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | None = None,
+             resume: bool = True) -> JobPlan:
+    """Every check short of loading the model. Raises JobError (exit 2)."""
+    if limit is not None and limit < 0:
+        raise JobError(f"--limit: must be >= 0, got {limit}")
+    check_model_path(cfg.model["path"])
+    source = open_source(cfg.input)
+    inp = cfg.input
+    id_column = inp["id_column"]
+    if source.format == "openai-batch":
+        id_column = None
+    else:
+        text_key = "messages_column" if inp["messages_column"] else "prompt_column"
+        _need_column(source, inp[text_key], f"input.{text_key}")
+        if id_column and not source.has_column(id_column):
+            if "input.id_column" in cfg.explicit:
+                _need_column(source, id_column, "input.id_column")
+            id_column = None  # the default "id" is optional: ids are then the row numbers
+        for c in inp["keep_columns"]:
+            _need_column(source, c, "input.keep_columns")
+        for name, c in inp["sampling_columns"].items():
+            _need_column(source, c, f"input.sampling_columns.{name}")
+    out_dir = Path(cfg.output["path"])
+    if shard is not None:
+        out_dir = out_dir / shard.dirname
+    check_output_dir(out_dir)
+    fingerprint = {"version": FINGERPRINT_VERSION,
+                   "model": {k: cfg.model[k] for k in ("path", "dtype", "max_model_len")},
+                   "input": _input_fingerprint(cfg, source), "sampling": cfg.sampling,
+                   "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
+                   "shard": str(shard) if shard else None}
+    plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
+                   fingerprint=fingerprint, id_column=id_column)
+    _plan_slice(plan)
+    _plan_resume(plan, resume)
+    return plan
+
+
+def _need_column(source: Source, column: str, key: str) -> None:
+    if not source.has_column(column):
+        cols = ", ".join(source.columns or [])
+        raise JobError(f"{key}: column {column!r} not found in {source.path} (columns: {cols})")
+
+
+def _plan_slice(plan: JobPlan) -> None:
+    source, shard = plan.source, plan.shard
+    n = source.count_rows() if shard is not None and shard.count > 1 else source.num_rows()
+    if shard is not None and shard.count > 1:
+        if n is None:
+            plan.strided = True  # row count unknown (a streamed hub dataset): take every N-th row
+        else:
+            plan.lo, plan.hi = n * shard.index // shard.count, n * (shard.index + 1) // shard.count
+    elif n is not None:
+        plan.hi = n
+    total = None if plan.hi is None else plan.hi - plan.lo
+    if plan.limit is not None:
+        total = plan.limit if total is None else min(total, plan.limit)
+    plan.total = total
+
+
+def _plan_resume(plan: JobPlan, resume: bool) -> None:
+    out = plan.out_dir
+    if not resume:
+        plan.state = "fresh"
+        return
+    old = read_job_file(out)
+    committed_parts = bool(part_files(out)) or (out / "_progress.json").exists()
+    if old is not None and committed_parts and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
+        raise JobError(f"output.path: {out} holds rows of a different job "
+                       f"({_describe_changes(old.get('fingerprint', {}), plan.fingerprint)}); "
+                       "rerun with --no-resume to start afresh, or choose another output.path")
+    if not committed_parts:
+        plan.state = "fresh"
+        return
+    sink = make_sink(plan)
+    try:
+        counts = sink.scan()
+    except SinkError as e:
+        raise JobError(f"output.path: cannot resume: {e}") from None
+    plan.committed = counts.end
+    done = (out / SUCCESS).exists()
+    plan.state = "complete" if done else "resume"
+
+
+def make_sink(plan: JobPlan) -> Sink:
+    cfg, source = plan.cfg, plan.source
+    sampling_cols = cfg.input["sampling_columns"]
+    types = source.arrow_types()
+    spec = OutputSpec(
+        keep_columns=list(cfg.input["keep_columns"]), known_types=types,
+        id_type=types.get(plan.id_column) if plan.id_column else None,
+        include_prompt=cfg.output["include_prompt"], include_token_ids=cfg.output["include_token_ids"],
+        sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
+        logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
+        model=cfg.model["path"])
+    if plan.id_column is None and source.format != "openai-batch":
+        spec.id_type = pa.int64()
+    cls = OpenAIBatchSink if source.format == "openai-batch" else ParquetSink
+    return cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
+
+
+def describe_plan(plan: JobPlan) -> str:
+    src = plan.source
+    rows = plan.total if plan.total is not None else "?"
+    what = {"fresh": "starts afresh", "resume": f"resumes after {plan.committed} committed rows",
+            "complete": "is already complete"}[plan.state]
+    shard = f", shard {plan.shard}" if plan.shard else ""
+    return (f"ok: model {plan.cfg.model['path']}; input {src.path} ({src.format}, {rows} rows{shard}); "
+            f"output {plan.out_dir} {what}")

@@ -1,0 +1,152 @@
+"""Killed jobs resume: SIGKILL after the first committed part, SIGTERM / SIGINT (exit 143 / 130), each rerun
+giving every input id exactly once, in order, with the completions of an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from test_job_fakes import batchrun_cmd, cli_env, read_rows, run_cli, write_job
+
+from batchrun.cli import main
+
+N_ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    words = "the cat sits on a warm stone near the river while the old farmer reads a long letter".split()
+    prompts = [" ".join(words[i % 7: i % 7 + 3 + i % 5]) for i in range(N_ROWS)]
+    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(N_ROWS)], "prompt": prompts}), d / "in.parquet",
+                   row_group_size=5)
+    path = write_job(d / "job.yaml", input={"path": str(d / "in.parquet")},
+                     sampling={"max_tokens": 3, "temperature": 0.0},
+                     engine={"max_num_seqs": 8, "num_kv_blocks": 64},
+                     output={"path": str(d / "ref"), "rows_per_part": 4})
+    proc = run_cli(["run", path])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return d, path, read_rows(d / "ref")
+
+
+def start_paced(job_path, out, delay, fake=None):
+    env = cli_env(fake=fake, BATCHRUN_FAKE_DELAY=str(delay))
+    env["BATCHRUN_LLM_FACTORY"] = "test_job_fakes:PacedLLM"
+    return subprocess.Popen(batchrun_cmd() + ["run", job_path, "--set", f"output.path={out}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_first_part(proc, out, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not (out / "part-00000.parquet").exists():
+        assert proc.poll() is None, f"the run ended before committing a part: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, "no part committed in time"
+        time.sleep(0.01)
+
+
+def resume_and_compare(job_path, out, ref_rows):
+    proc = run_cli(["run", job_path, "--set", f"output.path={out}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resuming" in proc.stderr
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [f"r{i:03d}" for i in range(N_ROWS)]
+    assert rows == ref_rows
+    assert (out / "_SUCCESS").exists() and not list(out.glob(".*tmp"))
+    metrics = json.loads((out / "_metrics.json").read_text())
+    assert metrics["input_rows"] == N_ROWS and metrics["output_rows"] == N_ROWS
+    assert metrics["this_run"]["input_rows"] < N_ROWS  # the rerun did only what was missing
+
+
+def test_sigkill_after_first_part_then_resume(job):
+    d, job_path, ref = job
+    out = d / "killed"
+    proc = start_paced(job_path, out, delay=0.3)
+    wait_for_first_part(proc, out)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not (out / "_SUCCESS").exists()
+    committed = read_rows(out)
+    assert 4 <= len(committed) < N_ROWS and committed == ref[:len(committed)]
+    resume_and_compare(job_path, out, ref)
+
+
+def test_sigterm_commits_finished_rows_exits_143_then_resumes(job):
+    d, job_path, ref = job
+    out = d / "terminated"
+    proc = start_paced(job_path, out, delay=0.3)
+    wait_for_first_part(proc, out)
+    time.sleep(0.2)  # let a few more rows finish than the part holds
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    metrics = json.loads((out / "_metrics.json").read_text())
+    assert metrics["complete"] is False and not (out / "_SUCCESS").exists()
+    committed = read_rows(out)
+    assert metrics["input_rows"] == len(committed) and committed == ref[:len(committed)]
+    resume_and_compare(job_path, out, ref)
+
+
+def test_sigint_exits_130(job, tmp_path):
+    d, job_path, _ = job
+    out = tmp_path / "interrupted"
+    proc = start_paced(job_path, out, delay=0.05, fake=True)
+    wait_for_first_part(proc, out)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted by SIGINT" in err and "Traceback" not in err
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [f"r{i:03d}" for i in range(len(rows))]
+
+
+def cli(args, **env):
+    """In-process on the fake engine: these tests are about the runner, not the engine or the process."""
+    env = {"BATCHRUN_LLM_FACTORY": "test_job_fakes:FakeLLM", **env}
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def test_changed_job_refuses_to_resume_unless_no_resume(job, tmp_path):
+    d, job_path, _ = job
+    out = tmp_path / "out"
+    first = cli(["run", job_path, "--set", f"output.path={out}", "--limit", "6"])
+    assert first.exit_code == 0, first.output
+    assert "stopped at --limit 6" in first.stdout and not (out / "_SUCCESS").exists()
+    assert len(read_rows(out)) == 6
+    changed = cli(["run", job_path, "--set", f"output.path={out}", "--set", "sampling.max_tokens=2"])
+    assert changed.exit_code == 2
+    assert changed.stderr.count("\n") == 1 and "holds rows of a different job" in changed.stderr
+    assert "sampling.max_tokens: 3 -> 2" in changed.stderr and "--no-resume" in changed.stderr
+    fresh = cli(["run", job_path, "--set", f"output.path={out}", "--set", "sampling.max_tokens=2", "--no-resume"])
+    assert fresh.exit_code == 0, fresh.output
+    rows = read_rows(out)
+    assert len(rows) == N_ROWS and all(r["completion_tokens"] <= 2 for r in rows)
+    again = cli(["run", job_path, "--set", f"output.path={out}", "--set", "sampling.max_tokens=2"])
+    assert again.exit_code == 0 and "already complete" in again.stdout
+
+
+def test_engine_failure_exits_1_keeps_committed_rows_and_resumes(job, tmp_path):
+    d, job_path, _ = job
+    out = tmp_path / "out"
+    failed = cli(["run", job_path, "--set", f"output.path={out}"], BATCHRUN_FAKE_FAIL_AFTER="12")
+    assert failed.exit_code == 1
+    assert "RuntimeError: fake engine failure" in failed.stderr and "a rerun resumes" in failed.stderr
+    committed = read_rows(out)
+    assert committed and [r["id"] for r in committed] == [f"r{i:03d}" for i in range(len(committed))]
+    ok = cli(["run", job_path, "--set", f"output.path={out}"])
+    assert ok.exit_code == 0, ok.output
+    assert [r["id"] for r in read_rows(out)] == [f"r{i:03d}" for i in range(N_ROWS)]
+
+
+def test_no_temp_files_survive_and_parts_are_whole(job):
+    d, _, ref = job
+    for p in (d / "ref").iterdir():
+        assert not p.name.startswith("."), p
+    sizes = [pq.read_metadata(p).num_rows for p in sorted((d / "ref").glob("part-*.parquet"))]
+    assert sizes == [4] * (N_ROWS // 4) and sum(sizes) == len(ref)
+    assert os.path.exists(d / "ref" / "_job.json")
