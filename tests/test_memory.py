@@ -161,3 +161,22 @@ def test_evicted_block_is_never_served_stale(tiny_llama_path):
     # and without eviction in between, the same prompt hits its 4 full blocks
     llm.generate([p], GREEDY, use_tqdm=False)
     assert llm.metrics()["prefix_cache_hit_tokens"] == hits_before + 64
+
+
+def test_waiting_requests_sharing_a_cached_prefix_go_first(tiny_llama_path):
+    from batchrun.engine.scheduler import PREFIX_WINDOW
+
+    llm = LLM(str(tiny_llama_path), num_kv_blocks=300, max_num_seqs=1)
+    shared = list(range(200, 264))  # 4 full blocks
+    llm.generate([{"prompt_token_ids": shared + [1]}], GREEDY, use_tqdm=False)  # now cached
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    order = []
+    for i in range(6):
+        ids = shared + [5, i] if i % 2 else list(range(600 + 70 * i, 670 + 70 * i))
+        eng.add_request(f"r{i}", None, ids, sp, 0)
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step()]
+    assert order[:3] == ["r1", "r3", "r5"]  # the ones hitting the cached prefix, ahead of r0, r2, r4
+    assert sorted(order) == [f"r{i}" for i in range(6)]
+    assert PREFIX_WINDOW >= 2

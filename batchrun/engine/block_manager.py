@@ -64,6 +64,14 @@ class BlockManager:
     def _chain(parent: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
+    def chain_keys(self, token_ids: list[int]) -> list[int]:
+        """The keys of the full blocks of `token_ids` (the ones `lookup` would consider)."""
+        keys: list[int] = []
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            keys.append(self._chain(keys[-1] if keys else None, tuple(token_ids[i * bs : (i + 1) * bs])))
+        return keys
+
     def lookup(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Leading cached full blocks of `token_ids` (and their keys). At least one token is left to
         compute, since the step that computes it is the one that yields the next token's logits."""

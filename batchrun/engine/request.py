@@ -61,6 +61,8 @@ class SequenceGroup:
     pending_forks: int = 0
     beam: object | None = None  # BeamSearchParams for a beam-search request
     hypotheses: list = field(default_factory=list)  # finished beams (engine/beam.py Hypothesis)
+    block_keys: list[int] | None = None  # prefix-cache keys of the prompt's full blocks (scheduler)
+    bypassed: int = 0  # times a later request was admitted first (bounded: no starvation)
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -8,6 +8,7 @@ The result is one `SchedulerOutput`: all the runner is told.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)
+
+PREFIX_WINDOW = 32  # waiting groups looked at for prefix-cache hits, and the most times one may be passed over
 
 
 @dataclass
@@ -141,13 +144,16 @@ class Scheduler:
         # 3. admit new work
         if not preempted and not self.swapped:
             while self.waiting and budget[0] > 0:
-                group = self.waiting[0]
+                pick = self._pick_waiting()
+                group = self.waiting[pick]
                 if self.num_running_seqs() + len(group.live()) + group.pending_forks > cfg.max_num_seqs:
                     break
                 self._schedule_group(group, out, budget)  # nothing resident yet: it cannot fail
                 if not any(s.seq_id in self.bm.tables for s in group.live()):
                     break  # no room: admitted later
-                self.waiting.popleft()
+                del self.waiting[pick]
+                for g in itertools.islice(self.waiting, pick):
+                    g.bypassed += 1
                 self._insert_running(group)
 
         out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
@@ -210,6 +216,31 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.stats.preempted_recompute += 1
         return True
+
+    def _pick_waiting(self) -> int:
+        """Which waiting group to admit: among the first PREFIX_WINDOW, the one with the most prompt blocks
+        already in the prefix cache (an offline job knows its prompts, so serving the ones that share what
+        is cached first saves recomputing it after eviction). No group is passed over more than
+        PREFIX_WINDOW times, so none starves."""
+        head = self.waiting[0]
+        if not self.bm.enable_prefix_caching or len(self.waiting) == 1 or head.bypassed >= PREFIX_WINDOW:
+            return 0
+        best, best_hits = 0, self._cached_blocks(head)
+        for i, g in enumerate(itertools.islice(self.waiting, 1, PREFIX_WINDOW), start=1):
+            hits = self._cached_blocks(g)
+            if hits > best_hits:
+                best, best_hits = i, hits
+        return best
+
+    def _cached_blocks(self, group: SequenceGroup) -> int:
+        if group.block_keys is None:  # computed once per request
+            group.block_keys = self.bm.chain_keys(group.prompt_ids)
+        n = 0
+        for key in group.block_keys:
+            if key not in self.bm.cached:
+                break
+            n += 1
+        return n
 
     def _insert_running(self, group: SequenceGroup) -> None:
         i = len(self.running)
