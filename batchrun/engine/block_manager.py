@@ -97,8 +97,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         keys = self.hashes.setdefault(seq_id, [])
-        table = self.tables[seq_id]
         bs = self.block_size
+        if len(keys) >= num_computed // bs:
+            return
+        table = self.tables[seq_id]
         for i in range(len(keys), num_computed // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self._chain(keys[-1] if keys else None, toks)
@@ -134,6 +136,10 @@ class BlockManager:
         Returns the copy-on-write pairs to perform, or None (and changes nothing) when blocks are short.
         """
         table = self.tables.get(seq_id)
+        if table is not None and not prefix:  # the common decode case: room left, nothing shared
+            have = len(table) * self.block_size
+            if num_tokens <= have and (write_from >= have or self.ref[table[write_from // self.block_size]] == 1):
+                return []
         prefix = prefix or []
         if table is None:
             table = []

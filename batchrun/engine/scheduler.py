@@ -170,10 +170,13 @@ class Scheduler:
         planned: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         budget_before = budget[0]
-        for seq in group.live():
+        tables = self.bm.tables
+        for seq in group.seqs:
+            if seq.status is SeqStatus.FINISHED:
+                continue
             if budget[0] <= 0:
                 break
-            resident = seq.seq_id in self.bm.tables
+            resident = seq.seq_id in tables
             prefix, keys = [], []
             if not resident:  # first allocation: reuse what the prefix cache holds
                 prefix, keys = self.bm.lookup(seq.token_ids)
@@ -194,10 +197,11 @@ class Scheduler:
             if not resident:
                 seq.status = SeqStatus.RUNNING
                 self.stats.prefix_hit_tokens += len(prefix) * self.bm.block_size
-            copies.extend(pairs)
+            if pairs:
+                copies.extend(pairs)
             start = seq.num_computed
             planned.append(ScheduledSeq(seq.seq_id, seq.token_ids[start : start + n], start,
-                                        self.bm.tables[seq.seq_id], start + n == len(seq.token_ids)))
+                                        tables[seq.seq_id], start + n == len(seq.token_ids)))
             budget[0] -= n
         out.seqs.extend(planned)
         out.copies.extend(copies)
