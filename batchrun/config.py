@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 import re
 import types
@@ -297,6 +298,7 @@ def _check(where: str, value: Any, spec: Key) -> Any:
     return value
 
 
+@functools.cache
 def _sampling_types() -> dict[str, Any]:
     hints = typing.get_type_hints(SamplingParams)
     return {name: hints[name] for name in SamplingParams.field_names()}

@@ -197,6 +197,10 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     id_column = inp["id_column"]
     if source.format == "openai-batch":
         id_column = None
+        for key in ("prompt_column", "messages_column", "id_column", "keep_columns", "sampling_columns"):
+            if f"input.{key}" in cfg.explicit and inp[key]:
+                raise JobError(f"input.{key}: not used with openai-batch input (each request's body says "
+                               "its prompt or messages and its sampling values; custom_id is the id)")
     else:
         text_key = "messages_column" if inp["messages_column"] else "prompt_column"
         _need_column(source, inp[text_key], f"input.{text_key}")
@@ -212,6 +216,11 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     if shard is not None:
         out_dir = out_dir / shard.dirname
     check_output_dir(out_dir)
+    inside = Path(os.path.abspath(out_dir))
+    top = Path(os.path.abspath(inp["path"]))
+    if os.path.isdir(top) and (inside == top or top in inside.parents):
+        raise JobError(f"output.path: {out_dir} is inside the input folder {inp['path']}; "
+                       "a rerun would read its own output")
     fingerprint = {"version": FINGERPRINT_VERSION,
                    "model": {k: cfg.model[k] for k in ("path", "dtype", "max_model_len")},
                    "input": _input_fingerprint(cfg, source), "sampling": cfg.sampling,

@@ -15,8 +15,11 @@ from batchrun.cli import main
 @pytest.fixture
 def data(tmp_path):
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"]}), tmp_path / "in.parquet")
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "pq" / "p.parquet")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 but not really parquet")
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "batch.jsonl").write_text('{"custom_id": "a", "body": {"prompt": "hi"}}\n')
     return tmp_path
 
 
@@ -65,6 +68,12 @@ CASES = {
     "ray executor": (lambda d: good_job(d, executor={"kind": "ray"}), [], "executor.kind: 'ray' is not supported yet"),
     "bad shard": (lambda d: good_job(d), ["--shard", "3/2"], "--shard 3/2: expected I/N with 0 <= I < N"),
     "shard auto outside slurm": (lambda d: good_job(d), ["--shard", "auto"], "--shard auto: SLURM_ARRAY_TASK_ID"),
+    "output inside the input folder": (lambda d: good_job(d, input={"path": str(d / "pq")},
+                                                          output={"path": str(d / "pq" / "o")}),
+                                       [], "output.path: {d}/pq/o is inside the input folder {d}/pq"),
+    "openai-batch with columns": (lambda d: good_job(d, input={"path": str(d / "batch.jsonl"),
+                                                               "keep_columns": ["x"]}), [],
+                                  "input.keep_columns: not used with openai-batch input"),
     "missing job file": (lambda d: str(d / "missing.yaml"), [], "{d}/missing.yaml: cannot read the job file"),
 }
 
@@ -87,7 +96,7 @@ def test_bad_job_exits_2_in_one_line(name, data, monkeypatch, tmp_path):
         assert expect.format(d=data) in lines[0], lines[0]
         assert "Traceback" not in result.output
     assert not marker.exists(), "a model was constructed"
-    assert not os.path.exists(data / "out")
+    assert not os.path.exists(data / "out") and not os.path.exists(data / "pq" / "o")
 
 
 @pytest.mark.parametrize("name", ["yaml syntax", "unreadable parquet", "missing model"])

@@ -137,8 +137,8 @@ class RequestBuilder:
                 given.add(name)
         if "seed" not in given and self.base_seed is not None:
             values["seed"] = self.base_seed + task.index  # each row its own stream; the same on every rerun
-        for name, value in values.items():
-            why = check_sampling_value(name, value)
+        for name in given:  # the job's own values were checked with the job file
+            why = check_sampling_value(name, values[name])
             if why:
                 task.error = f"sampling {name}: {why}"
                 return None
