@@ -264,8 +264,9 @@ class _Run:
                     task = self.inflight.pop(key)
                     self._finished(task, list(out.outputs))
                 self._commit_all()
-                if self.next_pos < self.sink.committed.end or self.buffer or self.inflight:
-                    raise RuntimeError("internal error: rows left over after the engine finished")
+                if self.buffer or self.inflight:
+                    raise RuntimeError(f"internal error: {len(self.buffer)} rows unwritten and {len(self.inflight)} "
+                                       "unanswered after the engine finished")
             except JobInterrupted as e:
                 self._safe_commit()
                 code = 128 + e.signum
@@ -278,7 +279,6 @@ class _Run:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
                 self._safe_commit()
-                log.debug("run failed", exc_info=True)
                 code = EXIT_FAILED
                 message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if not isinstance(e, (SinkError, NotImplementedError)):
