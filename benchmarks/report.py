@@ -1,0 +1,330 @@
+"""Turn the workers' results into the report: derived figures, target checks, Markdown and a PNG plot.
+
+Everything here is a pure function of the results dict that `benchmarks.run` assembles, so the report can be
+re-rendered from a saved `results.json` (`python -m benchmarks.report benchmarks/results/results.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+# Issue 6's targets (CPU, ratios from one run). The model keys match benchmarks.run's plans.
+TARGETS: dict[str, dict[str, float]] = {
+    "tiny": {"ratio_static": 5.0, "ratio_cb": 4.0},
+    "small": {"mfu": 0.50, "ratio_cb": 3.0},
+}
+OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 64 running sequences
+KV_UTIL_TARGET = 0.98
+
+SYSTEM_LABELS = {"batchrun": "batchrun", "hf_static": "transformers generate (static batches)",
+                 "hf_cb": "transformers continuous batching"}
+
+
+def compare_outputs(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """How far `other`'s token ids agree with `ref`'s, request by request.
+
+    Greedy fp32 decoding can flip a token where two logits nearly tie, after which the sequences diverge; so
+    mismatches are counted and located, never raised.
+    """
+    mism, first_div = [], []
+    prefix = total = 0
+    for i, (a, b) in enumerate(zip(ref, other)):
+        total += len(a)
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += k
+        if a != b:
+            mism.append(i)
+            first_div.append(k)
+    n = min(len(ref), len(other))
+    return {"requests": n, "identical": n - len(mism), "mismatched": len(mism) + abs(len(ref) - len(other)),
+            "mismatched_requests": mism[:20], "first_divergence_at": first_div[:20],
+            "token_agreement": prefix / total if total else 1.0}
+
+
+def _rate(r: dict[str, Any]) -> float:
+    return r["gen_tokens"] / r["wall_s"] if r.get("wall_s") else float("nan")
+
+
+def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
+    """Per-model figures: throughput, MFU, the best configuration of each baseline, ratios, output checks."""
+    flops = m["flops"]["total_flops"]
+    runs: dict[str, list[dict[str, Any]]] = m["runs"]
+    derived: dict[str, Any] = {"systems": {}, "ratios": {}, "outputs_equal": {}}
+    ref = None
+    br = runs.get("batchrun", [{}])[0]
+    if "error" not in br and br:
+        ref = br["outputs"]
+    for system, variants in runs.items():
+        rows = []
+        for v in variants:
+            row = {"config": v.get("config", {}), "error": v.get("error")}
+            if not v.get("error"):
+                rate = _rate(v)
+                row.update(wall_s=v["wall_s"], gen_tok_s=rate, mfu=flops / v["wall_s"] / peak_flops,
+                           peak_rss_mb=v.get("peak_rss_mb"), load_rss_mb=v.get("load_rss_mb"),
+                           gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"),
+                           repeat_walls_s=v.get("repeat_walls_s"))
+                if v["gen_tokens"] != m["workload"]["output_tokens"]:
+                    row["error"] = f"generated {v['gen_tokens']} tokens, the workload asks {m['workload']['output_tokens']}"
+                if system != "batchrun" and ref is not None:
+                    row["outputs_vs_batchrun"] = compare_outputs(ref, v["outputs"])
+                for k in ("prompt_pad_tokens", "discarded_gen_tokens", "errors"):
+                    if k in v:
+                        row[k] = v[k]
+            rows.append(row)
+        ok = [r for r in rows if not r.get("error")]
+        best = max(ok, key=lambda r: r["gen_tok_s"]) if ok else None
+        derived["systems"][system] = {"variants": rows, "best": best}
+    b = derived["systems"].get("batchrun", {}).get("best")
+    for system in ("hf_static", "hf_cb"):
+        s = derived["systems"].get(system, {}).get("best")
+        if b and s:
+            derived["ratios"][system] = b["gen_tok_s"] / s["gen_tok_s"]
+            derived["outputs_equal"][system] = s.get("outputs_vs_batchrun")
+    if b:
+        derived["batchrun"] = _batchrun_details(m, br)
+    derived["targets"] = _targets(m["key"], derived)
+    return derived
+
+
+def _batchrun_details(m: dict[str, Any], br: dict[str, Any]) -> dict[str, Any]:
+    met = br.get("metrics", {})
+    cont = m.get("contiguous", {})
+    return {
+        "kv_blocks_total": met.get("kv_blocks_total"), "kv_bytes": m["kv_bytes"],
+        "demand_blocks": m["demand_blocks"],
+        "kv_slot_utilization": met.get("kv_slot_utilization"),
+        "peak_running_seqs": met.get("peak_running_seqs"),
+        "peak_kv_blocks_in_use": met.get("peak_kv_blocks_in_use"),
+        "contiguous_max_seqs": cont.get("max_seqs"), "contiguous_slot_utilisation": cont.get("slot_utilisation"),
+        "contiguous_max_model_len": cont.get("max_model_len"),
+        "preemptions_recompute": met.get("num_preemptions_recompute"),
+        "preemptions_swap": met.get("num_preemptions_swap"),
+        "engine_overhead_fraction": met.get("engine_overhead_fraction"),
+        "engine_overhead_ge_64": (br.get("overhead_ge_64") or {}).get("overhead_fraction"),
+        "steps_ge_64": (br.get("overhead_ge_64") or {}).get("steps"),
+        "num_steps": met.get("num_steps"), "model_time_s": met.get("model_time_s"),
+        "step_time_s": met.get("step_time_s"),
+    }
+
+
+def _targets(key: str, d: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    b = d["systems"].get("batchrun", {}).get("best")
+    t = TARGETS.get(key, {})
+
+    def add(name: str, target: str, measured: float | None, met: bool | None) -> None:
+        out.append({"target": name, "goal": target, "measured": measured, "met": met})
+
+    if "ratio_static" in t:
+        r = d["ratios"].get("hf_static")
+        add("gen tok/s vs transformers static (best)", f">= {t['ratio_static']:g}x", r,
+            None if r is None else r >= t["ratio_static"])
+    if "ratio_cb" in t:
+        r = d["ratios"].get("hf_cb")
+        add("gen tok/s vs transformers continuous batching (best)", f">= {t['ratio_cb']:g}x", r,
+            None if r is None else r >= t["ratio_cb"])
+    if "mfu" in t:
+        r = b["mfu"] if b else None
+        add("model FLOPs utilisation, end to end", f">= {t['mfu']:.0%}", r, None if r is None else r >= t["mfu"])
+    det = d.get("batchrun", {})
+    ov = det.get("engine_overhead_ge_64")
+    add("engine overhead (outside the forward), steps with >= 64 running", f"<= {OVERHEAD_TARGET:.0%}", ov,
+        None if ov is None or (isinstance(ov, float) and math.isnan(ov)) else ov <= OVERHEAD_TARGET)
+    u = det.get("kv_slot_utilization")
+    add("KV slot utilisation", f">= {KV_UTIL_TARGET:.0%}", u, None if u is None else u >= KV_UTIL_TARGET)
+    return out
+
+
+# ---- Markdown -------------------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return fmt.format(x)
+
+
+def _pct(x: Any) -> str:
+    return _f(x, "{:.1%}")
+
+
+def _cfg(c: dict[str, Any]) -> str:
+    keys = ("batch_size", "max_requests_per_batch", "num_kv_blocks", "page_size")
+    short = {"batch_size": "batch", "max_requests_per_batch": "req/step", "num_kv_blocks": "blocks",
+             "page_size": "page"}
+    return ", ".join(f"{short[k]} {c[k]}" for k in keys if k in c) or "-"
+
+
+def _equal_str(cmp: dict[str, Any] | None) -> str:
+    if not cmp:
+        return "-"
+    s = f"{cmp['identical']}/{cmp['requests']} identical"
+    if cmp["mismatched"]:
+        s += f" ({cmp['token_agreement']:.1%} of tokens before divergence)"
+    return s
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["env"]
+    peak = res["peak"]
+    lines = [f"# batchrun benchmark ({res['mode']})", "",
+             f"- Command: `{res['command']}`",
+             f"- Machine: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, transformers "
+             f"{env['transformers']}, Python {env['python']}; started {res['started']}",
+             f"- Matmul peak (fp32 {peak['matmul_n']}x{peak['matmul_n']}, {env['threads']} threads, best of "
+             f"{peak['samples']}): {peak['peak_flops'] / 1e9:.1f} GFLOP/s (median {peak['median_flops'] / 1e9:.1f})",
+             f"- Load average at start / end: {env['loadavg_start']} / {env.get('loadavg_end', 'n/a')}"
+             + (" (other processes were running: figures are noisy)" if env.get("contended") else ""),
+             "- Every system runs in its own process; fp32; greedy; EOS ignored and exact output lengths; model "
+             "load and a short warm-up untimed. MFU = the workload's model FLOPs (see `benchmarks/workload.py`: "
+             "2 x decoder matmul params per position run + 2 x lm_head params per generated token + causal "
+             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak. CPU share = the "
+             "process's CPU seconds / (wall x threads) over the timed part: well under 100% means other processes "
+             "took the cores and the row is slower than the system alone."
+             + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else ""),
+             ""]
+    for m in res["models"].values():
+        d = m["derived"]
+        w = m["workload"]
+        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters)", "",
+                  f"Workload: {w['requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
+                  f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "
+                  f"(mean {w['output_len_mean']:.0f}) tokens, seed {w.get('seed')}; {w['prompt_tokens']} prompt + "
+                  f"{w['output_tokens']} generated tokens; {m['flops']['total_flops'] / 1e12:.3f} TFLOP "
+                  f"(attention {m['flops']['attention_flops'] / m['flops']['total_flops']:.1%}). KV budget "
+                  f"{m['kv_bytes'] / 2**20:.1f} MiB ({m['kv_blocks']} blocks of {m['block_size']} tokens, "
+                  f"{m['kv_blocks'] / m['demand_blocks']:.0%} of the workload's demand), the same bytes for "
+                  f"transformers' paged cache.", ""]
+        if m.get("note"):
+            lines += [m["note"], ""]
+        lines += ["| system | config | wall s | gen tok/s | batchrun / this | MFU | peak RSS MiB | CPU share | "
+                  "outputs vs batchrun |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        b = d["systems"].get("batchrun", {}).get("best")
+        for system, s in d["systems"].items():
+            for v in s["variants"]:
+                name = SYSTEM_LABELS.get(system, system) + (" **(best)**" if v is s["best"] and
+                                                            len(s["variants"]) > 1 else "")
+                if v.get("error"):
+                    lines.append(f"| {name} | {_cfg(v['config'])} | failed: {v['error'][:120]} | | | | | | |")
+                    continue
+                ratio = b["gen_tok_s"] / v["gen_tok_s"] if b and system != "batchrun" else None
+                lines.append(f"| {name} | {_cfg(v['config'])} | {v['wall_s']:.2f} | {v['gen_tok_s']:.1f} | "
+                             f"{_f(ratio, '{:.2f}x')} | {_pct(v['mfu'])} | {_f(v.get('peak_rss_mb'), '{:.0f}')} | "
+                             f"{_pct(v.get('cpu_share'))} | "
+                             f"{_equal_str(v.get('outputs_vs_batchrun')) if system != 'batchrun' else '(reference)'} |")
+        det = d.get("batchrun")
+        if det:
+            lines += ["", "batchrun's engine on this run:", "",
+                      "| KV slot utilisation | peak running seqs | contiguous max-length preallocation, same bytes "
+                      "| preemptions (recompute / swap) | overhead, all steps | overhead, steps with >= 64 running |",
+                      "|---:|---:|---|---:|---:|---:|",
+                      f"| {_pct(det['kv_slot_utilization'])} | {det['peak_running_seqs']} | "
+                      f"{det['contiguous_max_seqs']} seqs of {det['contiguous_max_model_len']} tokens, "
+                      f"{_pct(det['contiguous_slot_utilisation'])} of slots live | "
+                      f"{det['preemptions_recompute']} / {det['preemptions_swap']} | "
+                      f"{_pct(det['engine_overhead_fraction'])} | {_pct(det['engine_overhead_ge_64'])} "
+                      f"({det['steps_ge_64']} of {det['num_steps']} steps) |"]
+        lines += ["", "Targets (issue 6):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
+        for t in d["targets"]:
+            meas = t["measured"]
+            shown = "n/a" if meas is None else (f"{meas:.2f}x" if "x" in t["goal"] else _pct(meas))
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            lines.append(f"| {t['target']} | {t['goal']} | {shown} | {met} |")
+        if m.get("scenarios"):
+            lines += ["", *scenario_markdown(m["scenarios"])]
+        lines.append("")
+    if res.get("plot"):
+        lines += [f"![throughput]({res['plot']})", ""]
+    return "\n".join(lines)
+
+
+def scenario_markdown(sc: dict[str, Any]) -> list[str]:
+    lines = ["### Scenarios (batchrun only)", ""]
+    rows = ["| scenario | run | wall s | gen tok/s | vs first run | peak running | peak KV blocks | "
+            "prefix-cache hit tokens | preemptions (recompute / swap) | blocks swapped out / in | outputs |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, s in sc.items():
+        if s.get("error") or s.get("skipped"):
+            rows.append(f"| {name} | {'skipped' if s.get('skipped') else 'failed'}: "
+                        f"{(s.get('skipped') or s.get('error'))[:160]} | | | | | | | | | |")
+            continue
+        first = None
+        for run, r in s["runs"].items():
+            met = r["metrics"]
+            rate = _rate(r)
+            first = first or rate
+            eq = s.get("outputs_equal", {}).get(run)
+            rows.append(f"| {name} | {run} | {r['wall_s']:.2f} | {rate:.1f} | {rate / first:.2f}x | "
+                        f"{met.get('peak_running_seqs')} | {met.get('peak_kv_blocks_in_use')} | "
+                        f"{met.get('prefix_cache_hit_tokens')} | {met.get('num_preemptions_recompute')} / "
+                        f"{met.get('num_preemptions_swap')} | {met.get('blocks_swapped_out')} / "
+                        f"{met.get('blocks_swapped_in')} | {_equal_str(eq) if eq else '-'} |")
+    notes = [f"- {name}: {s['description']}" for name, s in sc.items() if s.get("description")]
+    return lines + notes + [""] + rows
+
+
+# ---- plot -----------------------------------------------------------------------------------------------
+
+
+def plot(res: dict[str, Any], path: Path) -> bool:
+    """Gen tok/s (with batchrun's ratio on each baseline) and MFU per system, one column per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(res["models"].values())
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
+    colors = {"batchrun": "#2a7", "hf_static": "#889", "hf_cb": "#57a"}
+    short = {"batchrun": "batchrun", "hf_static": "HF static", "hf_cb": "HF continuous"}
+    for col, m in enumerate(models):
+        systems = {k: v["best"] for k, v in m["derived"]["systems"].items() if v.get("best")}
+        names = list(systems)
+        rates = [systems[k]["gen_tok_s"] for k in names]
+        ax = axes[0][col]
+        bars = ax.bar([short.get(k, k) for k in names], rates, color=[colors.get(k, "#999") for k in names])
+        ax.set_title(f"{m['model']}: {m['workload']['requests']} requests")
+        ax.set_ylabel("generated tokens / s")
+        b = systems.get("batchrun")
+        for bar, k in zip(bars, names):
+            label = f"{systems[k]['gen_tok_s']:.0f}"
+            if b and k != "batchrun":
+                label += f"\n(batchrun {b['gen_tok_s'] / systems[k]['gen_tok_s']:.2f}x)"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_ylim(0, max(rates) * 1.3 if rates else 1)
+        ax = axes[1][col]
+        ax.bar([short.get(k, k) for k in names], [100 * systems[k]["mfu"] for k in names],
+               color=[colors.get(k, "#999") for k in names])
+        target = TARGETS.get(m["key"], {}).get("mfu")
+        if target:
+            ax.axhline(100 * target, ls="--", color="#c33", lw=1, label=f"target {target:.0%}")
+            ax.legend(fontsize=8)
+        ax.set_ylabel("model FLOPs utilisation, %")
+    fig.suptitle(f"batchrun vs transformers, CPU, {res['env']['threads']} threads, fp32 ({res['started']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    """Re-render report.md (and the plot) from a saved results.json."""
+    path = Path(argv[0])
+    res = json.loads(path.read_text())
+    if plot(res, path.parent / "throughput.png"):
+        res["plot"] = "throughput.png"
+    (path.parent / "report.md").write_text(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""The benchmark harness end to end on its quick workload, plus its pure parts (workload, FLOPs, comparisons).
+
+Nothing here asserts a timing or a ratio: the machine running the tests may be loaded. What is checked is
+that every system ran, the report has its keys and files, and batchrun's outputs were compared with each
+baseline's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.report import compare_outputs
+from benchmarks.worker import metrics_delta
+from benchmarks.workload import (
+    LengthDist,
+    ModelShape,
+    Workload,
+    contiguous_preallocation,
+    model_flops,
+    shared_prefix,
+    sharegpt_like,
+)
+
+TINY = ModelShape(num_layers=2, hidden=8, intermediate=16, num_heads=2, num_kv_heads=1, head_dim=4, vocab=10)
+
+
+def test_workload_is_deterministic_and_in_range():
+    p, o = LengthDist(128, 0.9, 16, 512), LengthDist(80, 0.8, 16, 256)
+    a = sharegpt_like(128, 2048, 0, p, o)
+    b = sharegpt_like(128, 2048, 0, p, o)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert all(16 <= len(x) <= 512 for x in a.prompts) and all(16 <= n <= 256 for n in a.output_lens)
+    assert all(3 <= t < 2048 for x in a.prompts for t in x)
+    assert sharegpt_like(128, 2048, 1, p, o).prompts != a.prompts
+    assert Workload.from_json(json.loads(json.dumps(a.to_json()))).prompts == a.prompts
+
+
+def test_shared_prefix_workload():
+    w = shared_prefix(5, 32, 100, 0, LengthDist(8, 0.5, 4, 16), LengthDist(4, 0.1, 4, 4))
+    assert all(x[:32] == w.prompts[0][:32] for x in w.prompts)
+    assert all(36 <= len(x) <= 48 for x in w.prompts)
+
+
+def test_blocks_needed_and_contiguous():
+    w = Workload("t", [[1] * 10, [1] * 20], [6, 12])  # final lengths 16 and 32
+    assert w.blocks_needed(16) == 3
+    assert w.blocks_needed(8) == 6
+    c = contiguous_preallocation(kv_bytes=64 * TINY.kv_bytes_per_token * 3, shape=TINY, max_model_len=64, workload=w)
+    assert c["max_seqs"] == 3
+    # live tokens summed over decode steps: 6*10 + 21 and 12*20 + 78, over 18 steps of 64 slots
+    assert c["slot_utilisation"] == pytest.approx((60 + 21 + 240 + 78) / (18 * 64))
+
+
+def test_model_flops_formula():
+    w = Workload("t", [[1, 2, 3]], [2])  # 4 positions run, logits at 2
+    f = model_flops(TINY, w)
+    body = 2 * (8 * 8 * 2 + 8 * 4 * 2 + 3 * 8 * 16)  # q,o + k,v + mlp, per layer
+    assert f["matmul_flops"] == 2 * body * 4 + 2 * 2 * 80
+    assert f["attention_flops"] == 4 * 2 * 2 * 4 * (1 + 2 + 3 + 4)
+    assert f["total_flops"] == f["matmul_flops"] + f["attention_flops"]
+
+
+def test_compare_outputs_counts_not_raises():
+    c = compare_outputs([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert c["identical"] == 1 and c["mismatched"] == 1
+    assert c["mismatched_requests"] == [1] and c["first_divergence_at"] == [1]
+    assert c["token_agreement"] == pytest.approx(4 / 6)
+
+
+def test_metrics_delta_removes_the_warmup():
+    before = {"num_steps": 4, "generation_tokens": 4, "kv_slot_utilization": 0.5, "step_time_s": 1.0,
+              "engine_overhead_s": 0.5, "peak_running_seqs": 1}
+    after = {"num_steps": 14, "generation_tokens": 104, "kv_slot_utilization": 0.9, "step_time_s": 3.0,
+             "engine_overhead_s": 0.7, "peak_running_seqs": 64}
+    d = metrics_delta(before, after)
+    assert d["num_steps"] == 10 and d["generation_tokens"] == 100
+    assert d["kv_slot_utilization"] == pytest.approx((0.9 * 14 - 0.5 * 4) / 10)
+    assert d["engine_overhead_fraction"] == pytest.approx(0.1)
+    assert d["peak_running_seqs"] == 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_benchmark_end_to_end(tmp_path):
+    from benchmarks.run import main
+
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "report.md").read_text().startswith("# batchrun benchmark")
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert res["peak"]["peak_flops"] > 0
+    m = res["models"]["tiny"]
+    d = m["derived"]
+    for system in ("batchrun", "hf_static", "hf_cb"):
+        best = d["systems"][system]["best"]
+        assert best is not None, d["systems"][system]["variants"]
+        assert best["gen_tokens"] == m["workload"]["output_tokens"]
+        assert best["gen_tok_s"] > 0 and 0 < best["mfu"] and best["peak_rss_mb"] > 0
+    for system in ("hf_static", "hf_cb"):
+        cmp = d["outputs_equal"][system]
+        assert cmp["requests"] == m["workload"]["requests"]
+        assert cmp["identical"] + cmp["mismatched"] == cmp["requests"]
+        assert d["ratios"][system] > 0
+    det = d["batchrun"]
+    for k in ("kv_slot_utilization", "peak_running_seqs", "contiguous_max_seqs", "contiguous_slot_utilisation",
+              "preemptions_recompute", "preemptions_swap", "engine_overhead_fraction"):
+        assert det[k] is not None, k
+    assert {t["target"] for t in d["targets"]} >= {"KV slot utilisation"}
+    assert not math.isnan(m["flops"]["total_flops"])
+    sc = m["scenarios"]
+    assert set(sc["prefix"]["runs"]) == {"on", "off"}
+    assert set(sc["budget"]["runs"]) == {"unconstrained", "swap", "recompute", "auto"}
+    assert sc["budget"]["outputs_equal"]["swap"]["requests"] == 8
+    assert "runs" in sc["n4"] or "skipped" in sc["n4"]
