@@ -1,10 +1,37 @@
-"""batchrun: offline batch LLM inference on a paged KV cache."""
+"""batchrun: offline batch LLM inference on a paged KV cache.
 
-from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from batchrun.llm import LLM
-from batchrun.outputs import CompletionOutput, RequestOutput
-from batchrun.sampling_params import SamplingParams
+The API names are imported lazily, so `batchrun --version` or a bad job file answer without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "batchrun.llm",
+    "SamplingParams": "batchrun.sampling_params",
+    "RequestOutput": "batchrun.outputs",
+    "CompletionOutput": "batchrun.outputs",
+    "BeamSearchParams": "batchrun.beam_search",
+    "BeamSearchOutput": "batchrun.beam_search",
+    "BeamSearchSequence": "batchrun.beam_search",
+}
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "__version__"]
+
+if TYPE_CHECKING:
+    from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from batchrun.llm import LLM
+    from batchrun.outputs import CompletionOutput, RequestOutput
+    from batchrun.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchrun' has no attribute {name!r}")

@@ -214,8 +214,9 @@ class LLM:
     def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *, max_in_flight: int = 1024,
                _checked: bool = False) -> Iterator[tuple[Any, RequestOutput]]:
         """Pull (key, prompt, params) lazily, keep at most max_in_flight requests in the engine, and yield
-        (key, finished RequestOutput) in completion order. A prompt that cannot run raises ValueError:
-        callers that want row errors ask `check_prompt` first."""
+        (key, finished RequestOutput) in completion order. An item None means "nothing to add now": the
+        engine takes a step before asking again (a caller bounding its own buffers uses it). A prompt that
+        cannot run raises ValueError: callers that want row errors ask `check_prompt` first."""
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         engine = self.engine
@@ -227,10 +228,13 @@ class LLM:
             while True:
                 while not exhausted and len(keys) < max_in_flight:
                     try:
-                        key, prompt, sp = next(source)
+                        item = next(source)
                     except StopIteration:
                         exhausted = True
                         break
+                    if item is None:  # the caller has nothing to add right now: keep stepping
+                        break
+                    key, prompt, sp = item
                     text, ids = self._tokenize(prompt, f"request {key!r}")
                     if not _checked:
                         reason = self.check_prompt(ids, sp)
@@ -245,6 +249,8 @@ class LLM:
                 if not engine.has_unfinished():
                     if exhausted:
                         return
+                    if not keys:
+                        raise RuntimeError("stream(): the source held back (None) with nothing in flight")
                     continue
                 for out in engine.step():
                     yield keys.pop(out.request_id), out

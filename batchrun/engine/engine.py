@@ -124,9 +124,17 @@ class Engine:
                     self.groups.pop(s.seq_id, None)
         m = self.metrics
         m.num_steps += 1
-        live = sum(s.num_computed for g in self.scheduler.running for s in g.live())
-        m.observe_kv(live, self.block_manager.num_used, self.config.block_size,
-                     sum(len(g.live()) for g in self.scheduler.running))
+        sch = self.scheduler
+        live = running = 0
+        for g in sch.running:
+            for s in g.seqs:
+                if s.status is SeqStatus.RUNNING:
+                    live += s.num_computed
+                    running += 1
+        m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)
+        m.num_running = running
+        m.num_waiting = sum(len(g.live()) for g in sch.waiting)
+        m.num_swapped = sum(len(g.live()) for g in sch.swapped)
         dt = time.perf_counter() - t0
         m.step_time_s += dt
         m.model_time_s = self.runner.model_time_s

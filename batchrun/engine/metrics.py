@@ -24,6 +24,9 @@ class EngineMetrics:
     engine_overhead_s: float = 0.0
     step_time_s: float = 0.0
     kv_host_blocks_total: int = 0
+    num_running: int = 0  # gauges after the last step: sequences running, waiting, swapped out
+    num_waiting: int = 0
+    num_swapped: int = 0
     kv_bytes_per_token: int = 0
     # running sums for the utilisation mean
     _util_sum: float = 0.0
