@@ -17,6 +17,9 @@ TARGETS: dict[str, dict[str, float]] = {
     "tiny": {"ratio_static": 5.0, "ratio_cb": 4.0},
     "small": {"mfu": 0.50, "ratio_cb": 3.0},
 }
+# A row during which other processes used more than this share of the machine's CPU time is marked noisy.
+OTHER_LOAD_NOISY = 0.15
+NOISY_MARK = " \\*"
 OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 64 running sequences
 KV_UTIL_TARGET = 0.98
 
@@ -66,7 +69,7 @@ def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
                 rate = _rate(v)
                 row.update(wall_s=v["wall_s"], gen_tok_s=rate, mfu=flops / v["wall_s"] / peak_flops,
                            peak_rss_mb=v.get("peak_rss_mb"), load_rss_mb=v.get("load_rss_mb"),
-                           gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"),
+                           gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"), other_load=v.get("other_load"),
                            repeat_walls_s=v.get("repeat_walls_s"))
                 if v["gen_tokens"] != m["workload"]["output_tokens"]:
                     row["error"] = f"generated {v['gen_tokens']} tokens, the workload asks {m['workload']['output_tokens']}"
@@ -169,9 +172,16 @@ def _equal_str(cmp: dict[str, Any] | None) -> str:
     return s
 
 
+def _noisy(v: dict[str, Any]) -> bool:
+    other = v.get("other_load")
+    return other is not None and other > OTHER_LOAD_NOISY
+
+
 def markdown(res: dict[str, Any]) -> str:
     env = res["env"]
     peak = res["peak"]
+    noisy = sum(_noisy(v) for m in res["models"].values() for s in m["derived"]["systems"].values()
+                for v in s["variants"])
     lines = [f"# batchrun benchmark ({res['mode']})", "",
              f"- Command: `{res['command']}`",
              f"- Machine: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, transformers "
@@ -183,10 +193,14 @@ def markdown(res: dict[str, Any]) -> str:
              "- Every system runs in its own process; fp32; greedy; EOS ignored and exact output lengths; model "
              "load and a short warm-up untimed. MFU = the workload's model FLOPs (see `benchmarks/workload.py`: "
              "2 x decoder matmul params per position run + 2 x lm_head params per generated token + causal "
-             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak. CPU share = the "
-             "process's CPU seconds / (wall x threads) over the timed part: well under 100% means other processes "
-             "took the cores and the row is slower than the system alone."
+             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak. Others' CPU = the "
+             "share of the machine's CPU time that other processes used during the timed part (0% on a quiet "
+             "machine)."
              + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else ""),
+             *([f"- **{noisy} row(s) ran while other processes used over {OTHER_LOAD_NOISY:.0%} of the machine "
+                f"(marked{NOISY_MARK})**: with OpenMP threads that lose their core, a run can be several times slower "
+                "than alone; "
+                "rerun on a quiet machine or with `--repeat 2`."] if noisy else []),
              ""]
     for m in res["models"].values():
         d = m["derived"]
@@ -202,7 +216,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"transformers' paged cache.", ""]
         if m.get("note"):
             lines += [m["note"], ""]
-        lines += ["| system | config | wall s | gen tok/s | batchrun / this | MFU | peak RSS MiB | CPU share | "
+        lines += ["| system | config | wall s | gen tok/s | batchrun / this | MFU | peak RSS MiB | others' CPU | "
                   "outputs vs batchrun |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         b = d["systems"].get("batchrun", {}).get("best")
         for system, s in d["systems"].items():
@@ -215,7 +229,7 @@ def markdown(res: dict[str, Any]) -> str:
                 ratio = b["gen_tok_s"] / v["gen_tok_s"] if b and system != "batchrun" else None
                 lines.append(f"| {name} | {_cfg(v['config'])} | {v['wall_s']:.2f} | {v['gen_tok_s']:.1f} | "
                              f"{_f(ratio, '{:.2f}x')} | {_pct(v['mfu'])} | {_f(v.get('peak_rss_mb'), '{:.0f}')} | "
-                             f"{_pct(v.get('cpu_share'))} | "
+                             f"{_pct(v.get('other_load'))}{NOISY_MARK if _noisy(v) else ''} | "
                              f"{_equal_str(v.get('outputs_vs_batchrun')) if system != 'batchrun' else '(reference)'} |")
         det = d.get("batchrun")
         if det:

@@ -115,3 +115,15 @@ def test_quick_benchmark_end_to_end(tmp_path):
     assert set(sc["budget"]["runs"]) == {"unconstrained", "swap", "recompute", "auto"}
     assert sc["budget"]["outputs_equal"]["swap"]["requests"] == 8
     assert "runs" in sc["n4"] or "skipped" in sc["n4"]
+
+
+def test_clock_measures_wall_and_other_load():
+    from benchmarks.worker import Clock, best_of
+
+    with Clock(threads=1) as c:
+        sum(range(200_000))
+    d = c.as_dict()
+    assert d["wall_s"] > 0 and d["cpu_s"] >= 0
+    assert d["other_load"] is None or 0 <= d["other_load"] <= 1
+    best = best_of([{"wall_s": 2.0, "x": 1}, {"wall_s": 1.0, "x": 2}])
+    assert best["x"] == 2 and best["repeat_walls_s"] == [2.0, 1.0]
