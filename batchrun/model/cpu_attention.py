@@ -3,9 +3,10 @@
 Gathering every decode sequence's blocks into a contiguous copy before SDPA moves each K/V byte three
 times; on a CPU, decode attention is bound by exactly those bytes. The C kernel reads K/V in place
 through the block tables, once. It is plain C99 compiled with the system C compiler (no torch headers,
-so it builds in about a second) into the batchrun cache, keyed by source, compiler and CPU; threads
-come from a small pool here, since ctypes releases the GIL. Without a compiler, or with
-BATCHRUN_CPU_KERNELS=0, the torch path is used instead.
+so it builds in about a second) into the batchrun cache, keyed by source, compiler and CPU. Its OpenMP
+loop runs on torch's own OpenMP runtime (torch ships libgomp.so.1 and has it loaded when the kernel
+loads), so the two never fight over the cores. Without a compiler, or with BATCHRUN_CPU_KERNELS=0, the
+torch path is used instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c99"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 
 
 def _cpu_signature() -> str:
@@ -66,30 +66,14 @@ def _library() -> ctypes.CDLL | None:
             return None
     so = ctypes.CDLL(str(lib))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    so.paged_qk.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, i64]
-    so.paged_pv.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    so.paged_qk.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    so.paged_pv.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64]
     so.paged_qk.restype = so.paged_pv.restype = None
     return so
 
 
 def available() -> bool:
     return _library() is not None
-
-
-@cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchrun-attn")
-
-
-def _parallel(fn, args: tuple, tasks: int) -> None:
-    threads = max(1, min(torch.get_num_threads(), tasks // 2))
-    if threads == 1:
-        fn(*args, 0, tasks)
-        return
-    step = -(-tasks // threads)
-    futures = [_pool(threads).submit(fn, *args, b, min(b + step, tasks)) for b in range(0, tasks, step)]
-    for f in futures:
-        f.result()
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -103,11 +87,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     k, v = kv_cache[0], kv_cache[1]
     scores = torch.empty(s, hq, max_len, dtype=torch.float32)
-    tasks = s
-    _parallel(so.paged_qk, (q.data_ptr(), k.data_ptr(), bt.data_ptr(), bt.stride(0), lens.data_ptr(),
-                            scores.data_ptr(), max_len, hq, hkv, d, bs, scale), tasks)
+    so.paged_qk(q.data_ptr(), k.data_ptr(), bt.data_ptr(), bt.stride(0), lens.data_ptr(), scores.data_ptr(),
+                max_len, hq, hkv, d, bs, scale, s)
     probs = scores.softmax(dim=-1)
     out = torch.empty(s, hq, d, dtype=torch.float32)
-    _parallel(so.paged_pv, (probs.data_ptr(), v.data_ptr(), bt.data_ptr(), bt.stride(0), lens.data_ptr(),
-                            out.data_ptr(), max_len, hq, hkv, d, bs), tasks)
+    so.paged_pv(probs.data_ptr(), v.data_ptr(), bt.data_ptr(), bt.stride(0), lens.data_ptr(), out.data_ptr(),
+                max_len, hq, hkv, d, bs, s)
     return out

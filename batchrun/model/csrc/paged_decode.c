@@ -4,7 +4,8 @@
  *   paged_pv: out[s, hq]       = sum_t p[s, hq, t] * V_s[t]
  * A task is one sequence: token by token it reads the K (or V) rows of all kv heads, which sit together
  * in the pool, and uses each for all query heads of its GQA group, so every byte is loaded once.
- * Callers give each thread a [begin, end) range of sequences.
+ * Sequences are spread over OpenMP threads; loaded after torch, the library binds to torch's own OpenMP
+ * runtime (the same libgomp.so.1), so it shares torch's thread pool instead of adding threads to it.
  * Pool layout of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K, the same for V. */
 #include <math.h>
 #include <stdint.h>
@@ -16,9 +17,10 @@ static inline const float *row(const float *pool, const int32_t *table, int64_t 
 
 void paged_qk(const float *q, const float *k, const int32_t *bt, int64_t bt_stride, const int32_t *lens,
               float *scores, int64_t ctx, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale,
-              int64_t begin, int64_t end) {
+              int64_t num_seqs) {
     const int64_t g = hq / hkv;
-    for (int64_t s = begin; s < end; s++) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t n = lens[s];
         const float *qs = q + s * hq * d;
         float *sc = scores + s * hq * ctx;
@@ -39,10 +41,10 @@ void paged_qk(const float *q, const float *k, const int32_t *bt, int64_t bt_stri
 }
 
 void paged_pv(const float *p, const float *v, const int32_t *bt, int64_t bt_stride, const int32_t *lens,
-              float *out, int64_t ctx, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t begin,
-              int64_t end) {
+              float *out, int64_t ctx, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_seqs) {
     const int64_t g = hq / hkv;
-    for (int64_t s = begin; s < end; s++) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t n = lens[s];
         const float *ps = p + s * hq * ctx;
         float *os = out + s * hq * d;
