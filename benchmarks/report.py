@@ -308,6 +308,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("generated tokens / s")
         b = systems.get("batchrun")
         for bar, k in zip(bars, names):
+            if _noisy(systems[k]):
+                bar.set_hatch("//")
             label = f"{systems[k]['gen_tok_s']:.0f}"
             if b and k != "batchrun":
                 label += f"\n(batchrun {b['gen_tok_s'] / systems[k]['gen_tok_s']:.2f}x)"
@@ -322,8 +324,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
             ax.axhline(100 * target, ls="--", color="#c33", lw=1, label=f"target {target:.0%}")
             ax.legend(fontsize=8)
         ax.set_ylabel("model FLOPs utilisation, %")
-    fig.suptitle(f"batchrun vs transformers, CPU, {res['env']['threads']} threads, fp32 ({res['started']})",
-                 fontsize=10)
+    fig.suptitle(f"batchrun vs transformers, CPU, {res['env']['threads']} threads, fp32 ({res['started']}); "
+                 f"hatched: ran while other processes used > {OTHER_LOAD_NOISY:.0%} of the machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
