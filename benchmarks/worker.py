@@ -93,7 +93,8 @@ class Clock:
         cores = os.cpu_count() or 1
         other = None
         if self.machine_busy_s is not None and self.wall_s:
-            other = max(0.0, self.machine_busy_s - self.cpu_s) / (self.wall_s * cores)
+            # /proc/stat counts in clock ticks (10 ms): clamp what rounding does to a short part
+            other = min(1.0, max(0.0, self.machine_busy_s - self.cpu_s) / (self.wall_s * cores))
         return {"wall_s": self.wall_s, "cpu_s": self.cpu_s, "loadavg_1m_before": self.loadavg, "other_load": other,
                 "cpu_share": self.cpu_s / (self.wall_s * self.threads) if self.wall_s else float("nan")}
 
