@@ -1,4 +1,5 @@
-"""The `batchrun` command: parse, call, map outcomes to exit codes. The work is in batchrun.job.
+"""The `batchrun` command: parse, call, map outcomes to exit codes. The work is in batchrun.job (run,
+validate) and batchrun.distributed (the Ray executor, merge).
 
 Exit codes: 0 done; 1 a failure during the run (what is committed stays, a rerun resumes); 2 a bad job
 or unreadable input, one line on stderr, before any model is loaded; 130 / 143 after SIGINT / SIGTERM,
@@ -47,6 +48,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                            help="Override a job file key (the value is parsed as YAML); repeatable.")
+_executor_option = click.option("--executor", type=click.Choice(["local", "ray"]),
+                                help="Where the engines run (= --set executor.kind=...): this process, or "
+                                     "replicas on a Ray cluster (pip install 'batchrun[ray]').")
 _shard_option = click.option("--shard", metavar="I/N|auto",
                              help="Process the I-th of N slices of the input (0-based) into "
                                   "OUTPUT/shard-I-of-N/; 'auto' reads SLURM_ARRAY_TASK_ID/COUNT.")
@@ -63,16 +67,17 @@ def main() -> None:
 @_set_option
 @click.option("--limit", type=click.IntRange(min=0), help="Process only the first N input rows (of the shard).")
 @_shard_option
+@_executor_option
 @click.option("--no-resume", is_flag=True, help="Discard committed output in the output folder and start afresh.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or progress lines, only warnings and errors.")
-def run(job: str, overrides: tuple[str, ...], limit: int | None, shard: str | None, no_resume: bool,
-        quiet: bool) -> None:
+def run(job: str, overrides: tuple[str, ...], limit: int | None, shard: str | None, executor: str | None,
+        no_resume: bool, quiet: bool) -> None:
     """Run JOB (a YAML job file) and write its output folder."""
     from batchrun.job import ShardSpec, plan_job, run_job
 
     _setup_logging(quiet)
     try:
-        cfg = load_job(job, overrides)
+        cfg = load_job(job, _with_executor(overrides, executor))
         plan = plan_job(cfg, shard=ShardSpec.parse(shard), limit=limit, resume=not no_resume)
     except JobError as e:
         _fail(str(e))
@@ -94,17 +99,41 @@ def run(job: str, overrides: tuple[str, ...], limit: int | None, shard: str | No
 @click.argument("job", type=click.Path(dir_okay=False))
 @_set_option
 @_shard_option
-def validate(job: str, overrides: tuple[str, ...], shard: str | None) -> None:
+@_executor_option
+def validate(job: str, overrides: tuple[str, ...], shard: str | None, executor: str | None) -> None:
     """Check JOB and its input's schema without loading the model."""
     from batchrun.job import ShardSpec, describe_plan, plan_job
 
     _setup_logging(quiet=True)
     try:
-        cfg = load_job(job, overrides)
+        cfg = load_job(job, _with_executor(overrides, executor))
         plan = plan_job(cfg, shard=ShardSpec.parse(shard))
     except JobError as e:
         _fail(str(e))
     click.echo(describe_plan(plan))
+
+
+@main.command()
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--to", "dest", type=click.Path(file_okay=False), metavar="DEST",
+              help="Where to write the merged folder (default: OUTPUT-merged, next to OUTPUT).")
+@click.option("--shards", "count", type=click.IntRange(min=1), metavar="N",
+              help="Which array, when OUTPUT holds shards of arrays of different sizes.")
+def merge(output: str, dest: str | None, count: int | None) -> None:
+    """Merge the shard-I-of-N folders of a job array in OUTPUT into one output folder, in input order."""
+    from batchrun.distributed.merge import merge as merge_shards
+
+    _setup_logging(quiet=True)
+    try:
+        result = merge_shards(output, dest, count)
+    except JobError as e:
+        _fail(str(e))
+    click.echo(f"batchrun: merged {result['shards']} shards ({result['output_rows']} rows, "
+               f"{result['row_errors']} row errors) into {result['dest']}")
+
+
+def _with_executor(overrides: tuple[str, ...], executor: str | None) -> tuple[str, ...]:
+    return overrides if executor is None else (*overrides, f"executor.kind={executor}")
 
 
 if __name__ == "__main__":

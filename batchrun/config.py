@@ -76,9 +76,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "rows_per_part": Key(10000, "int", min=1),
         "include_prompt": Key(False, "bool"),
         "include_token_ids": Key(False, "bool"),
+        "commit_interval_s": Key(60, "number", min=0.1),
     },
     "executor": {
         "kind": Key("local", "str", ("local", "ray")),
+        # kind: ray only (batchrun.distributed)
+        "replicas": Key(1, "int", min=1),
+        "address": Key(None, "str", nullable=True),
+        "num_gpus_per_replica": Key(0, "number", min=0),
+        "num_cpus_per_replica": Key(1, "number", min=0.01),
+        "batch_size": Key(256, "int", min=1),
     },
 }
 
@@ -377,9 +384,6 @@ def _validate_sampling(given: Any, source: str, explicit: set[str]) -> dict[str,
 
 def _cross_checks(cfg: JobConfig) -> None:
     src, inp = cfg.source, cfg.input
-    if cfg.executor["kind"] == "ray":
-        raise JobError(f"{src}: executor.kind: 'ray' is not supported yet (it comes with the scale-out "
-                       "work); use kind: local, and --shard for job arrays")
     if "input.prompt_column" in cfg.explicit and inp["messages_column"]:
         raise JobError(f"{src}: input.messages_column: set either prompt_column or messages_column, not both")
     names = SamplingParams.field_names()

@@ -124,13 +124,23 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
     if plan.state == "fresh":
         clear_output(out)
     write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,
-                                       "job": plan.cfg.source})
+                                       "job": plan.cfg.source, "executor": plan.cfg.executor["kind"],
+                                       "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided}})
+    if plan.cfg.executor["kind"] == "ray":
+        from batchrun.distributed.ray_executor import RayRun
+
+        return RayRun(plan, llm_factory, quiet=quiet, progress_interval=progress_interval).run()
     factory = llm_factory or default_llm_factory()
     return _Run(plan, factory, quiet=quiet, progress_interval=progress_interval).run()
 
 
 class _Run:
-    def __init__(self, plan: JobPlan, factory: Callable[..., Any], *, quiet: bool,
+    """One run of a planned job on the local engine. The Ray executor (batchrun.distributed) subclasses it
+    and replaces only `_execute`, so both share the reorder buffer, the sink, commits, signals and metrics."""
+
+    REORDER_FACTOR = 4  # rows finished or in flight but not yet committable: at most this x max_in_flight
+
+    def __init__(self, plan: JobPlan, factory: Callable[..., Any] | None, *, quiet: bool,
                  progress_interval: float | None) -> None:
         self.plan, self.cfg = plan, plan.cfg
         self.factory = factory
@@ -141,6 +151,11 @@ class _Run:
         self.on_error = self.cfg.input["on_error"]
         self.buffer: dict[int, tuple[RowTask, list[Any] | None]] = {}  # reorder buffer: pos -> result
         self.inflight: dict[int, RowTask] = {}
+        self.max_in_flight = max(2 * self.cfg.engine["max_num_seqs"], 64)
+        self.reorder_limit = self.REORDER_FACTOR * self.max_in_flight
+        self.peak_buffered = 0
+        self.commit_interval = float(self.cfg.output["commit_interval_s"])
+        self.last_commit = time.monotonic()
         self.next_pos = 0
         self.exhausted = False  # the input (or this shard of it) has been read to its end
         self.done_rows = self.errors = self.gen_tokens = 0
@@ -150,16 +165,27 @@ class _Run:
 
     # -------------------------------------------------------- input side
 
+    def _end_pos(self) -> int | None:
+        """One past the last position this run may reach (--limit, or the shard's length); None: the end."""
+        plan = self.plan
+        end_pos = plan.limit
+        if plan.hi is not None and not plan.strided:
+            shard_len = plan.hi - plan.lo
+            end_pos = shard_len if end_pos is None else min(end_pos, shard_len)
+        return end_pos
+
+    def _reached_end(self, pos: int) -> bool:
+        """After stopping at position `pos` == _end_pos(): is that the end of the input (or shard)?"""
+        plan = self.plan
+        return plan.limit is None or (plan.hi is not None and not plan.strided and pos >= plan.hi - plan.lo)
+
     def _positions(self) -> Iterator[list[tuple[int, int, dict]]]:
         """Batches of (pos, global index, row) from the first uncommitted position on."""
         plan = self.plan
         start_pos = self.next_pos
-        end_pos = plan.limit if plan.limit is not None else None
-        if plan.hi is not None:
-            shard_len = plan.hi - plan.lo
-            end_pos = shard_len if end_pos is None else min(end_pos, shard_len)
+        end_pos = self._end_pos()
         if end_pos is not None and start_pos >= end_pos:
-            self.exhausted = plan.limit is None or (plan.hi is not None and plan.hi - plan.lo <= plan.limit)
+            self.exhausted = self._reached_end(start_pos)
             return
         columns = self.builder.columns()
         pos = start_pos
@@ -192,15 +218,23 @@ class _Run:
             if batch:
                 yield batch
             if end_pos is not None and pos >= end_pos:
-                self.exhausted = plan.hi is not None and pos >= plan.hi - plan.lo
+                self.exhausted = self._reached_end(pos)
                 return
         self.exhausted = True
 
-    def _items(self) -> Iterator[tuple[int, dict, Any]]:
-        """What the engine pulls: (pos, {"prompt_token_ids"}, SamplingParams). Error rows go straight to
-        the reorder buffer."""
+    def _items(self) -> Iterator[tuple[int, dict, Any] | None]:
+        """What the engine pulls, once per engine step: (pos, {"prompt_token_ids"}, SamplingParams), or
+        None ("nothing now, keep stepping") while max_in_flight rows are in the engine or the reorder
+        buffer is full. Being asked every step is also the loop's clock: timed commits and progress lines
+        happen here even while no row finishes. Error rows go straight to the reorder buffer."""
         for batch in self._positions():
             for task in self.builder.build(batch):
+                self.tick()
+                # In flight rows can all finish behind a slow one: they count against the buffer's bound.
+                while (len(self.inflight) >= self.max_in_flight
+                       or len(self.buffer) + len(self.inflight) >= self.reorder_limit):
+                    yield None  # the oldest row is in flight (else the buffer would drain): stepping frees room
+                    self.tick()
                 if task.error is not None:
                     self._finished(task, None)
                     continue
@@ -208,6 +242,9 @@ class _Run:
                 task.prompt_ids = None
                 self.inflight[task.pos] = task
                 yield task.pos, {"prompt_token_ids": ids}, task.params
+        while self.inflight:  # the input is read: keep the clock running until the last row is back
+            yield None
+            self.tick()
 
     # -------------------------------------------------------- output side
 
@@ -217,11 +254,12 @@ class _Run:
             self.errors += 1
         else:
             self.gen_tokens += sum(len(o.token_ids) for o in outputs)
-        with self.interrupts.deferred():
-            self.buffer[task.pos] = (task, outputs)
-            self._drain()
         if self.progress is not None:
             self.progress.update(self.done_rows, self.gen_tokens, self.errors)
+        with self.interrupts.deferred():
+            self.buffer[task.pos] = (task, outputs)
+            self.peak_buffered = max(self.peak_buffered, len(self.buffer))
+            self._drain()
 
     def _drain(self) -> None:
         while self.next_pos in self.buffer:
@@ -232,7 +270,23 @@ class _Run:
             self.sink.add(task, outputs, write=task.error is None or self.on_error == "record")
             self.next_pos += 1
             if self.sink.pending_rows >= self.sink.rows_per_part:
-                self.sink.commit()
+                self._commit()
+        if self.sink.pending_rows and time.monotonic() - self.last_commit >= self.commit_interval:
+            self._commit()
+
+    def _commit(self) -> None:
+        self.sink.commit()
+        self.last_commit = time.monotonic()
+
+    def tick(self) -> None:
+        """Called often (every engine step): commits finished rows after commit_interval_s even when
+        rows_per_part is far off, so a SIGKILL loses at most that much work; and keeps progress alive."""
+        now = time.monotonic()
+        if self.sink.pending_rows and now - self.last_commit >= self.commit_interval:
+            with self.interrupts.deferred():
+                self._commit()
+        if self.progress is not None:
+            self.progress.tick(now)
 
     def _commit_all(self) -> None:
         with self.interrupts.deferred():
@@ -240,12 +294,36 @@ class _Run:
                 self._drain()
             except RowFailure:
                 pass
-            self.sink.commit()
+            self._commit()
 
     # -------------------------------------------------------- main
 
+    def _start_progress(self, metrics: Callable[[], dict[str, Any]]) -> None:
+        self.progress = Progress(total=self.plan.total, initial=self.next_pos, quiet=self.quiet, metrics=metrics,
+                                 interval=self.progress_interval)
+        self.last_commit = time.monotonic()  # the commit clock starts when rows can start to finish
+
+    def _execute(self) -> None:
+        """Load the engine and stream every row of this run through it (the local executor)."""
+        cfg, plan = self.cfg, self.plan
+        log.info("loading model %s", cfg.model["path"])
+        self.llm = self.factory(cfg.model["path"], **cfg.llm_kwargs())
+        self.builder = RequestBuilder(cfg, source_format=plan.source.format, tokenizer=self.llm.tokenizer,
+                                      check_prompt=self.llm.check_prompt, id_column=plan.id_column)
+        self._start_progress(self.llm.metrics)
+        # One more than our own bound: the engine keeps asking every step, and _items answers None when full.
+        for key, out in self.llm.stream(self._items(), max_in_flight=self.max_in_flight + 1):
+            task = self.inflight.pop(key)
+            self._finished(task, list(out.outputs))
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        return dict(self.llm.metrics()) if self.llm is not None else {}
+
+    def _shutdown(self) -> None:
+        """Release what _execute started (the Ray executor stops its cluster work here)."""
+
     def run(self) -> RunResult:
-        plan, cfg = self.plan, self.cfg
+        plan = self.plan
         committed = self.sink.open()
         self.next_pos = committed.end
         if committed.end:
@@ -253,16 +331,7 @@ class _Run:
         code, message = EXIT_OK, ""
         with self.interrupts.installed():
             try:
-                log.info("loading model %s", cfg.model["path"])
-                self.llm = self.factory(cfg.model["path"], **cfg.llm_kwargs())
-                self.builder = RequestBuilder(cfg, source_format=plan.source.format, tokenizer=self.llm.tokenizer,
-                                              check_prompt=self.llm.check_prompt, id_column=plan.id_column)
-                self.progress = Progress(total=plan.total, initial=committed.end, quiet=self.quiet,
-                                         metrics=self.llm.metrics, interval=self.progress_interval)
-                max_in_flight = max(2 * cfg.engine["max_num_seqs"], 64)
-                for key, out in self.llm.stream(self._items(), max_in_flight=max_in_flight):
-                    task = self.inflight.pop(key)
-                    self._finished(task, list(out.outputs))
+                self._execute()
                 self._commit_all()
                 if self.buffer or self.inflight:
                     raise RuntimeError(f"internal error: {len(self.buffer)} rows unwritten and {len(self.inflight)} "
@@ -280,10 +349,11 @@ class _Run:
             except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
                 self._safe_commit()
                 code = EXIT_FAILED
-                message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                message = _one_line(e)
                 if not isinstance(e, (SinkError, NotImplementedError)):
                     log.error("the run failed", exc_info=True)
             finally:
+                self._quietly(self._shutdown, "shut the executor down")
                 if self.progress is not None:
                     self.progress.close()
         complete = code == EXIT_OK and self.exhausted
@@ -302,37 +372,50 @@ class _Run:
         return RunResult(code, plan.out_dir, message, counts)
 
     def _safe_commit(self) -> None:
-        """Commit what is finished and in order; a second signal during it is ignored."""
+        self._quietly(self._commit_all, "commit the finished rows")
+
+    def _quietly(self, fn: Callable[[], None], what: str) -> None:
+        """fn() with signals held off (a second Ctrl-C must not cut it short); a failure is logged, since
+        the run's first failure is what gets reported."""
         self.interrupts.depth += 1
         try:
-            self._commit_all()
+            fn()
         except JobInterrupted:
             pass
-        except Exception:  # noqa: BLE001 - the original failure is what gets reported
-            log.error("could not commit the finished rows", exc_info=True)
+        except Exception:  # noqa: BLE001
+            log.error("could not %s", what, exc_info=True)
         finally:
             self.interrupts.depth -= 1
 
     def _write_metrics(self, complete: bool) -> None:
         wall = time.monotonic() - self.t0
-        run = self.sink.this_run
-        engine: dict[str, Any] = {}
-        if self.llm is not None:
-            try:
-                engine = dict(self.llm.metrics())
-            except Exception:  # noqa: BLE001
-                log.warning("the engine metrics are unavailable", exc_info=True)
+        run, ex = self.sink.this_run, self.cfg.executor
+
+        def rate(n: int) -> float | None:
+            return round(n / wall, 2) if wall > 0 else None
+
+        try:
+            engine = self._engine_metrics()
+        except Exception:  # noqa: BLE001
+            engine = {}
+            log.warning("the engine metrics are unavailable", exc_info=True)
         metrics = {
             **self.sink.committed.as_dict(), "complete": complete, "wall_time_s": round(wall, 3),
-            "generated_tokens_per_s": round(run.completion_tokens / wall, 2) if wall > 0 else None,
+            "generated_tokens_per_s": rate(run.completion_tokens),
             "this_run": {**run.as_dict(), "input_rows": self.sink.committed.end - self.plan.committed,
-                         "wall_time_s": round(wall, 3),
-                         "generated_tokens_per_s": round(run.completion_tokens / wall, 2) if wall > 0 else None,
-                         "prompt_tokens_per_s": round(run.prompt_tokens / wall, 2) if wall > 0 else None},
-            "engine": engine,
-            "model": self.cfg.model["path"], "shard": str(self.plan.shard) if self.plan.shard else None,
+                         "wall_time_s": round(wall, 3), "generated_tokens_per_s": rate(run.completion_tokens),
+                         "prompt_tokens_per_s": rate(run.prompt_tokens), "reorder_buffer_peak": self.peak_buffered},
+            "engine": engine, "model": self.cfg.model["path"],
+            "executor": {"kind": ex["kind"], **({"replicas": ex["replicas"]} if ex["kind"] == "ray" else {})},
+            "shard": str(self.plan.shard) if self.plan.shard else None,
         }
         try:
             write_json_atomic(self.plan.out_dir / METRICS, metrics)
         except OSError:
             log.error("could not write %s", self.plan.out_dir / METRICS, exc_info=True)
+
+
+def _one_line(e: BaseException) -> str:
+    """A failure as one short line (Ray's errors carry whole remote tracebacks)."""
+    first = (str(e).strip().splitlines() or [""])[0][:500]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__

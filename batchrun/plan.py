@@ -191,6 +191,10 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     """Every check short of loading the model. Raises JobError (exit 2)."""
     if limit is not None and limit < 0:
         raise JobError(f"--limit: must be >= 0, got {limit}")
+    if cfg.executor["kind"] == "ray":
+        from batchrun.distributed import require_ray
+
+        require_ray()
     check_model_path(cfg.model["path"])
     source = open_source(cfg.input)
     inp = cfg.input

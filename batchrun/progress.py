@@ -78,6 +78,19 @@ class Progress:
             if now - self.last_postfix >= 0.5:
                 self.last_postfix = now
                 self.bar.set_postfix_str(self._stats(now, short=True), refresh=False)
+        else:
+            self.tick(now)
+
+    def tick(self, now: float | None = None) -> None:
+        """Called from the run's loop whether or not a row finished: a log line every `interval` seconds,
+        and fresh engine gauges on the bar, also while long requests are still generating."""
+        if self.mode == "off":
+            return
+        now = time.monotonic() if now is None else now
+        if self.bar is not None:
+            if now - self.last_postfix >= 1.0:
+                self.last_postfix = now
+                self.bar.set_postfix_str(self._stats(now, short=True), refresh=True)
         elif now - self.last_log >= self.interval:
             self.last_log = now
             log.info("%s", self.line(now))

@@ -26,5 +26,9 @@ export BATCHRUN_PROGRESS_INTERVAL=${BATCHRUN_PROGRESS_INTERVAL:-30}
 # exec: batchrun becomes the batch step's main process, so it receives the SIGTERM itself.
 exec .venv/bin/batchrun run "$JOB" --shard auto "$@"
 
-# When every task has _SUCCESS, read all shards back in input order:
+# When every task has _SUCCESS, one folder in input order (refuses while a shard is missing or incomplete):
+#   .venv/bin/batchrun merge out/example                  # -> out/example-merged/
+# or as a step that waits for the array:
+#   sbatch --dependency=afterok:$ARRAY_JOB_ID --wrap ".venv/bin/batchrun merge out/example"
+# Reading the shards directly also gives input order (shard folders sort by index):
 #   python -c "import pyarrow.parquet as pq; print(pq.read_table('out/example').num_rows)"

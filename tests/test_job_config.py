@@ -33,7 +33,9 @@ def test_defaults():
     assert cfg.input["prompt_column"] == "prompt" and cfg.input["on_error"] == "record"
     assert cfg.input["keep_columns"] == [] and cfg.input["sampling_columns"] == {}
     assert cfg.engine["block_size"] == 16 and cfg.engine["preemption_mode"] == "auto"
-    assert cfg.output["rows_per_part"] == 10000 and cfg.executor == {"kind": "local"}
+    assert cfg.output["rows_per_part"] == 10000 and cfg.output["commit_interval_s"] == 60
+    assert cfg.executor == {"kind": "local", "replicas": 1, "address": None, "num_gpus_per_replica": 0,
+                            "num_cpus_per_replica": 1, "batch_size": 256}
     assert cfg.sampling == SAMPLING_DEFAULTS
     p = cfg.sampling_params()
     assert isinstance(p, SamplingParams) and p.max_tokens == 128 and p.temperature == 0.0
@@ -73,7 +75,9 @@ def test_every_sampling_field_is_accepted():
      "input.sampling_columns.max_token: not a SamplingParams field (did you mean max_tokens?)"),
     ("input: {path: x.parquet, prompt_column: p, messages_column: m}", "set either prompt_column or messages_column"),
     ("input: {path: x.parquet, keep_columns: [completion]}", "input.keep_columns: 'completion' clashes"),
-    ("executor: {kind: ray}", "executor.kind: 'ray' is not supported yet"),
+    ("executor: {kind: ray, num_gpus_per_replica: -1}", "executor.num_gpus_per_replica: must be >= 0, got -1"),
+    ("executor: {kind: ray, adress: auto}", "executor.adress: unknown key (did you mean address?)"),
+    ("output: {path: out/x, commit_interval_s: 0}", "output.commit_interval_s: must be >= 0.1, got 0"),
     ("executor: {kind: slurm}", "executor.kind: must be one of local, ray"),
     ("model: {dtype: float16}", "model.path: required key is missing"),
 ])

@@ -93,7 +93,11 @@ class FakeLLM:
                                          logprobs=lps, finish_reason=reason))
         return outs
 
-    def stream(self, items: Iterable[tuple[Any, Any, SamplingParams]], *,
+    def request_steps(self, ids: list[int], params: SamplingParams) -> int:
+        """Engine steps a request takes (subclasses make some rows slow)."""
+        return min(natural_length(ids), params.max_tokens or 10**9)
+
+    def stream(self, items: Iterable[tuple[Any, Any, SamplingParams] | None], *,
                max_in_flight: int = 1024) -> Iterator[tuple[Any, RequestOutput]]:
         it = iter(items)
         running: dict[Any, list] = {}
@@ -101,20 +105,24 @@ class FakeLLM:
         while True:
             while not exhausted and len(running) < max_in_flight:
                 try:
-                    key, prompt, params = next(it)
+                    item = next(it)
                 except StopIteration:
                     exhausted = True
                     break
+                if item is None:  # the caller holds back: step without adding (LLM.stream's contract)
+                    break
+                key, prompt, params = item
                 assert isinstance(prompt, dict) and "prompt_token_ids" in prompt, prompt
                 ids = list(prompt["prompt_token_ids"])
                 why = self.check_prompt(ids, params)
                 if why:
                     raise ValueError(why)
-                steps = min(natural_length(ids), params.max_tokens or 10**9)
-                running[key] = [ids, params, steps]
+                running[key] = [ids, params, self.request_steps(ids, params)]
             self.max_seen_in_flight = max(self.max_seen_in_flight, len(running))
             if not running:
-                return
+                if exhausted:
+                    return
+                raise RuntimeError("stream(): the source held back (None) with nothing in flight")
             self.steps += 1
             self.running = min(len(running), self.max_num_seqs)
             self.waiting = len(running) - self.running

@@ -60,13 +60,7 @@ class RequestBuilder:
 
     def columns(self) -> list[str] | None:
         """The input columns a row needs (None: all, for formats that cannot select)."""
-        if self.openai:
-            return None
-        cols = [self.messages_column or self.prompt_column]
-        if self.id_column:
-            cols.append(self.id_column)
-        cols += list(self.inp["keep_columns"]) + list(self.inp["sampling_columns"].values())
-        return list(dict.fromkeys(cols))
+        return input_columns(self.cfg, "openai-batch" if self.openai else "", self.id_column)
 
     # ------------------------------------------------------------ per row
 
@@ -195,6 +189,19 @@ class RequestBuilder:
                 task.prompt_ids = None
                 task.params = None
         return tasks
+
+
+def input_columns(cfg: JobConfig, source_format: str, id_column: str | None) -> list[str] | None:
+    """The input columns a job reads (None: all, for openai-batch, whose rows are normalized requests).
+    Needs no tokenizer, so a driver that loads no model (the Ray executor) can select columns too."""
+    if source_format == "openai-batch":
+        return None
+    inp = cfg.input
+    cols = [inp["messages_column"] or inp["prompt_column"]]
+    if id_column:
+        cols.append(id_column)
+    cols += list(inp["keep_columns"]) + list(inp["sampling_columns"].values())
+    return list(dict.fromkeys(cols))
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -1,0 +1,158 @@
+"""`batchrun merge OUTPUT`: the shard folders of a job array as one ordered output folder.
+
+Shards are committed independently (`OUTPUT/shard-I-of-N/`), so a downstream step that wants one table in
+input order either reads `OUTPUT` with a Parquet reader that sorts paths (contiguous shards sort in input
+order) or runs this: it checks every shard of the array is complete, unifies the column types the shards
+inferred on their own, and writes `DEST` (default `OUTPUT-merged`, outside OUTPUT so that reading OUTPUT
+does not see the rows twice) as parts in input order with `_metrics.json` and `_SUCCESS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.config import JobError
+from batchrun.io.sinks import (
+    JOB_FILE,
+    METRICS,
+    OPENAI_OUTPUT,
+    SUCCESS,
+    clear_output,
+    part_files,
+    write_json_atomic,
+)
+
+SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
+_COUNTS = ("input_rows", "output_rows", "row_errors", "prompt_tokens", "completion_tokens")
+
+
+def find_shards(output: Path, count: int | None = None) -> list[Path]:
+    """The N shard folders of one array, in order; JobError if one is missing or incomplete."""
+    if not output.is_dir():
+        raise JobError(f"{output} is not a folder")
+    arrays: dict[int, dict[int, Path]] = {}
+    for p in output.iterdir():
+        m = SHARD_RE.match(p.name)
+        if m and p.is_dir():
+            arrays.setdefault(int(m.group(2)), {})[int(m.group(1))] = p
+    if not arrays:
+        raise JobError(f"{output} holds no shard-I-of-N folders (written by batchrun run --shard)")
+    if count is None:
+        if len(arrays) > 1:
+            raise JobError(f"{output} holds shards of arrays of {', '.join(map(str, sorted(arrays)))} tasks; "
+                           "choose one with --shards N")
+        count = next(iter(arrays))
+    shards = arrays.get(count)
+    if shards is None:
+        raise JobError(f"{output} holds no shards of an array of {count} tasks")
+    missing = [i for i in range(count) if i not in shards]
+    incomplete = [i for i in range(count) if i in shards and not (shards[i] / SUCCESS).exists()]
+    if missing or incomplete:
+        what = "; ".join(x for x in (f"missing: {_ids(missing)}" if missing else "",
+                                     f"not complete: {_ids(incomplete)}" if incomplete else "") if x)
+        raise JobError(f"{output}: shards of {count} {what}; rerun the array (complete shards are skipped)")
+    return [shards[i] for i in range(count)]
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+
+
+def _strided(shard: Path) -> bool:
+    try:
+        info = json.loads((shard / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool((info.get("slice") or {}).get("strided"))
+
+
+def _schema(parts: list[Path]) -> pa.Schema:
+    schemas = [pq.read_schema(p).remove_metadata() for p in parts]
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise JobError(f"the shards' columns do not agree ({str(e).splitlines()[0]}); set input types "
+                       "explicitly (e.g. Parquet input) or read the shards one by one") from None
+
+
+def merge(output: str | os.PathLike, dest: str | os.PathLike | None = None, count: int | None = None) -> dict[str, Any]:
+    """Write the shards of `output` into `dest` in input order. Returns the merged counts."""
+    output = Path(output)
+    dest = Path(dest) if dest is not None else output.with_name(output.name + "-merged")
+    if dest.resolve() == output.resolve() or output.resolve() in dest.resolve().parents:
+        raise JobError(f"--to {dest}: must be outside {output} (reading {output} would see every row twice)")
+    shards = find_shards(output, count)
+    if dest.exists() and any(dest.iterdir()) and not _is_merged(dest):
+        raise JobError(f"--to {dest}: exists and is not an earlier merge; choose another folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    clear_output(dest)
+    if (shards[0] / OPENAI_OUTPUT).exists():
+        _concat_jsonl(shards, dest)
+    elif any(_strided(s) for s in shards):
+        _interleave(shards, dest)
+    else:
+        parts = [p for s in shards for p in part_files(s)]
+        schema = _schema(parts) if parts else None
+        for i, p in enumerate(parts):
+            _write_part(pq.read_table(p).cast(schema), dest, i, f"{p.parent.name}/{p.name}")
+    totals = {k: 0 for k in _COUNTS}
+    for s in shards:
+        m = json.loads((s / METRICS).read_text())
+        for k in _COUNTS:
+            totals[k] += int(m.get(k) or 0)
+    write_json_atomic(dest / METRICS, {**totals, "complete": True, "shards": len(shards),
+                                       "merged_from": str(output)})
+    (dest / SUCCESS).write_text("")
+    return {**totals, "shards": len(shards), "dest": str(dest)}
+
+
+def _is_merged(path: Path) -> bool:
+    try:
+        return "merged_from" in json.loads((path / METRICS).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _write_part(table: pa.Table, dest: Path, i: int, origin: str) -> None:
+    name = f"part-{i:05d}.parquet"
+    table = table.replace_schema_metadata({b"batchrun_merged_from": origin.encode()})
+    tmp = dest / f".{name}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, dest / name)
+
+
+def _interleave(shards: list[Path], dest: Path) -> None:
+    """Strided shards (an input of unknown length: shard I holds rows I, I+N, ...) back into row order.
+    Only when each input row made exactly one output row; n > 1 or skipped rows leave no way to align."""
+    tables = []
+    for s in shards:
+        parts = part_files(s)
+        m = json.loads((s / METRICS).read_text())
+        if m.get("output_rows") != m.get("input_rows"):
+            raise JobError(f"{s}: strided shards with n > 1 or skipped rows cannot be interleaved; read the "
+                           "shards one by one (shard I holds input rows I, I+N, I+2N, ...)")
+        tables.append([pq.read_table(p) for p in parts])
+    schema = _schema([p for s in shards for p in part_files(s)])
+    columns = [pa.concat_tables([t.cast(schema) for t in ts]) if ts else schema.empty_table() for ts in tables]
+    n = len(shards)
+    order = [(k % n, k // n) for k in range(sum(t.num_rows for t in columns))]
+    merged = pa.concat_tables(columns)
+    offsets = [sum(t.num_rows for t in columns[:i]) for i in range(n)]
+    _write_part(merged.take(pa.array([offsets[s] + r for s, r in order], pa.int64())), dest, 0, "interleaved")
+
+
+def _concat_jsonl(shards: list[Path], dest: Path) -> None:
+    tmp = dest / f".{OPENAI_OUTPUT}.tmp"
+    with open(tmp, "wb") as out:
+        for s in shards:
+            with open(s / OPENAI_OUTPUT, "rb") as f:
+                shutil.copyfileobj(f, out)
+    os.replace(tmp, dest / OPENAI_OUTPUT)

@@ -1,0 +1,283 @@
+"""The Ray executor (`executor: {kind: ray}`): the same job, its engines spread over a Ray cluster by Ray Data.
+
+Pipeline: read the input with Ray Data (`read_parquet`, `from_huggingface`, or `read_binary_files` for
+JSONL, split into lines in the Indexer exactly as the local reader splits them, so a bad line stays a row
+error: `read_json` would fail the whole file) -> the ordered Indexer (global row indices, this run's
+slice) -> blocks of `batch_size` rows -> `map_batches(EngineReplica)` on an actor pool of `replicas`,
+each holding one engine -> the driver, which takes the results in input order (`preserve_order`) and
+feeds them to the local executor's reorder buffer and Sink.
+
+Why the driver writes, not `Dataset.write_parquet`: the output must be the local executor's (same parts,
+schema, row errors, `_metrics.json`) and resumable without duplicates; a part is committed atomically
+only once every row before it is in, which needs one writer that sees the rows in order. Results are
+small next to the work that makes them, so one writer is not the bottleneck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import signal
+import threading
+import warnings
+from typing import Any
+
+from batchrun.config import JobError
+from batchrun.distributed.workers import CALLS, GEN, METRICS, POS, REPLICA, RESULT, EngineReplica, Indexer
+from batchrun.io.rows import input_columns
+from batchrun.job import _Run
+
+log = logging.getLogger(__name__)
+
+# Gauges a replica reports at the end of a batch, when its engine is idle: meaningless summed over time.
+_SNAPSHOT_GAUGES = ("num_running", "num_waiting", "num_swapped", "kv_blocks_in_use")
+
+
+class RayRun(_Run):
+    def __init__(self, plan, factory, *, quiet: bool, progress_interval: float | None) -> None:
+        super().__init__(plan, factory, quiet=quiet, progress_interval=progress_interval)
+        self.ex = plan.cfg.executor
+        self.replica_metrics: dict[str, dict[str, Any]] = {}
+        self.owns_ray = False
+        self.ray: Any = None
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.generation: str | None = None
+
+    # -------------------------------------------------------- cluster
+
+    def _connect(self) -> None:
+        import ray
+
+        self.ray = ray
+        if ray.is_initialized():  # a Python caller brought its own Ray: use it, leave it running
+            return
+        address = self.ex["address"]
+        common = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        try:
+            if address is None:
+                # Logical CPUs are only tokens: a local Ray gets enough for every replica plus one for
+                # Ray Data's own read/listing tasks, else two replicas on a two-core laptop would deadlock.
+                need = math.ceil(self.ex["replicas"] * self.ex["num_cpus_per_replica"]) + 1
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), **common)
+            else:
+                ray.init(address=address, **common)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise JobError(f"executor.address: cannot start or join Ray at {address or 'a local instance'}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        self.owns_ray = True
+        for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own SIGTERM handler; ours wins
+            if sig in self.interrupts._old:
+                signal.signal(sig, self.interrupts._handler)
+        self._check_resources()
+
+    def _check_resources(self) -> None:
+        res = self.ray.cluster_resources()
+        cpus = self.ex["replicas"] * self.ex["num_cpus_per_replica"]
+        gpus = self.ex["replicas"] * self.ex["num_gpus_per_replica"]
+        if gpus > res.get("GPU", 0):
+            log.warning("the Ray cluster has %g GPUs, the job asks for %g (%d replicas x %g): replicas wait "
+                        "until the cluster grows", res.get("GPU", 0), gpus, self.ex["replicas"],
+                        self.ex["num_gpus_per_replica"])
+        if cpus >= res.get("CPU", 0):
+            log.warning("the Ray cluster has %g CPUs and the replicas take %g: Ray Data needs some left "
+                        "for reading (lower executor.num_cpus_per_replica)", res.get("CPU", 0), cpus)
+        log.info("Ray cluster: %g CPUs, %g GPUs; %d replicas", res.get("CPU", 0), res.get("GPU", 0),
+                 self.ex["replicas"])
+
+    # -------------------------------------------------------- pipeline
+
+    def _read(self, columns: list[str] | None) -> tuple[Any, int, bool]:
+        """(Ray dataset of the input, global index of its first row, whether rows are JSONL lines)."""
+        import ray.data
+
+        src = self.plan.source
+        if src.format == "parquet":
+            files, start = self._parquet_files()
+            ds = ray.data.read_parquet(files, file_extensions=None, partitioning=None)
+            return (ds if columns is None else ds.select_columns(columns)), start, False
+        if src.format in ("jsonl", "openai-batch"):
+            files = [os.path.abspath(f) for f in src.files]
+            return ray.data.read_binary_files(files, include_paths=True, file_extensions=None), 0, True
+        hf = src.ds.select_columns(columns) if columns is not None else src.ds
+        return ray.data.from_huggingface(hf), 0, False
+
+    def _parquet_files(self) -> tuple[list[str], int]:
+        """The files holding this run's rows (earlier and later files are not read at all) and the
+        global index of the first one's first row."""
+        plan, src = self.plan, self.plan.source
+        end_pos = self._end_pos()
+        if plan.strided:
+            first, last = plan.shard.index + self.next_pos * plan.shard.count, None
+        else:
+            first = plan.lo + self.next_pos
+            last = None if end_pos is None else plan.lo + end_pos
+        files, start, offset = [], None, 0
+        for f, groups in zip(src.files, src._row_groups):
+            n = sum(groups)
+            if offset + n > first and (last is None or offset < last):
+                if start is None:
+                    start = offset
+                files.append(os.path.abspath(f))
+            offset += n
+        return files, start or 0
+
+    def _dataset(self) -> Any:
+        import ray.data
+
+        plan, cfg, ex = self.plan, self.cfg, self.ex
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # results reach the driver in input order
+        ctx.enable_progress_bars = False  # batchrun's own progress line covers the job ...
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... say so only once
+        columns = input_columns(cfg, plan.source.format, plan.id_column)
+        ds, start, text = self._read(columns)
+        if plan.strided:
+            base, stride = plan.shard.index, plan.shard.count
+        else:
+            base, stride = plan.lo, 1
+        indexer = dict(start=start, base=base, stride=stride, first_pos=self.next_pos, last_pos=self._end_pos(),
+                       text=text)
+        # One actor, one call at a time, never restarted: it sees the blocks in order, so its counter is
+        # the row index. Reading is fused into it; it needs no CPU of its own.
+        ds = _map_indexer(ds, indexer)
+        ds = ds.repartition(target_num_rows_per_block=ex["batch_size"])  # so blocks spread over replicas
+        model = dict(cfg.model)
+        if not model["path"].startswith("builtin:") and os.path.exists(model["path"]):
+            model["path"] = os.path.abspath(model["path"])  # replicas may start in another directory
+        replica = dict(cfg=dataclasses.replace(cfg, model=model), source_format=plan.source.format,
+                       id_column=plan.id_column, factory=self.factory or os.environ.get("BATCHRUN_LLM_FACTORY"),
+                       data_columns=columns, parser=plan.source if text else None)
+        return ds.map_batches(EngineReplica, fn_constructor_kwargs=replica, batch_format="pyarrow",
+                              batch_size=ex["batch_size"], compute=ray.data.ActorPoolStrategy(size=ex["replicas"]),
+                              num_cpus=ex["num_cpus_per_replica"], num_gpus=ex["num_gpus_per_replica"] or None,
+                              zero_copy_batch=True)
+
+    def _tick_progress(self) -> None:
+        """In a thread: progress lines while a batch is generating (rows only arrive a block at a time,
+        so commits need no clock of their own; they happen as blocks arrive, on the main thread)."""
+        while not self.stop.wait(0.5):
+            if self.progress is not None:
+                self.progress.tick()
+
+    # -------------------------------------------------------- run
+
+    def _execute(self) -> None:
+        end_pos = self._end_pos()
+        if end_pos is not None and self.next_pos >= end_pos:
+            self.exhausted = self._reached_end(self.next_pos)
+            return
+        self._connect()
+        ds = self._dataset()
+        log.info("running on Ray: %d replicas x (%g CPU, %g GPU), batch_size %d", self.ex["replicas"],
+                 self.ex["num_cpus_per_replica"], self.ex["num_gpus_per_replica"], self.ex["batch_size"])
+        self._start_progress(self._progress_metrics)
+        self.thread = threading.Thread(target=self._tick_progress, name="batchrun-progress", daemon=True)
+        self.thread.start()
+        # Iterated on the main thread: SIGTERM / SIGINT interrupt it there, which unwinds Ray Data's
+        # iterator and stops the pipeline before Ray itself is shut down.
+        blocks = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1)
+        try:
+            for block in blocks:
+                self._take(block)
+                self.tick()
+                if end_pos is not None and self.next_pos >= end_pos:
+                    self.exhausted = self._reached_end(self.next_pos)
+                    return
+            self._check_complete(end_pos)
+            self.exhausted = True
+        except Exception as e:  # noqa: BLE001 - re-raised, unwrapped from Ray's remote traceback
+            cause = _remote_failure(e)
+            if cause is e:
+                raise
+            raise cause from e
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
+
+    def _check_complete(self, end_pos: int | None) -> None:
+        """Ray finished: when the slice's length is known, every position must have come back."""
+        if end_pos is not None and self.plan.hi is not None and not self.plan.strided and self.next_pos < end_pos:
+            raise RuntimeError(f"Ray returned rows up to input position {self.next_pos} of {end_pos}; what "
+                               "came back is committed, and a rerun resumes")
+
+    def _take(self, block: Any) -> None:
+        """One block of results, in input order: each row goes through the local executor's buffer and sink."""
+        for pos, gen, payload in zip(block.column(POS).to_pylist(), block.column(GEN).to_pylist(),
+                                     block.column(RESULT).to_pylist()):
+            expected = self.next_pos + len(self.buffer)
+            if self.generation is None:
+                self.generation = gen
+            if gen != self.generation:
+                raise RuntimeError("the Ray actor numbering the rows restarted (its node failed?); every row "
+                                   "before it is committed and a rerun resumes")
+            if pos != expected:
+                raise RuntimeError(f"internal error: Ray returned input position {pos} where {expected} was due; "
+                                   "nothing after the last committed row was written")
+            task, outputs = pickle.loads(payload)
+            self._finished(task, outputs)
+        for name, text in zip(block.column(REPLICA).to_pylist(), block.column(METRICS).to_pylist()):
+            if text is not None:
+                m = json.loads(text)
+                if m[CALLS] > self.replica_metrics.get(name, {}).get(CALLS, 0):
+                    self.replica_metrics[name] = m
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        """The engine metrics of the replicas that ran rows: counters summed, fractions averaged, peaks the
+        largest one's."""
+        per = list(self.replica_metrics.values())
+        out: dict[str, Any] = {"replicas_used": len(per)}
+        for key in sorted({k for m in per for k in m if k != CALLS}):
+            values = [m[key] for m in per if isinstance(m.get(key), (int, float))]
+            if not values:
+                continue
+            if "fraction" in key or "utilization" in key:
+                out[key] = sum(values) / len(values)
+            elif key.startswith("peak_") or key.endswith("per_token"):
+                out[key] = max(values)  # a peak of one replica; a property of the model
+            else:
+                out[key] = sum(values)
+        return out
+
+    def _progress_metrics(self) -> dict[str, Any]:
+        return {k: v for k, v in self._engine_metrics().items() if k not in _SNAPSHOT_GAUGES}
+
+    def _shutdown(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        if self.owns_ray and self.ray is not None:
+            self.ray.shutdown()  # every replica and actor this run started goes with it
+
+
+def _map_indexer(ds: Any, kwargs: dict[str, Any]) -> Any:
+    """The Indexer stage. A restarted Indexer would count from the start again, so it must not restart
+    (its node failing fails the run; a rerun resumes). Ray Data takes max_restarts only through the
+    deprecated **ray_remote_args; where that is gone, the generation check in RayRun._take still catches
+    a restart."""
+    import ray.data
+
+    args = dict(fn_constructor_kwargs=kwargs, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
+                compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ds.map_batches(Indexer, max_restarts=0, **args)
+    except TypeError:
+        return ds.map_batches(Indexer, **args)
+
+
+def _remote_failure(e: BaseException) -> BaseException:
+    """Ray wraps a worker's exception with the whole remote traceback: report the original one."""
+    cause = e
+    while getattr(cause, "cause", None) is not None and cause.cause is not cause:
+        cause = cause.cause
+    if cause is e:
+        return e
+    return RuntimeError(f"a Ray worker failed: {type(cause).__name__}: {cause}")
+

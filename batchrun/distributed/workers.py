@@ -1,0 +1,160 @@
+"""The two callables the Ray Data pipeline runs in its workers: an ordered Indexer and the engine replicas.
+
+Ray Data has no row index, yet every row needs its global input index before it reaches an engine: the
+local executor seeds row i with `seed + i`, numbers rows without an id column, and resumes by position.
+So one Indexer actor (a single actor, sequential, no restarts) sees the input blocks in input order
+(`preserve_order`) and stamps `__index` / `__pos` on them, dropping rows outside this run's slice
+(committed rows on resume, other shards, past `--limit`). JSONL arrives as whole files and is split
+into lines here exactly as the local reader splits them, so a bad line is a row error in both.
+
+EngineReplica holds one batchrun engine; it turns its rows into RowTasks with the local executor's
+RequestBuilder and sends back, per input row, the pickled (RowTask, outputs) pair that the driver hands
+to the same Sink the local executor uses: one code path for row errors, schema and order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import logging
+import os
+import pickle
+import uuid
+from typing import Any
+
+import pyarrow as pa
+
+log = logging.getLogger(__name__)
+
+POS, INDEX, WHERE, LINE = "__batchrun_pos", "__batchrun_index", "__batchrun_where", "__batchrun_line"
+RESULT, REPLICA, METRICS = "__batchrun_result", "__batchrun_replica", "__batchrun_metrics"
+CALLS = "__batchrun_calls"
+GEN = "__batchrun_indexer"  # which Indexer instance stamped a row: a restarted one would count from zero
+
+
+class Indexer:
+    """Stamps global row indices on blocks that arrive in input order; keeps only this run's rows.
+
+    start: global index of the first row it will see. lo/hi: keep indices in [lo, hi) (hi None: to the
+    end); pos = index - base. With stride N (shards of an input of unknown length) keep index ≡ base
+    (mod N) and pos = (index - base) // N, for pos in [first_pos, last_pos).
+    """
+
+    def __init__(self, *, start: int, base: int, first_pos: int, last_pos: int | None, stride: int = 1,
+                 text: bool = False) -> None:
+        self.next = start
+        self.base, self.stride = base, stride
+        self.first_pos, self.last_pos = first_pos, last_pos
+        self.text = text
+        self.generation = uuid.uuid4().hex
+
+    def _keep(self, index: int) -> int | None:
+        off = index - self.base
+        if off < 0 or off % self.stride:
+            return None
+        pos = off // self.stride
+        if pos < self.first_pos or (self.last_pos is not None and pos >= self.last_pos):
+            return None
+        return pos
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.text:
+            return self._lines(batch)
+        n = batch.num_rows
+        keep, pos = [], []
+        for i in range(n):
+            p = self._keep(self.next + i)
+            if p is not None:
+                keep.append(i)
+                pos.append(p)
+        indices = [self.next + i for i in keep]
+        self.next += n
+        out = batch.take(pa.array(keep, pa.int64())) if len(keep) < n else batch
+        out = out.append_column(POS, pa.array(pos, pa.int64())).append_column(INDEX, pa.array(indices, pa.int64()))
+        return out.append_column(GEN, pa.array([self.generation] * len(pos), pa.string()))
+
+    def _lines(self, batch: pa.Table) -> pa.Table:
+        """Whole JSONL files (bytes, path) -> one row per non-blank line, as batchrun.io.sources reads them."""
+        lines, where, pos, indices = [], [], [], []
+        for data, path in zip(batch.column("bytes").to_pylist(), batch.column("path").to_pylist()):
+            name = os.path.basename(path)
+            text = io.StringIO(data.decode("utf-8"), newline=None)  # universal newlines, as open() reads
+            for lineno, line in enumerate(text, 1):
+                if not line.strip():
+                    continue
+                p = self._keep(self.next)
+                if p is not None:
+                    lines.append(line)
+                    where.append(f"{name} line {lineno}")
+                    pos.append(p)
+                    indices.append(self.next)
+                self.next += 1
+        return pa.table({LINE: pa.array(lines, pa.large_string()), WHERE: pa.array(where, pa.string()),
+                         POS: pa.array(pos, pa.int64()), INDEX: pa.array(indices, pa.int64()),
+                         GEN: pa.array([self.generation] * len(pos), pa.string())})
+
+
+def resolve_factory(spec: str | None):
+    """'module:attr' -> the callable that builds the engine (batchrun.llm:LLM by default)."""
+    module, _, attr = (spec or "batchrun.llm:LLM").partition(":")
+    return getattr(importlib.import_module(module), attr or "LLM")
+
+
+class EngineReplica:
+    """One batchrun engine. Each call runs one batch of rows through it and returns one row per input row."""
+
+    def __init__(self, *, cfg: Any, source_format: str, id_column: str | None, factory: Any,
+                 data_columns: list[str], parser: Any = None) -> None:
+        from batchrun.io.rows import RequestBuilder
+
+        self.cfg = cfg
+        self.data_columns = data_columns
+        self.parser = parser  # a JsonlSource: its _parse turns a line into a row (or a row error)
+        make = factory if callable(factory) else resolve_factory(factory)
+        self.llm = make(cfg.model["path"], **cfg.llm_kwargs())
+        self.builder = RequestBuilder(cfg, source_format=source_format, tokenizer=self.llm.tokenizer,
+                                      check_prompt=self.llm.check_prompt, id_column=id_column)
+        self.columns = self.builder.columns()
+        self.max_in_flight = max(2 * cfg.engine["max_num_seqs"], 64)
+        self.keep_prompt = cfg.output["include_prompt"]
+        self.name = f"{os.uname().nodename}:{os.getpid()}"
+        self.calls = 0  # batches need not run in input order: the driver keeps each replica's latest metrics
+
+    def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return batch.select(self.data_columns).to_pylist()
+        from batchrun.io.sources import ROW_ERROR
+
+        rows = []
+        for line, where in zip(batch.column(LINE).to_pylist(), batch.column(WHERE).to_pylist()):
+            row = self.parser._parse(line, where)
+            if self.columns is not None and ROW_ERROR not in row:
+                row = {c: row.get(c) for c in self.columns if c in row}
+            rows.append(row)
+        return rows
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        positions = batch.column(POS).to_pylist()
+        indices = batch.column(INDEX).to_pylist()
+        tasks = self.builder.build(list(zip(positions, indices, self._rows(batch))))
+        outputs: list[list[Any] | None] = [None] * len(tasks)
+        ok = [(i, t) for i, t in enumerate(tasks) if t.error is None]
+        if ok:
+            items = ((i, {"prompt_token_ids": t.prompt_ids}, t.params) for i, t in ok)
+            for i, out in self.llm.stream(items, max_in_flight=self.max_in_flight):
+                outputs[i] = list(out.outputs)
+        results = []
+        for task, outs in zip(tasks, outputs):
+            task.prompt_ids, task.params = None, None  # the sink needs neither; keep the payload small
+            if not self.keep_prompt:
+                task.prompt = None
+            results.append(pickle.dumps((task, outs), protocol=pickle.HIGHEST_PROTOCOL))
+        n = len(tasks)
+        metrics = [None] * n
+        self.calls += 1
+        if n:
+            metrics[-1] = json.dumps({**self.llm.metrics(), CALLS: self.calls}, default=float)
+        return pa.table({POS: pa.array(positions, pa.int64()), GEN: batch.column(GEN),
+                         RESULT: pa.array(results, pa.binary()),
+                         REPLICA: pa.array([self.name] * n, pa.string()), METRICS: pa.array(metrics, pa.string())})
