@@ -80,6 +80,11 @@ class Interrupts:
                 signal.signal(sig, old)
             self._old.clear()
 
+    def reinstall(self) -> None:
+        """Take SIGINT / SIGTERM back after a library replaced the handlers (ray.init does)."""
+        for sig in self._old:
+            signal.signal(sig, self._handler)
+
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         self.depth += 1

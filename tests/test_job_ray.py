@@ -4,6 +4,7 @@ with the install hint before any model is loaded."""
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_job_fakes import batchrun_cmd, cli_env, read_rows, write_job
+from test_job_fakes import TESTS_DIR, batchrun_cmd, cli_env, read_rows, write_job
 
 from batchrun.cli import main
 from batchrun.config import load_job
-from batchrun.job import plan_job, run_job
+from batchrun.job import ShardSpec, plan_job, run_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own, about its own settings
 
@@ -30,7 +31,12 @@ def ray_cluster():
     """One local Ray for the in-process runs (a job joins a Ray that is already up, and leaves it up)."""
     ray = pytest.importorskip("ray")
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved) if p)  # replicas import test fakes
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    finally:
+        os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(PYTHONPATH=saved)
     yield ray
     ray.shutdown()
     for s, h in old.items():
@@ -86,16 +92,37 @@ def test_jsonl_on_ray_keeps_bad_lines_and_per_row_seeds(ray_cluster, tmp_path):
     assert rows[4]["error"].startswith("in.jsonl line 5: invalid JSON") and rows[5]["error"] is None
 
 
+def test_saved_dataset_shard_on_ray_gives_the_local_rows(ray_cluster, tmp_path):
+    import datasets
+
+    msgs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(9)]
+    msgs[6] = [{"role": "user"}]  # malformed: no content
+    datasets.Dataset.from_dict({"messages": msgs, "topic": list("abcdefghi")}).save_to_disk(str(tmp_path / "ds"))
+    job = write_job(tmp_path / "job.yaml", executor=RAY, engine=ENGINE, sampling={"max_tokens": 4},
+                    input={"path": str(tmp_path / "ds"), "messages_column": "messages", "keep_columns": ["topic"]},
+                    output={"path": "unused", "include_prompt": True})
+    out = {}
+    for kind in ("local", "ray"):
+        cfg = load_job(job, [f"executor.kind={kind}", f"output.path={tmp_path / kind}"])
+        plan = plan_job(cfg, shard=ShardSpec(1, 2))  # rows 4..8: Ray gets only this slice
+        assert run_job(plan, quiet=True).exit_code == 0
+        out[kind] = read_rows(plan.out_dir)
+    assert out["ray"] == out["local"] and [r["id"] for r in out["ray"]] == [4, 5, 6, 7, 8]
+    assert out["ray"][2]["error"].startswith("malformed messages") and "Question 5?" in out["ray"][1]["prompt"]
+
+
 def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster, tmp_path):
     n = 24
     pq.write_table(pa.table({"id": list(range(n)), "prompt": [f"The farmer reads letter {i}" for i in range(n)]}),
                    tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
                     sampling={"max_tokens": 4}, executor=RAY, output={"path": str(tmp_path / "out"), "rows_per_part": 4})
-    # Its own local Ray, in a subprocess; each finished request waits 0.4 s, so the run is cut half way.
+    # A subprocess joining the module's Ray by address; each finished request waits 0.4 s (the BATCHRUN_*
+    # variables travel to the replicas), so the run is cut half way.
     env = cli_env(fake=False, BATCHRUN_LLM_FACTORY="test_job_fakes:PacedLLM", BATCHRUN_FAKE_DELAY="0.4")
-    proc = subprocess.Popen(batchrun_cmd() + ["run", job], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    address = ray_cluster.get_runtime_context().gcs_address
+    proc = subprocess.Popen(batchrun_cmd() + ["run", job, "--set", f"executor.address={address}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "out" / "part-00000.parquet").exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]

@@ -1,6 +1,6 @@
 """The Ray executor (`executor: {kind: ray}`): the same job, its engines spread over a Ray cluster by Ray Data.
 
-Pipeline: read the input with Ray Data (`read_parquet`, `from_huggingface`, or `read_binary_files` for
+Pipeline: read the input with Ray Data (`read_parquet`, `from_huggingface`'s readers, or `read_binary_files` for
 JSONL, split into lines in the Indexer exactly as the local reader splits them, so a bad line stays a row
 error: `read_json` would fail the whole file) -> the ordered Indexer (global row indices, this run's
 slice) -> blocks of `batch_size` rows -> `map_batches(EngineReplica)` on an actor pool of `replicas`,
@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import pickle
-import signal
 import threading
 import warnings
 from typing import Any
@@ -70,9 +69,7 @@ class RayRun(_Run):
             raise JobError(f"executor.address: cannot start or join Ray at {address or 'a local instance'}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
         self.owns_ray = True
-        for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own SIGTERM handler; ours wins
-            if sig in self.interrupts._old:
-                signal.signal(sig, self.interrupts._handler)
+        self.interrupts.reinstall()  # ray.init installs its own SIGTERM handler; ours commits first
         self._check_resources()
 
     def _check_resources(self) -> None:
@@ -103,8 +100,26 @@ class RayRun(_Run):
         if src.format in ("jsonl", "openai-batch"):
             files = [os.path.abspath(f) for f in src.files]
             return ray.data.read_binary_files(files, include_paths=True, file_extensions=None), 0, True
-        hf = src.ds.select_columns(columns) if columns is not None else src.ds
-        return ray.data.from_huggingface(hf), 0, False
+        return self._from_huggingface(src.ds.select_columns(columns) if columns is not None else src.ds)
+
+    def _from_huggingface(self, hf: Any) -> tuple[Any, int, bool]:
+        """What `ray.data.from_huggingface` does, without its Hub lookup first: that lookup goes to the
+        network (failing offline, or for a local `json` builder) and may swap in the Hub's Parquet export
+        for the dataset, whose rows need not be the ones the local executor reads."""
+        import datasets
+        import ray.data
+
+        if isinstance(hf, datasets.IterableDataset):  # a streamed load_dataset: read as a stream
+            try:
+                from ray.data._internal.datasource.huggingface_datasource import HuggingFaceDatasource
+            except ImportError:
+                return ray.data.from_huggingface(hf), 0, False
+            return ray.data.read_datasource(HuggingFaceDatasource(dataset=hf)), 0, False
+        # A saved dataset: only this run's rows (resume, shard, --limit) go into Ray's object store.
+        plan, end_pos = self.plan, self._end_pos()
+        first = plan.lo + self.next_pos
+        table = hf.with_format("arrow")[first:None if end_pos is None else plan.lo + end_pos]
+        return ray.data.from_arrow(table), first, False
 
     def _parquet_files(self) -> tuple[list[str], int]:
         """The files holding this run's rows (earlier and later files are not read at all) and the
@@ -152,10 +167,12 @@ class RayRun(_Run):
         replica = dict(cfg=dataclasses.replace(cfg, model=model), source_format=plan.source.format,
                        id_column=plan.id_column, factory=self.factory or os.environ.get("BATCHRUN_LLM_FACTORY"),
                        data_columns=columns, parser=plan.source if text else None)
+        # The job's own settings travel with it to every node (model cache, test hooks, HF offline mode).
+        env = {k: v for k, v in os.environ.items() if k.startswith(("BATCHRUN_", "HF_"))}
         return ds.map_batches(EngineReplica, fn_constructor_kwargs=replica, batch_format="pyarrow",
                               batch_size=ex["batch_size"], compute=ray.data.ActorPoolStrategy(size=ex["replicas"]),
                               num_cpus=ex["num_cpus_per_replica"], num_gpus=ex["num_gpus_per_replica"] or None,
-                              zero_copy_batch=True)
+                              runtime_env={"env_vars": env} if env else None, zero_copy_batch=True)
 
     def _tick_progress(self) -> None:
         """In a thread: progress lines while a batch is generating (rows only arrive a block at a time,
