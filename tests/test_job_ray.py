@@ -20,7 +20,8 @@ from batchrun.cli import main
 from batchrun.config import load_job
 from batchrun.job import ShardSpec, plan_job, run_job
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own, about its own settings
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Ray's own, about its own settings
+              pytest.mark.slow, pytest.mark.timeout(300)]
 
 RAY = {"kind": "ray", "replicas": 2, "num_cpus_per_replica": 0.5, "batch_size": 4}
 ENGINE = {"max_num_seqs": 8, "kv_cache_memory": "64MiB"}
@@ -146,6 +147,19 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     cfg = load_job(job, ["executor.kind=local", f"output.path={ref}"])
     assert run_job(plan_job(cfg), quiet=True).exit_code == 0
     assert rows == read_rows(ref)
+
+
+def test_an_engine_failure_in_a_replica_exits_1_naming_it(ray_cluster, tmp_path, monkeypatch):
+    from test_job_fakes import FakeLLM
+
+    monkeypatch.setenv("BATCHRUN_FAKE_FAIL_AFTER", "5")  # BATCHRUN_* variables reach the replicas
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(12)]}), tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, executor=RAY,
+                    output={"path": str(tmp_path / "out")})
+    res = run_job(plan_job(load_job(job)), quiet=True, llm_factory=FakeLLM)  # the class travels to the replicas
+    assert res.exit_code == 1
+    assert res.message.startswith("RuntimeError: a Ray worker failed: RuntimeError: fake engine failure; ")
+    assert "a rerun resumes" in res.message and not (tmp_path / "out" / "_SUCCESS").exists()
 
 
 def test_without_ray_kind_ray_exits_2_with_the_install_hint(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import threading
 import warnings
 from typing import Any
@@ -289,12 +290,16 @@ def _map_indexer(ds: Any, kwargs: dict[str, Any]) -> Any:
         return ds.map_batches(Indexer, **args)
 
 
-def _remote_failure(e: BaseException) -> BaseException:
-    """Ray wraps a worker's exception with the whole remote traceback: report the original one."""
-    cause = e
-    while getattr(cause, "cause", None) is not None and cause.cause is not cause:
-        cause = cause.cause
-    if cause is e:
-        return e
-    return RuntimeError(f"a Ray worker failed: {type(cause).__name__}: {cause}")
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$")
 
+
+def _remote_failure(e: BaseException) -> BaseException:
+    """Ray wraps a worker's exception (RayTaskError, UserCodeException) around the remote traceback text,
+    where the original is the first exception line that is not Ray's own: report that one."""
+    if not type(e).__module__.startswith("ray."):
+        return e
+    for line in str(e).splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m and not m.group(1).startswith("ray.") and m.group(1) not in ("UserCodeException", "RayTaskError"):
+            return RuntimeError(f"a Ray worker failed: {m.group(1)}: {m.group(2)}")
+    return e
