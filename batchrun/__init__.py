@@ -6,7 +6,14 @@ The API names are imported lazily, so `batchrun --version` or a bad job file ans
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# OpenMP threads that spin while waiting lose their core whenever anything else runs on the machine (a
+# shared cluster node, a CI runner), and every parallel region then waits a scheduler tick: measured here,
+# a whole job ran 5x slower. Sleeping waits cost a little on an idle machine and nothing like that on a
+# busy one. Set before torch starts OpenMP; OMP_WAIT_POLICY=ACTIVE in the environment overrides it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

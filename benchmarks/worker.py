@@ -11,6 +11,10 @@ import gc
 import json
 import logging
 import os
+
+# The same OpenMP wait policy for every system under test (batchrun sets it by default; see
+# batchrun/__init__.py), before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import resource
 import statistics
 import sys
