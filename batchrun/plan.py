@@ -306,5 +306,8 @@ def describe_plan(plan: JobPlan) -> str:
     what = {"fresh": "starts afresh", "resume": f"resumes after {plan.committed} committed rows",
             "complete": "is already complete"}[plan.state]
     shard = f", shard {plan.shard}" if plan.shard else ""
+    ex = plan.cfg.executor
+    n = ex["replicas"]
+    on = f"; on Ray ({n} replica{'s' * (n != 1)}, {ex['address'] or 'a local Ray'})" if ex["kind"] == "ray" else ""
     return (f"ok: model {plan.cfg.model['path']}; input {src.path} ({src.format}, {rows} rows{shard}); "
-            f"output {plan.out_dir} {what}")
+            f"output {plan.out_dir} {what}{on}")
