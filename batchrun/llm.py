@@ -107,7 +107,7 @@ class LLM:
                 if self.device.type == "cuda":
                     def probe():
                         return ModelRunner(loaded.model, shape, 1, 0, self.device, attention_backend)
-                    kv_bytes = profile_cuda_kv_bytes(loaded.model, probe, self.device, gpu_memory_utilization,
+                    kv_bytes = profile_cuda_kv_bytes(probe, self.device, gpu_memory_utilization,
                                                      max_num_batched_tokens)
                 else:
                     kv_bytes = cpu_default_bytes()
@@ -133,9 +133,7 @@ class LLM:
             compute_flops_per_s=2e14 if on_cuda else 5e10, copy_bytes_per_s=2e10 if on_cuda else 5e9,
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
-                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                               max_model_len=self.max_model_len, preemption_mode=preemption_mode,
-                               enable_prefix_caching=enable_prefix_caching)
+                               max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching)
         if not enforce_eager:
             runner.enable_cuda_graphs(min(max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
@@ -292,4 +290,4 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def metrics(self) -> dict[str, float | int]:
-        return self.engine.metrics.as_dict()
+        return self.engine.metrics_dict()

@@ -225,6 +225,7 @@ def mixed_step(block_size: int, num_kv_heads: int, group: int, head_dim: int, dt
         max_seq_len=max(seq_lens),
         seq_lens_host=seq_lens,
         query_lens_host=query_lens,
+        has_padding=True,
     )
     q = randn(num_tokens, num_kv_heads * group, head_dim, dtype=dtype, seed=8)
     k = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=9)

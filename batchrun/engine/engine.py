@@ -32,10 +32,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0
     num_host_blocks: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
-    preemption_mode: str = "auto"
     enable_prefix_caching: bool = True
 
 
@@ -133,8 +130,6 @@ class Engine:
                     running += 1
         m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)
         m.num_running = running
-        m.num_waiting = sum(len(g.live()) for g in sch.waiting)
-        m.num_swapped = sum(len(g.live()) for g in sch.swapped)
         dt = time.perf_counter() - t0
         m.step_time_s += dt
         m.model_time_s = self.runner.model_time_s
@@ -222,6 +217,13 @@ class Engine:
                 self.seqs.pop(s.seq_id, None)
                 self.groups.pop(s.seq_id, None)
         group.seqs = group.live()
+
+    def metrics_dict(self) -> dict[str, float | int]:
+        """The metrics, with the waiting / swapped gauges counted now (O(queue), so not every step)."""
+        sch, m = self.scheduler, self.metrics
+        m.num_waiting = sum(len(g.live()) for g in sch.waiting)
+        m.num_swapped = sum(len(g.live()) for g in sch.swapped)
+        return m.as_dict()
 
     def _sync_scheduler_stats(self) -> None:
         st, m = self.scheduler.stats, self.metrics

@@ -123,12 +123,15 @@ class Scheduler:
                 continue
             break  # the group itself was preempted: it was the newest, nothing after it
 
+        # sequences held by running groups (counted once; kept current as groups join below)
+        held = self.num_running_seqs()
+
         # 2. swapped groups come back before anything new is admitted
         if not preempted:
             while self.swapped and budget[0] > 0:
                 group = self.swapped[0]
                 ids = [s.seq_id for s in group.live() if s.seq_id in self.bm.host_tables]
-                if self.num_running_seqs() + len(group.live()) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
+                if held + len(group.live()) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
                     break
                 self.swapped.popleft()
                 pairs = self.bm.swap_in(ids)
@@ -138,6 +141,7 @@ class Scheduler:
                     if s.status is SeqStatus.SWAPPED:
                         s.status = SeqStatus.RUNNING
                 self._insert_running(group)
+                held += len(group.live())
                 if not self._schedule_group(group, out, budget):
                     break  # stays running with nothing scheduled this step; it goes first next step
 
@@ -146,7 +150,8 @@ class Scheduler:
             while self.waiting and budget[0] > 0:
                 pick = self._pick_waiting()
                 group = self.waiting[pick]
-                if self.num_running_seqs() + len(group.live()) + group.pending_forks > cfg.max_num_seqs:
+                wants = len(group.live()) + group.pending_forks
+                if held + wants > cfg.max_num_seqs:
                     break
                 self._schedule_group(group, out, budget)  # nothing resident yet: it cannot fail
                 if not any(s.seq_id in self.bm.tables for s in group.live()):
@@ -155,6 +160,7 @@ class Scheduler:
                 for g in itertools.islice(self.waiting, pick):
                     g.bypassed += 1
                 self._insert_running(group)
+                held += wants
 
         out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
         out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)

@@ -38,6 +38,7 @@ class AttentionMetadata:
     # slice without a device sync.
     seq_lens_host: list[int]
     query_lens_host: list[int]
+    has_padding: bool = False  # any slot_mapping entry is -1 (set by whoever pads: CUDA graph replays)
 
     @property
     def num_seqs(self) -> int:
@@ -61,11 +62,12 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   has_padding: bool = False) -> None:
     """Scatter the step's K/V into their slots (padding slots, -1, are dropped)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    if bool((slot_mapping < 0).any()):
+    if has_padding:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
@@ -83,7 +85,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        store_kv_torch(k, v, kv_cache, meta.slot_mapping)
+        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

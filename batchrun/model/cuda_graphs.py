@@ -46,7 +46,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slots[:b], block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
             query_start_loc=self.qsl[: b + 1], num_decodes=b, max_query_len=1, max_seq_len=self.max_model_len,
-            seq_lens_host=[self.max_model_len] * b, query_lens_host=[1] * b)
+            seq_lens_host=[self.max_model_len] * b, query_lens_host=[1] * b, has_padding=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -44,7 +44,7 @@ def cpu_default_bytes() -> int:
     return min(CPU_DEFAULT_KV_BYTES, total // 8)
 
 
-def profile_cuda_kv_bytes(model, runner_factory, device: torch.device, utilization: float,
+def profile_cuda_kv_bytes(runner_factory, device: torch.device, utilization: float,
                           max_num_batched_tokens: int) -> int:
     """Bytes the KV pool may take on CUDA: the utilization share of the GPU, less what the weights and
     a peak forward at the step-token budget use (measured with a throw-away one-block-per-seq pool)."""
