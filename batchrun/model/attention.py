@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchrun.model import cpu_attention
+from batchrun.model import cpu_kernels
 
 
 @dataclass
@@ -65,6 +65,9 @@ class AttentionBackend:
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    has_padding: bool = False) -> None:
     """Scatter the step's K/V into their slots (padding slots, -1, are dropped)."""
+    if cpu_kernels.usable(k) and cpu_kernels.usable(v) and kv_cache.dtype == torch.float32:
+        cpu_kernels.store_kv(k, v, kv_cache, slot_mapping)
+        return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     if has_padding:
@@ -111,8 +114,8 @@ class TorchBackend(AttentionBackend):
         nd = q.shape[0]
         lens = meta.seq_lens_host[:nd]
         ctx = max(lens)
-        if kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu" and cpu_attention.available():
-            return cpu_attention.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
+        if cpu_kernels.usable(q) and kv_cache.dtype == torch.float32:
+            return cpu_kernels.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
         if min(lens) != ctx:

@@ -9,25 +9,25 @@ three and two). Arithmetic follows transformers' modules op for op, so fp32 logi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from batchrun.model import ops
 from batchrun.model.attention import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
+    """With a residual it first adds it (h = residual + x) and returns (norm(h), h), so the residual add
+    and the norm are one pass (see ops.rms_norm)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_tables(config: PretrainedConfig, head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +52,6 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_pos: int) -> tuple[
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -73,17 +68,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(self, x, rot: ops.Rotary, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        q, k = ops.apply_rope(q, k, rot)
         o = backend.forward(q, k, v, kv_cache[self.layer], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -99,8 +92,7 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (batchrun supports silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,9 +103,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rot, kv_cache, meta, backend):
+        """(x, residual) -> (mlp output, residual stream before it); the residual adds happen in the
+        norms, so layer i's output is residual + x (first layer: residual None, x the embeddings)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rot, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,11 +147,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos = self.cos[positions].to(x.dtype)
-        sin = self.sin[positions].to(x.dtype)
+        rot = ops.Rotary(positions, self.cos, self.sin, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rot, kv_cache, meta, self.backend)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

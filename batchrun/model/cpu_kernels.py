@@ -1,0 +1,147 @@
+"""CPU kernels (csrc/cpu_kernels.c): built on first use, called through ctypes.
+
+On a CPU, decode attention and the element-wise ops of a layer are bound by memory traffic and per-op
+dispatch: gathering every decode sequence's blocks before SDPA moves each K/V byte three times, and torch
+runs an RMSNorm as five passes. The C kernels make one pass each and read K/V in place through the block
+tables. They are plain C99 compiled with the system C compiler (no torch headers, so they build in about a
+second) into the batchrun cache, keyed by source, compiler and CPU. Their OpenMP loops run on torch's own
+OpenMP runtime (torch ships libgomp.so.1 and has it loaded when the library loads), so the two never fight
+over the cores. Without a compiler, or with BATCHRUN_CPU_KERNELS=0, every op takes its torch path.
+
+Each wrapper takes fp32 CPU tensors whose innermost dimension is contiguous; `usable(t)` says whether a
+tensor qualifies, and the callers (batchrun/model/ops.py, attention.py) fall back to torch otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+# -ffp-contract=fast: fused multiply-adds, as MKL's matmuls use (ISO C mode would turn them off)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F],
+    "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P],
+    "rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "silu_mul": [_P, _P, _I, _I],
+    "rope": [_P, _I, _I, _I, _I, _P, _P, _P],
+}
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("BATCHRUN_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler: CPU ops use their torch paths")
+        return None
+    from batchrun.model.builtin import cache_dir
+
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    lib = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.SubprocessError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            log.warning("building the CPU kernels failed (%s %s); using the torch paths", e,
+                        err.decode(errors="replace")[:200])
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    so = ctypes.CDLL(str(lib))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = args, None
+    return so
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def usable(t: torch.Tensor) -> bool:
+    """fp32 on the CPU with a contiguous last dimension, and the kernels built."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 and available()
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 max_len: int, scale: float) -> torch.Tensor:
+    """q [S, Hq, D] (rows may be strided) -> [S, Hq, D]; kv_cache [2, NB, BS, Hkv, D] (one layer); one query
+    per sequence; block_tables int32 [S, >= blocks of max_len]; seq_lens int32 [S], each >= 1."""
+    s, hq, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    out = torch.empty(s, hq, d, dtype=torch.float32)
+    scratch = torch.empty(s, hq, max_len, dtype=torch.float32)
+    _library().paged_decode(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                            bt.data_ptr(), bt.stride(0), lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                            max_len, s, hq, hkv, d, bs, scale)
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] with the same row stride (views of one qkv row), slot_mapping int64 [N], -1 skipped."""
+    n, hkv, d = k.shape
+    if k.stride() != v.stride() or k.stride(1) != d:
+        k, v = k.contiguous(), v.contiguous()
+    _library().store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv * d,
+                        kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * rmsnorm(x [+ residual]); with a residual, x + residual is also written into residual."""
+    out = torch.empty_like(x)
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    res = residual.data_ptr() if residual is not None else None
+    _library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+                        int(residual is not None))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> silu(gate) * up [N, I]."""
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype)
+    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate the first `heads` heads of each row of x [N, >= heads * head_dim] in place; positions int64 [N];
+    cos/sin fp32 tables [max_pos, head_dim]."""
+    _library().rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(),
+                    cos.data_ptr(), sin.data_ptr())

@@ -1,0 +1,75 @@
+"""The element-wise ops of a decoder layer, each with a torch path and a fused CPU kernel.
+
+The torch paths follow transformers' modules op for op (they run on CUDA, in other dtypes, and are the
+reference the kernels are tested against). On fp32 CPU tensors the C kernels in cpu_kernels.py do the
+same arithmetic in one pass and one call each: at decode batch sizes a layer is a few dozen small ops, and
+on a CPU their dispatch and memory passes cost as much as the matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.model import cpu_kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * x / rms(x). With a residual: h = residual + x, returns (weight * h / rms(h), h); on the
+    kernel path h is written into `residual` itself, which the caller must own."""
+    if cpu_kernels.usable(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        out = cpu_kernels.rms_norm(x, weight, eps, residual)
+        return out if residual is None else (out, residual)
+    if residual is not None:
+        x = residual + x
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused [N, 2I] gate|up projection."""
+    if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass
+class Rotary:
+    """The step's positions and the model's cos/sin tables ([max_pos, head_dim], fp32). The kernel reads
+    the tables by position; the torch path gathers the rows once per step and reuses them in every layer."""
+
+    positions: torch.Tensor  # int64 [num_tokens]
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    dtype: torch.dtype
+
+    @cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_table[self.positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin_table[self.positions].to(self.dtype).unsqueeze(1)
+        return cos, sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [N, H, D] and k [N, Hkv, D]; on the kernel path in place (q and k may be views
+    into the fused qkv projection, which the caller owns)."""
+    if cpu_kernels.usable(q) and cpu_kernels.usable(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+        for x in (q, k):
+            cpu_kernels.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
+        return q, k
+    cos, sin = rot.rows
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,100 @@
+"""The C kernels against the torch paths they replace (batchrun/model/ops.py, attention.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchrun.model import cpu_kernels, ops
+from batchrun.model.attention import TorchBackend, store_kv_torch
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
+
+
+@pytest.mark.parametrize("bs,hq,hkv,d", [(16, 6, 2, 64), (8, 4, 4, 48), (32, 8, 1, 128), (16, 12, 4, 80)])
+def test_paged_decode_matches_gather_sdpa(bs, hq, hkv, d):
+    g = torch.Generator().manual_seed(bs + hq + d)
+    nb, s = 200, 9
+    kv = torch.randn(2, nb, bs, hkv, d, generator=g)
+    lens = torch.tensor([1, bs, bs + 1, 2 * bs - 1, 3 * bs, 5, 70, 100, 7 * bs + 3], dtype=torch.int32)[:s]
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.randperm(nb, generator=g)[: s * width].view(s, width).to(torch.int32)
+    # q as the runner hands it over: a strided view into a wider (qkv-like) row
+    q = torch.randn(s, hq * d + 2 * hkv * d, generator=g)[:, : hq * d].view(s, hq, d)
+    ctx = int(lens.max())
+    kk, vv = TorchBackend._gather(kv, tables, ctx)
+    mask = (torch.arange(ctx)[None, :] < lens[:, None]).view(s, 1, 1, ctx)
+    ref = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, scale=d**-0.5,
+                                         enable_gqa=True).squeeze(2)
+    got = cpu_kernels.paged_decode(q, kv, tables, lens, ctx, d**-0.5)
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
+
+
+def test_exp_is_accurate_over_softmax_range():
+    # one query against keys chosen so that the scores span [-80, 0]: the kernel's exp must match expf
+    d, n = 64, 161
+    scores = torch.linspace(-80.0, 0.0, n)
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    kv = torch.zeros(2, 1, n, 1, d)
+    kv[0, 0, :, 0, 0] = scores
+    kv[1, 0, :, 0, :] = torch.randn(n, d)
+    got = cpu_kernels.paged_decode(q, kv, torch.zeros(1, 1, dtype=torch.int32),
+                                   torch.tensor([n], dtype=torch.int32), n, 1.0)
+    ref = torch.softmax(scores, 0) @ kv[1, 0, :, 0, :]
+    assert torch.allclose(got[0, 0], ref, atol=1e-6, rtol=1e-5)
+
+
+def test_store_kv_matches_index_copy_and_skips_padding():
+    g = torch.Generator().manual_seed(1)
+    n, hkv, d, nb, bs = 11, 2, 16, 8, 4
+    qkv = torch.randn(n, (4 + 2 * hkv) * d, generator=g)
+    k = qkv[:, 4 * d : (4 + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (4 + hkv) * d :].view(n, hkv, d)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[3] = -1
+    ref, got = torch.zeros(2, nb, bs, hkv, d), torch.zeros(2, nb, bs, hkv, d)
+    store_kv_torch(k.contiguous(), v.contiguous(), ref, slots, has_padding=True)
+    cpu_kernels.store_kv(k, v, got, slots)
+    assert torch.equal(got, ref) and got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_residual(rows, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    x, res, w = torch.randn(rows, 384, generator=g), torch.randn(rows, 384, generator=g), torch.randn(384, generator=g)
+    got = ops.rms_norm(x, w, 1e-6)
+    got2, h = ops.rms_norm(x, w, 1e-6, res.clone())
+    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
+    ref = ops.rms_norm(x, w, 1e-6)
+    ref2, href = ops.rms_norm(x, w, 1e-6, res.clone())
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(h, href) and torch.allclose(got2, ref2, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul(monkeypatch):
+    x = torch.randn(33, 2 * 1000, generator=torch.Generator().manual_seed(2)) * 8
+    got = ops.silu_mul(x)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
+    assert torch.allclose(got, ops.silu_mul(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 48])
+def test_rope_in_place_on_qkv_views(d, monkeypatch):
+    g = torch.Generator().manual_seed(d)
+    n, h, hkv, max_pos = 13, 4, 2, 300
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
+    cos, sin = torch.randn(max_pos, d, generator=g), torch.randn(max_pos, d, generator=g)
+    rot = ops.Rotary(torch.randint(0, max_pos, (n,), generator=g), cos, sin, torch.float32)
+
+    def views(t):
+        q, k, v = t.split([h * d, hkv * d, hkv * d], dim=-1)
+        return q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
+
+    q, k, v = views(qkv)
+    v0 = v.clone()
+    got_q, got_k = ops.apply_rope(q, k, rot)
+    assert got_q.data_ptr() == qkv.data_ptr() and torch.equal(v, v0)  # rotated in place, v untouched
+    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
+    fresh = views(torch.randn(n, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(d)))
+    ref_q, ref_k = ops.apply_rope(fresh[0], fresh[1], rot)
+    assert torch.allclose(got_q, ref_q, atol=1e-5) and torch.allclose(got_k, ref_k, atol=1e-5)
