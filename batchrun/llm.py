@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
+from batchrun.model.cpu_linear import reorder_linears, use_onednn
 from batchrun.model.loader import load_config, load_model, resolve_path
 from batchrun.model.memory import cpu_default_bytes, parse_size, profile_cuda_kv_bytes
 from batchrun.model.runner import ModelRunner, cache_shape
@@ -125,6 +126,9 @@ class LLM:
 
         runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, attention_backend)
         n_params = sum(p.numel() for p in loaded.model.parameters())
+        if use_onednn(loaded.model, self.device, self.dtype):
+            log.info("%d linear layers reordered for oneDNN (see batchrun/model/cpu_linear.py)",
+                     reorder_linears(loaded.model))
         on_cuda = self.device.type == "cuda"
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

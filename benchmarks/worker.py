@@ -11,10 +11,6 @@ import gc
 import json
 import logging
 import os
-
-# The same OpenMP wait policy for every system under test (batchrun sets it by default; see
-# batchrun/__init__.py), before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import resource
 import statistics
 import sys
@@ -24,6 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The same OpenMP wait settings for every system under test: importing batchrun chooses them (see
+# batchrun/__init__.py), and must come before torch is imported.
+import batchrun  # noqa: F401
+
+# isort: split
 import torch
 
 from benchmarks.workload import Workload

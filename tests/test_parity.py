@@ -93,3 +93,34 @@ def test_prefill_logits_match_transformers(make_ckpt, prompts, arch):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].float()
         assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch):
+    from batchrun.model.cpu_linear import OneDNNLinear
+
+    path = make_ckpt(arch)
+    _, refs = hf_reference(path, prompts)
+    monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")
+    llm, got = run(path, prompts)
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear) and isinstance(layer.mlp.down_proj, OneDNNLinear)
+    assert got == refs
+
+
+def test_onednn_choice(make_ckpt, monkeypatch):
+    from batchrun.model import cpu_linear
+    from batchrun.model.loader import load_model
+
+    model = load_model(str(make_ckpt("llama")), dtype=torch.float32, device=torch.device("cpu"), max_model_len=None).model
+    cpu = torch.device("cpu")
+    assert not cpu_linear.use_onednn(model, cpu, torch.float32)  # a small model's weights stay in cache
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_BYTES", 0)
+    assert cpu_linear.use_onednn(model, cpu, torch.float32) == torch.backends.mkldnn.is_available()
+    assert not cpu_linear.use_onednn(model, cpu, torch.bfloat16)
+    monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "mkl")
+    assert not cpu_linear.use_onednn(model, cpu, torch.float32)
+    monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "fast")
+    with pytest.raises(ValueError, match="BATCHRUN_CPU_MATMUL"):
+        cpu_linear.use_onednn(model, cpu, torch.float32)
