@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     has_padding: bool = False  # any slot_mapping entry is -1 (set by whoever pads: CUDA graph replays)
+
+    @cached_property
+    def max_decode_len(self) -> int:
+        """The longest context among the decode sequences (asked by every layer: computed once)."""
+        return max(self.seq_lens_host[: self.num_decodes], default=0)
 
     @property
     def num_seqs(self) -> int:
@@ -89,8 +95,10 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         if nd < meta.num_seqs:
@@ -112,13 +120,12 @@ class TorchBackend(AttentionBackend):
 
     def _decode(self, q, kv_cache, meta, scale):
         nd = q.shape[0]
-        lens = meta.seq_lens_host[:nd]
-        ctx = max(lens)
+        ctx = meta.max_decode_len
         if cpu_kernels.usable(q) and kv_cache.dtype == torch.float32:
             return cpu_kernels.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
-        if min(lens) != ctx:
+        if min(meta.seq_lens_host[:nd]) != ctx:
             pos = torch.arange(ctx, device=q.device)
             mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, ctx)
         o = F.scaled_dot_product_attention(

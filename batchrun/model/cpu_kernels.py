@@ -88,9 +88,12 @@ def available() -> bool:
     return _library() is not None
 
 
+_FP32 = torch.float32
+
+
 def usable(t: torch.Tensor) -> bool:
     """fp32 on the CPU with a contiguous last dimension, and the kernels built."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 and available()
+    return t.dtype is _FP32 and not t.is_cuda and t.stride(-1) == 1 and _library() is not None
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -105,7 +108,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     out = torch.empty(s, hq, d, dtype=torch.float32)
     scratch = torch.empty(s, hq, max_len, dtype=torch.float32)
-    _library().paged_decode(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+    k_ptr = kv_cache.data_ptr()  # kv_cache[0] and [1] without two indexing ops per layer
+    v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
+    _library().paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr,
                             bt.data_ptr(), bt.stride(0), lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
                             max_len, s, hq, hkv, d, bs, scale)
     return out
@@ -116,8 +121,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     n, hkv, d = k.shape
     if k.stride() != v.stride() or k.stride(1) != d:
         k, v = k.contiguous(), v.contiguous()
+    k_ptr = kv_cache.data_ptr()
     _library().store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv * d,
-                        kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+                        k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
