@@ -40,7 +40,11 @@ from benchmarks.workload import (
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("prefix", "budget", "n4")
-BLOCK_SIZE = 16
+# batchrun's KV block: 8 tokens wastes half as many slots in each sequence's last block as 16 (KV slot
+# utilisation 98.6% against 97.2% on the headline workload) at no measurable cost in speed on this machine.
+BLOCK_SIZE = 8
+# transformers' paged cache keeps its own page size (same KV bytes as batchrun).
+HF_PAGE_SIZE = 16
 THREADS = 2
 
 
@@ -170,7 +174,7 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         runs["hf_static"].append(r if "error" not in r else {**r, "config": {"batch_size": bs}})
     for rps in plan.cb_requests_per_step:
         r = runner(f"{plan.key}-hf_cb-r{rps}", {**base, "task": "hf_cb", "max_requests_per_batch": rps,
-                                                  "page_size": BLOCK_SIZE, "kv_bytes": kv_bytes,
+                                                  "page_size": HF_PAGE_SIZE, "kv_bytes": kv_bytes,
                                                   "kv_bytes_per_token": shape.kv_bytes_per_token})
         runs["hf_cb"].append(r if "error" not in r else {**r, "config": {"max_requests_per_batch": rps}})
 
