@@ -27,11 +27,17 @@ static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf vsplat(float x) { return (vf){0} + x; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline float hsum(vf v) {
+#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector: a log-depth tree of lane swaps */
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
     return v[0];
+#else
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+#endif
 }
 
 /* exp(x), within 2 ulp of expf for x in [-87, 88] (Cephes' single-precision method: range reduction by
@@ -67,7 +73,6 @@ static inline void exp_tail(const float *x, float *out, int64_t k, float shift) 
 }
 
 /* ---- paged decode attention ------------------------------------------------------------------------- */
-
 
 /* x[t] = exp(x[t] - max x) in place; returns the sum. */
 static float exp_shifted(float *x, int64_t n) {
