@@ -127,3 +127,12 @@ def test_clock_measures_wall_and_other_load():
     assert d["other_load"] is None or 0 <= d["other_load"] <= 1
     best = best_of([{"wall_s": 2.0, "x": 1}, {"wall_s": 1.0, "x": 2}])
     assert best["x"] == 2 and best["repeat_walls_s"] == [2.0, 1.0]
+
+
+def test_profile_breaks_down_steps(capsys):
+    from benchmarks import profile
+
+    assert profile.main(["--quick", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert "steps with prefill: " in out and "decode-only steps: " in out
+    assert "aten::mm" in out  # the op tables ran

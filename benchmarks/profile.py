@@ -1,0 +1,106 @@
+"""Where batchrun's time goes on a benchmark workload: `python -m benchmarks.profile [--model tiny|small]`.
+
+Runs the same headline workload as `benchmarks.run` (batchrun only, in this process) and prints:
+  - prefill-carrying steps against decode-only steps (wall and model-forward seconds);
+  - decode step time by number of running sequences, in bins of 8 (the decode tail of a long-tailed
+    workload is many steps with few sequences, each paying the whole weight read and per-step overhead);
+  - with --ops, torch profiler tables of one prefill step and ten decode steps (the C kernels are ctypes
+    calls, so they show as the gap between the op total and the step time).
+This is what the issue-6 notes quote; use it before and after an engine change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.run import BLOCK_SIZE, PLANS, QUICK, THREADS, Plan, _vocab_for_prompts
+from benchmarks.workload import ModelShape, sharegpt_like
+
+
+def _setup(plan: Plan) -> tuple[Any, Any]:
+    from batchrun import LLM, SamplingParams
+    from batchrun.model.builtin import builtin_path
+
+    path = builtin_path(plan.builtin)
+    shape = ModelShape.from_checkpoint(path)
+    wl = sharegpt_like(plan.num_requests, _vocab_for_prompts(path, shape), plan.seed, plan.prompt, plan.output)
+    torch.set_num_threads(THREADS)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=wl.blocks_needed(BLOCK_SIZE),
+              block_size=BLOCK_SIZE)
+    llm.generate([{"prompt_token_ids": wl.prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=8),
+                  use_tqdm=False)
+    for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens)):
+        llm.engine.add_request(f"r{i}", None, p, SamplingParams(temperature=0, max_tokens=o, min_tokens=o,
+                                                                  ignore_eos=True), i)
+    return llm, wl
+
+
+def step_breakdown(plan: Plan) -> None:
+    llm, wl = _setup(plan)
+    eng = llm.engine
+    schedule, last = eng.scheduler.schedule, {}
+
+    def traced_schedule():  # remember whether the step carries prompt tokens
+        out = schedule()
+        last["prefill"] = out.num_decodes < len(out.seqs)
+        return out
+
+    eng.scheduler.schedule = traced_schedule
+    pre, dec = [], collections.defaultdict(list)  # (step s, model s); decode steps by running sequences
+    steps, t0 = 0, time.perf_counter()
+    while eng.scheduler.has_unfinished():
+        t, m0 = time.perf_counter(), eng.metrics.model_time_s
+        eng.step()
+        row = (time.perf_counter() - t, eng.metrics.model_time_s - m0)
+        (pre if last.get("prefill") else dec[min(eng.metrics.num_running // 8 * 8, 128)]).append(row)
+        steps += 1
+    wall = time.perf_counter() - t0
+    print(f"{plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, {wl.output_tokens / wall:.1f} gen tok/s, "
+          f"{steps} steps")
+    print(f"  steps with prefill: {len(pre)}, {sum(s for s, _ in pre):.2f} s (model {sum(m for _, m in pre):.2f} s)")
+    n = sum(len(v) for v in dec.values())
+    print(f"  decode-only steps: {n}, {sum(s for v in dec.values() for s, _ in v):.2f} s "
+          f"(model {sum(m for v in dec.values() for _, m in v):.2f} s)")
+    for k in sorted(dec):
+        v = dec[k]
+        print(f"    running {k:3d}-{k + 7:<3d} after the step: {len(v):3d} steps, "
+              f"{1e3 * sum(s for s, _ in v) / len(v):6.2f} ms/step (model {1e3 * sum(m for _, m in v) / len(v):6.2f})")
+
+
+def op_tables(plan: Plan) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm, _ = _setup(plan)
+    eng = llm.engine
+    eng.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    print("one prefill step:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    while eng.scheduler.waiting:
+        eng.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            eng.step()
+    print("ten decode steps:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(PLANS), default="tiny")
+    ap.add_argument("--ops", action="store_true", help="also print torch profiler tables")
+    ap.add_argument("--quick", action="store_true", help="the toy workload of `benchmarks.run --quick`")
+    args = ap.parse_args(argv)
+    plan = QUICK if args.quick else PLANS[args.model]
+    step_breakdown(plan)
+    if args.ops:
+        op_tables(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
