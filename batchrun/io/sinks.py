@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
     return recs
 
 
-class Sink:
+class Sink(ABC):
     """Common part: counts, pending rows, commit bookkeeping."""
 
     def __init__(self, out_dir: Path, spec: OutputSpec, rows_per_part: int, fp_hash: str) -> None:
@@ -180,13 +181,13 @@ class Sink:
     def pending_rows(self) -> int:
         return self.pending.rows
 
+    @abstractmethod
     def scan(self) -> Counts:
         """Read what is committed (no changes on disk); SinkError if the state is inconsistent."""
-        raise NotImplementedError
 
+    @abstractmethod
     def open(self) -> Counts:
         """Clean up leftovers of an interrupted write and prepare to append; returns the committed counts."""
-        raise NotImplementedError
 
     def add(self, task: RowTask, outputs: list[Any] | None, *, write: bool = True) -> None:
         """The next input row in order: its outputs (None for an error row). write=False skips it but
@@ -200,12 +201,13 @@ class Sink:
         if write:
             self._add(task, outputs)
 
+    @abstractmethod
     def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
-        raise NotImplementedError
+        """Buffer one row's output rows for the next commit."""
 
+    @abstractmethod
     def commit(self) -> None:
         """Make the pending rows durable (no-op when nothing is pending)."""
-        raise NotImplementedError
 
     def _committed_pending(self) -> None:
         self.committed.add(self.pending)

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".jso
 Row = dict[str, Any]
 
 
-class Source:
+class Source(ABC):
     """A table of input rows. Subclasses fill `columns` (None when unknown) and implement iter_rows."""
 
     format = "?"
@@ -57,9 +58,10 @@ class Source:
         """The row count, scanning the input if need be; None if it cannot be known (a remote stream)."""
         return self.num_rows()
 
+    @abstractmethod
     def iter_rows(self, start: int = 0, columns: list[str] | None = None,
                   batch_size: int = 1024) -> Iterator[list[Row]]:
-        raise NotImplementedError
+        """Batches of rows from position `start`, reading only `columns` where the format allows."""
 
     def identity(self) -> dict[str, Any]:
         """What identifies this input for resume checks: format, path, and total size of its files."""

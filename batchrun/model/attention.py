@@ -15,6 +15,7 @@ s // block_size, offset s % block_size.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -51,11 +52,12 @@ class AttentionMetadata:
         return len(self.seq_lens_host)
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """One forward of attention for one layer. Implementations must not allocate persistent state."""
 
     name = "base"
 
+    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -65,7 +67,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        raise NotImplementedError
+        """Store the step's K/V into their slots, then attend over the cache."""
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
