@@ -18,25 +18,21 @@ from typing import Any
 
 import torch
 
-from benchmarks.run import BLOCK_SIZE, PLANS, QUICK, THREADS, Plan, _vocab_for_prompts
-from benchmarks.workload import ModelShape, sharegpt_like
+from benchmarks.run import BLOCK_SIZE, PLANS, QUICK, THREADS, Plan, headline_workload
+from benchmarks.worker import _sampling, _warm
 
 
 def _setup(plan: Plan) -> tuple[Any, Any]:
-    from batchrun import LLM, SamplingParams
-    from batchrun.model.builtin import builtin_path
+    """The headline batchrun setup of `benchmarks.run`, warmed up, with the workload queued in the engine."""
+    from batchrun import LLM
 
-    path = builtin_path(plan.builtin)
-    shape = ModelShape.from_checkpoint(path)
-    wl = sharegpt_like(plan.num_requests, _vocab_for_prompts(path, shape), plan.seed, plan.prompt, plan.output)
+    path, _, _, wl = headline_workload(plan)
     torch.set_num_threads(THREADS)
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=wl.blocks_needed(BLOCK_SIZE),
               block_size=BLOCK_SIZE)
-    llm.generate([{"prompt_token_ids": wl.prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=8),
-                  use_tqdm=False)
+    _warm(llm)
     for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens)):
-        llm.engine.add_request(f"r{i}", None, p, SamplingParams(temperature=0, max_tokens=o, min_tokens=o,
-                                                                  ignore_eos=True), i)
+        llm.engine.add_request(f"r{i}", None, p, _sampling(o), i)
     return llm, wl
 
 

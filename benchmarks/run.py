@@ -150,14 +150,19 @@ def _vocab_for_prompts(path: Path, shape: ModelShape) -> int:
     return min(n, shape.vocab)
 
 
-def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs: dict[str, Any],
-              kv_scale: float, repeat: int = 1) -> dict[str, Any]:
+def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
+    """The plan's built-in model (path, shape), the vocabulary its prompts draw from, and its workload."""
     from batchrun.model.builtin import builtin_path
 
     path = builtin_path(plan.builtin)
     shape = ModelShape.from_checkpoint(path)
     vocab = _vocab_for_prompts(path, shape)
-    wl = sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
+    return path, shape, vocab, sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
+
+
+def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs: dict[str, Any],
+              kv_scale: float, repeat: int = 1) -> dict[str, Any]:
+    path, shape, vocab, wl = headline_workload(plan)
     demand = wl.blocks_needed(BLOCK_SIZE)
     kv_blocks = max(math.ceil(demand * kv_scale), math.ceil(wl.max_len / BLOCK_SIZE))
     kv_bytes = kv_blocks * BLOCK_SIZE * shape.kv_bytes_per_token
