@@ -35,7 +35,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fop
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F],
+    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F],
     "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P],
     "rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "silu_mul": [_P, _P, _I, _I],
@@ -81,6 +81,7 @@ def _library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
+    so.paged_decode.restype = ctypes.c_int
     return so
 
 
@@ -107,12 +108,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     out = torch.empty(s, hq, d, dtype=torch.float32)
-    scratch = torch.empty(s, hq, max_len, dtype=torch.float32)
     k_ptr = kv_cache.data_ptr()  # kv_cache[0] and [1] without two indexing ops per layer
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
-    _library().paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr,
-                            bt.data_ptr(), bt.stride(0), lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                            max_len, s, hq, hkv, d, bs, scale)
+    if _library().paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
+                               lens.data_ptr(), out.data_ptr(), max_len, s, hq, hkv, d, bs, scale):
+        raise MemoryError(f"decode attention: no memory for a {max_len}-token score buffer")
     return out
 
 

@@ -11,6 +11,7 @@
  *   q / k / v rows: token-major with a row stride (they are views into the fused qkv projection). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PAR_MIN_WORK 32768 /* below this many floats an op runs on one thread: waking the pool costs more */
@@ -164,30 +165,40 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 /* out[s, hq, d] = softmax(scale * q[s] K_s^T) V_s for every sequence s, one query token each.
- * q rows are q_stride floats apart; scratch holds [num_seqs, hq, max_len] scores; lens[s] >= 1.
+ * q rows are q_stride floats apart; lens[s] in [1, max_len]. Returns 0, or 1 if a thread could not
+ * allocate its max_len-float score buffer (out is then incomplete).
  * A task is one (sequence, kv head): the query heads of its GQA group run one after another, so the
  * first brings the K/V rows into this core's cache and the others read them from there. */
-void paged_decode(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *bt,
-                  int64_t bt_stride, const int32_t *lens, float *out, float *scratch, int64_t max_len,
-                  int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+int paged_decode(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *bt,
+                 int64_t bt_stride, const int32_t *lens, float *out, int64_t max_len, int64_t num_seqs,
+                 int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
     const int64_t g = hq / hkv, row = hkv * d;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t h = 0; h < hkv; h++) {
-            const float *kh = k + h * d, *vh = v + h * d;
-            const int32_t *table = bt + s * bt_stride;
-            for (int64_t j = h * g; j < (h + 1) * g; j++) {
-                const float *qj = q + s * q_stride + j * d;
-                float *sc = scratch + (s * hq + j) * max_len, *oj = out + (s * hq + j) * d;
-                if (d == 64)
-                    attend(qj, kh, vh, table, lens[s], sc, oj, row, 64, bs, scale);
-                else if (d == 128)
-                    attend(qj, kh, vh, table, lens[s], sc, oj, row, 128, bs, scale);
-                else
-                    attend(qj, kh, vh, table, lens[s], sc, oj, row, d, bs, scale);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *sc = malloc(sizeof(float) * max_len);  /* one per thread, reused by its tasks */
+        failed = sc == NULL;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t h = 0; h < hkv; h++) {
+                if (sc == NULL) continue;
+                const float *kh = k + h * d, *vh = v + h * d;
+                const int32_t *table = bt + s * bt_stride;
+                for (int64_t j = h * g; j < (h + 1) * g; j++) {
+                    const float *qj = q + s * q_stride + j * d;
+                    float *oj = out + (s * hq + j) * d;
+                    if (d == 64)
+                        attend(qj, kh, vh, table, lens[s], sc, oj, row, 64, bs, scale);
+                    else if (d == 128)
+                        attend(qj, kh, vh, table, lens[s], sc, oj, row, 128, bs, scale);
+                    else
+                        attend(qj, kh, vh, table, lens[s], sc, oj, row, d, bs, scale);
+                }
             }
         }
+        free(sc);
     }
+    return failed;
 }
 
 /* ---- KV store --------------------------------------------------------------------------------------- */
