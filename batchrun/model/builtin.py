@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from batchrun.model.errors import ModelLoadError
+from batchrun.model.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _ARCHS = {
@@ -118,15 +121,9 @@ def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int =
     return path
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE", "~/.cache/batchrun")).expanduser()
-
-
 def builtin_path(name: str) -> Path:
     """The folder of built-in model `name`, made on first use (atomically: a temp folder, then rename)."""
     if name not in BUILTIN_MODELS:
-        from batchrun.model.loader import ModelLoadError
-
         raise ModelLoadError(f"unknown built-in model 'builtin:{name}'; built-in models: "
                              + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS))
     path = cache_dir() / "builtin" / f"{name}-v1"

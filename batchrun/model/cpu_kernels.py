@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         log.info("no C compiler: CPU ops use their torch paths")
         return None
-    from batchrun.model.builtin import cache_dir
+    from batchrun.model.paths import cache_dir
 
     src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]

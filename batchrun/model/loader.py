@@ -11,15 +11,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from batchrun.model.errors import ModelLoadError
 from batchrun.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class ModelLoadError(ValueError):
-    """The model cannot be loaded (missing path, unsupported architecture, bad checkpoint)."""
 
 
 @dataclass
