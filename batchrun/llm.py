@@ -137,7 +137,8 @@ class LLM:
             compute_flops_per_s=2e14 if on_cuda else 5e10, copy_bytes_per_s=2e10 if on_cuda else 5e9,
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
-                               max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching)
+                               max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+                               kv_bytes_per_token=shape.bytes_per_token)
         if not enforce_eager:
             runner.enable_cuda_graphs(min(max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -26,8 +26,6 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Filled by the engine from the tokenizer / generation config: not a user field.
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,10 +83,6 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -29,7 +29,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _write(self, seq, start, end):
-        table = self.bm.table(seq)
+        table = self.bm.block_table(seq)
         for p in range(start, end):
             self.mem[table[p // BS]][p % BS] = self.tokens[seq][p]
 
@@ -157,11 +157,11 @@ def test_copy_on_write_on_shared_partial_block():
     bm = BlockManager(8, BS, watermark=0.0)
     assert bm.allocate(1, 6, 0) == []
     bm.fork(1, 2)
-    last = bm.table(1)[1]
+    last = bm.block_table(1)[1]
     assert bm.ref[last] == 2
     pairs = bm.allocate(2, 7, 6)  # seq 2 writes position 6, inside the shared second block
-    assert pairs == [(last, bm.table(2)[1])] and bm.table(2)[1] != last
-    assert bm.ref[last] == 1 and bm.table(1)[0] == bm.table(2)[0]
+    assert pairs == [(last, bm.block_table(2)[1])] and bm.block_table(2)[1] != last
+    assert bm.ref[last] == 1 and bm.block_table(1)[0] == bm.block_table(2)[0]
     assert bm.allocate(1, 7, 6) == []  # now seq 1 owns its block alone: no copy
     bm.free_seq(1)
     bm.free_seq(2)

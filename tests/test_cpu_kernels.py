@@ -9,6 +9,18 @@ from batchrun.model.attention import TorchBackend, store_kv_torch
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
+KERNELS, TORCH = ops.CpuKernelOps(), ops.TorchOps()
+
+
+def test_fp32_cpu_models_get_the_kernels_chosen_once():
+    from batchrun.model.backends import select_backend
+
+    cpu = torch.device("cpu")
+    assert isinstance(ops.select_ops(cpu, torch.float32), ops.CpuKernelOps)
+    assert type(ops.select_ops(cpu, torch.bfloat16)) is ops.TorchOps
+    assert select_backend("auto", cpu, torch.float32).cpu_kernels
+    assert not select_backend("torch", cpu, torch.bfloat16).cpu_kernels
+
 
 # 64 and 128 take specialised vector code, 48 and 80 the generic vector code, 40 the plain loops
 @pytest.mark.parametrize("bs,hq,hkv,d", [(16, 6, 2, 64), (8, 4, 4, 48), (32, 8, 1, 128), (16, 12, 4, 80), (8, 4, 2, 40)])
@@ -60,27 +72,25 @@ def test_store_kv_matches_index_copy_and_skips_padding():
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_with_and_without_residual(rows, monkeypatch):
+def test_rms_norm_with_and_without_residual(rows):
     g = torch.Generator().manual_seed(rows)
     x, res, w = torch.randn(rows, 384, generator=g), torch.randn(rows, 384, generator=g), torch.randn(384, generator=g)
-    got = ops.rms_norm(x, w, 1e-6)
-    got2, h = ops.rms_norm(x, w, 1e-6, res.clone())
-    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
-    ref = ops.rms_norm(x, w, 1e-6)
-    ref2, href = ops.rms_norm(x, w, 1e-6, res.clone())
+    got = KERNELS.rms_norm(x, w, 1e-6)
+    got2, h = KERNELS.rms_norm(x, w, 1e-6, res.clone())
+    ref = TORCH.rms_norm(x, w, 1e-6)
+    ref2, href = TORCH.rms_norm(x, w, 1e-6, res.clone())
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(h, href) and torch.allclose(got2, ref2, atol=1e-5, rtol=1e-5)
 
 
-def test_silu_mul(monkeypatch):
+def test_silu_mul():
     x = torch.randn(33, 2 * 1000, generator=torch.Generator().manual_seed(2)) * 8
-    got = ops.silu_mul(x)
-    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
-    assert torch.allclose(got, ops.silu_mul(x), atol=1e-5, rtol=1e-5)
+    got = KERNELS.silu_mul(x)
+    assert torch.allclose(got, TORCH.silu_mul(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("d", [64, 48])
-def test_rope_in_place_on_qkv_views(d, monkeypatch):
+def test_rope_in_place_on_qkv_views(d):
     g = torch.Generator().manual_seed(d)
     n, h, hkv, max_pos = 13, 4, 2, 300
     qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
@@ -93,9 +103,8 @@ def test_rope_in_place_on_qkv_views(d, monkeypatch):
 
     q, k, v = views(qkv)
     v0 = v.clone()
-    got_q, got_k = ops.apply_rope(q, k, rot)
+    got_q, got_k = KERNELS.apply_rope(q, k, rot)
     assert got_q.data_ptr() == qkv.data_ptr() and torch.equal(v, v0)  # rotated in place, v untouched
-    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
     fresh = views(torch.randn(n, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(d)))
-    ref_q, ref_k = ops.apply_rope(fresh[0], fresh[1], rot)
+    ref_q, ref_k = TORCH.apply_rope(fresh[0], fresh[1], rot)
     assert torch.allclose(got_q, ref_q, atol=1e-5) and torch.allclose(got_k, ref_k, atol=1e-5)

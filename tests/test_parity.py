@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchrun import LLM, SamplingParams
-from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 
 LENGTHS = [1, 2, 5, 16, 17, 31, 33, 64, 100, 128, 150, 200, 255, 256, 299, 300]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -74,11 +74,11 @@ def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the runner and the paged cache."""
     bm, runner = llm.engine.block_manager, llm.engine.runner
     assert bm.allocate(10**6, len(ids), 0) == []
-    table = bm.table(10**6)
+    table = bm.block_table(10**6)
     out = SchedulerOutput(seqs=[ScheduledSeq(10**6, ids, 0, table, True)], num_decodes=int(len(ids) == 1))
-    inp, pos, meta, _ = runner.prepare(out)
+    inp, ctx, _ = runner.prepare(out)
     with torch.inference_mode():
-        logits = runner.model.compute_logits(runner.model(inp, pos, runner.kv_cache, meta))
+        logits = runner.model.compute_logits(runner.model(inp, ctx))
     bm.free_seq(10**6)
     return logits
 

@@ -45,10 +45,10 @@ class FakeEngine:
     def step(self):
         out = self.sched.schedule()
         for s in out.seqs:  # every write lands in a block the sequence owns
-            table = self.bm.tables[s.seq_id]
+            table = self.bm.block_table(s.seq_id)
             assert len(table) * BS >= s.start + len(s.token_ids)
         assert [len(s.token_ids) == 1 for s in out.seqs] == sorted((len(s.token_ids) == 1 for s in out.seqs), reverse=True)
-        self.sched.after_step(out, self.seqs)
+        self.sched.update(out, self.seqs)
         for s in out.seqs:
             if not s.sample:
                 continue
@@ -105,17 +105,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bm.num_free + bm.num_used == bm.num_blocks
         for g in sch.waiting:
             for s in g.live():
-                assert s.status is SeqStatus.WAITING and s.seq_id not in bm.tables and s.num_computed == 0
+                assert s.status is SeqStatus.WAITING and not bm.is_resident(s.seq_id) and s.num_computed == 0
         for g in sch.swapped:
             for s in g.live():
-                assert (s.status is SeqStatus.SWAPPED and s.seq_id in bm.host_tables) or (
-                    s.status is SeqStatus.WAITING and s.seq_id not in bm.tables)
+                assert (s.status is SeqStatus.SWAPPED and bm.is_swapped(s.seq_id)) or (
+                    s.status is SeqStatus.WAITING and not bm.is_resident(s.seq_id))
         for g in sch.running:
             for s in g.live():  # a running group may hold a sibling back for recompute
                 if s.status is SeqStatus.RUNNING:
-                    assert s.seq_id in bm.tables and len(bm.tables[s.seq_id]) * BS >= s.num_computed
+                    assert bm.is_resident(s.seq_id) and len(bm.block_table(s.seq_id)) * BS >= s.num_computed
                 else:
-                    assert s.status is SeqStatus.WAITING and s.seq_id not in bm.tables
+                    assert s.status is SeqStatus.WAITING and not bm.is_resident(s.seq_id)
         assert sch.num_running_seqs() <= sch.config.max_num_seqs
 
     def teardown(self):

@@ -56,8 +56,30 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def table(self, seq_id: int) -> list[int]:
+    def is_resident(self, seq_id: int) -> bool:
+        """The sequence holds device blocks."""
+        return seq_id in self.tables
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """The sequence's blocks are in the host pool."""
+        return seq_id in self.host_tables
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's device block ids, logical order. The live list: callers only read it."""
         return self.tables[seq_id]
+
+    def num_distinct_blocks(self, seq_ids: list[int]) -> int:
+        """Device blocks held by any of the sequences, shared ones counted once."""
+        return len({b for s in seq_ids for b in self.tables.get(s, ())})
+
+    def num_cached_blocks(self, keys: list[int]) -> int:
+        """How many leading prefix-cache keys (from chain_keys) have a block in the cache now."""
+        n = 0
+        for key in keys:
+            if key not in self.cached:
+                break
+            n += 1
+        return n
 
     # ---- prefix cache ----------------------------------------------------------------------------
     @staticmethod
@@ -191,8 +213,7 @@ class BlockManager:
 
     # ---- swap ------------------------------------------------------------------------------------
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        distinct = {b for s in seq_ids for b in self.tables.get(s, [])}
-        return len(distinct) <= len(self.host_free)
+        return self.num_distinct_blocks(seq_ids) <= len(self.host_free)
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to host blocks, keeping sharing among them. Returns (device, host)."""

@@ -28,7 +28,6 @@ class Sequence:
     num_computed: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)

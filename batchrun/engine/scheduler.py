@@ -3,7 +3,8 @@
 Each step: (1) the running groups advance (a decode token, or the next chunk of a prompt), preempting the
 latest-arrived group when blocks run out; (2) swapped groups come back before anything new; (3) waiting
 groups are admitted while blocks (above the watermark), `max_num_seqs` and the step's token budget allow.
-The result is one `SchedulerOutput`: all the runner is told.
+The result is one `SchedulerOutput` (engine/contract.py): all the runner is told. After the step,
+`update` is the one bookkeeping call: the computed tokens are in the cache, full blocks are published.
 """
 
 from __future__ import annotations
@@ -11,40 +12,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)
 
 PREFIX_WINDOW = 32  # waiting groups looked at for prefix-cache hits, and the most times one may be passed over
-
-
-@dataclass
-class ScheduledSeq:
-    seq_id: int
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # position of token_ids[0] (== tokens already in the cache)
-    block_table: list[int]  # the live table (read-only for the runner)
-    sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]  # one-token (decode) sequences first, then prefill chunks
-    num_decodes: int
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in and not self.copies
 
 
 @dataclass
@@ -93,6 +69,15 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self.bm.free_seq(seq.seq_id)
 
+    def clear(self) -> list[SequenceGroup]:
+        """Empty every queue (an abort); returns the groups that were in them. Their blocks are the caller's
+        to give back."""
+        groups = [*self.waiting, *self.running, *self.swapped]
+        self.waiting.clear()
+        self.running.clear()
+        self.swapped.clear()
+        return groups
+
     def drop_finished_groups(self) -> list[SequenceGroup]:
         done = [g for g in self.running if g.is_finished]
         if done:
@@ -130,7 +115,7 @@ class Scheduler:
         if not preempted:
             while self.swapped and budget[0] > 0:
                 group = self.swapped[0]
-                ids = [s.seq_id for s in group.live() if s.seq_id in self.bm.host_tables]
+                ids = [s.seq_id for s in group.live() if self.bm.is_swapped(s.seq_id)]
                 if held + len(group.live()) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
                     break
                 self.swapped.popleft()
@@ -154,7 +139,7 @@ class Scheduler:
                 if held + wants > cfg.max_num_seqs:
                     break
                 self._schedule_group(group, out, budget)  # nothing resident yet: it cannot fail
-                if not any(s.seq_id in self.bm.tables for s in group.live()):
+                if not any(self.bm.is_resident(s.seq_id) for s in group.live()):
                     break  # no room: admitted later
                 del self.waiting[pick]
                 for g in itertools.islice(self.waiting, pick):
@@ -176,23 +161,23 @@ class Scheduler:
         planned: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         budget_before = budget[0]
-        tables = self.bm.tables
+        bm = self.bm
         for seq in group.seqs:
             if seq.status is SeqStatus.FINISHED:
                 continue
             if budget[0] <= 0:
                 break
-            resident = seq.seq_id in tables
+            resident = bm.is_resident(seq.seq_id)
             prefix, keys = [], []
             if not resident:  # first allocation: reuse what the prefix cache holds
-                prefix, keys = self.bm.lookup(seq.token_ids)
-                seq.num_computed = len(prefix) * self.bm.block_size
+                prefix, keys = bm.lookup(seq.token_ids)
+                seq.num_computed = len(prefix) * bm.block_size
             n = min(len(seq.token_ids) - seq.num_computed, budget[0])
             if n <= 0:  # e.g. a beam that has sampled and waits for its siblings
                 continue
             # the watermark keeps room for resident sequences to grow; it only matters if any exist
-            pairs = self.bm.allocate(seq.seq_id, seq.num_computed + n, seq.num_computed, prefix=prefix,
-                                     prefix_keys=keys, admit=not resident and self.bm.num_used > 0)
+            pairs = bm.allocate(seq.seq_id, seq.num_computed + n, seq.num_computed, prefix=prefix,
+                                prefix_keys=keys, admit=not resident and bm.num_used > 0)
             if pairs is None:
                 if resident:
                     budget[0] = budget_before
@@ -202,12 +187,12 @@ class Scheduler:
                 continue
             if not resident:
                 seq.status = SeqStatus.RUNNING
-                self.stats.prefix_hit_tokens += len(prefix) * self.bm.block_size
+                self.stats.prefix_hit_tokens += len(prefix) * bm.block_size
             if pairs:
                 copies.extend(pairs)
             start = seq.num_computed
             planned.append(ScheduledSeq(seq.seq_id, seq.token_ids[start : start + n], start,
-                                        tables[seq.seq_id], start + n == len(seq.token_ids)))
+                                        bm.block_table(seq.seq_id), start + n == len(seq.token_ids)))
             budget[0] -= n
         out.seqs.extend(planned)
         out.copies.extend(copies)
@@ -216,7 +201,7 @@ class Scheduler:
     def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """The only running group cannot grow: recompute one of its sequences later instead of the whole
         group, so a group whose samples together outgrow the cache still finishes, a few at a time."""
-        resident = [s for s in group.live() if s.seq_id in self.bm.tables]
+        resident = [s for s in group.live() if self.bm.is_resident(s.seq_id)]
         if len(resident) <= 1:
             return False
         seq = resident[-1]
@@ -245,12 +230,7 @@ class Scheduler:
     def _cached_blocks(self, group: SequenceGroup) -> int:
         if group.block_keys is None:  # computed once per request
             group.block_keys = self.bm.chain_keys(group.prompt_ids)
-        n = 0
-        for key in group.block_keys:
-            if key not in self.bm.cached:
-                break
-            n += 1
-        return n
+        return self.bm.num_cached_blocks(group.block_keys)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         i = len(self.running)
@@ -270,7 +250,7 @@ class Scheduler:
             return True
         cfg = self.config
         tokens = sum(s.num_computed for s in group.live())
-        blocks = len({b for s in group.live() for b in self.bm.tables.get(s.seq_id, [])})
+        blocks = self.bm.num_distinct_blocks([s.seq_id for s in group.live()])
         recompute_s = tokens * cfg.flops_per_token / cfg.compute_flops_per_s
         swap_s = cfg.swap_latency_s + 2 * blocks * cfg.bytes_per_block / cfg.copy_bytes_per_s
         return swap_s < recompute_s
@@ -279,12 +259,12 @@ class Scheduler:
         live = group.live()
         ids = {s.seq_id for s in live}
         out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]  # forget what it had this step
-        resident = [s.seq_id for s in live if s.seq_id in self.bm.tables]
+        resident = [s.seq_id for s in live if self.bm.is_resident(s.seq_id)]
         if self._prefer_swap(group) and self.bm.can_swap_out(resident):
             pairs = self.bm.swap_out(resident)
             out.swap_out.extend(pairs)
             for s in live:
-                if s.seq_id in self.bm.host_tables:
+                if self.bm.is_swapped(s.seq_id):
                     s.status = SeqStatus.SWAPPED
             self.swapped.append(group)
             self.stats.preempted_swap += 1
@@ -299,9 +279,11 @@ class Scheduler:
         log.debug("preempted %s (%d seqs)", group.request_id, len(live))
 
     # ---- after the step --------------------------------------------------------------------------
-    def after_step(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
-        """The step's tokens are in the cache now: advance the counters and publish full blocks."""
+    def update(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """The step ran: its tokens are in the cache now. Advance the counters and publish full blocks to
+        the prefix cache (before the engine appends the sampled tokens and decides stops)."""
+        commit = self.bm.commit
         for s in out.seqs:
             seq = seqs[s.seq_id]
             seq.num_computed = s.start + len(s.token_ids)
-            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            commit(seq.seq_id, seq.token_ids, seq.num_computed)

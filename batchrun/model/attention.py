@@ -1,4 +1,4 @@
-"""Paged attention over the KV pool, and the choice of backend.
+"""Paged attention over the KV pool: the per-step metadata, the backend contract, and the torch backend.
 
 The runner lays out one step as a flat batch: the decode sequences first (one query token each), then
 the prefill / extend sequences (a chunk of new tokens attending to themselves and to whatever context the
@@ -14,7 +14,6 @@ s // block_size, offset s % block_size.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -73,9 +72,6 @@ class AttentionBackend(ABC):
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    has_padding: bool = False) -> None:
     """Scatter the step's K/V into their slots (padding slots, -1, are dropped)."""
-    if cpu_kernels.usable(k) and cpu_kernels.usable(v) and kv_cache.dtype == torch.float32:
-        cpu_kernels.store_kv(k, v, kv_cache, slot_mapping)
-        return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     if has_padding:
@@ -91,12 +87,21 @@ class TorchBackend(AttentionBackend):
     Decode: all decode sequences of the step in one gather through their block tables and one SDPA call,
     masked to each sequence's length. Prefill: one SDPA per prefill sequence (few per step); when nothing is
     cached yet the new K/V are used directly instead of being read back from the pool.
+
+    With `cpu_kernels` (fp32 models on a CPU, decided at load by backends.select_backend) the K/V store and
+    decode attention are the C kernels, which read K/V in place through the block tables.
     """
 
     name = "torch"
 
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        self.cpu_kernels = cpu_kernels
+
     def forward(self, q, k, v, kv_cache, meta, scale):
-        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        if self.cpu_kernels:
+            cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        else:
+            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale)
@@ -123,7 +128,7 @@ class TorchBackend(AttentionBackend):
     def _decode(self, q, kv_cache, meta, scale):
         nd = q.shape[0]
         ctx = meta.max_decode_len
-        if cpu_kernels.usable(q) and kv_cache.dtype == torch.float32:
+        if self.cpu_kernels:
             return cpu_kernels.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
@@ -155,21 +160,3 @@ class TorchBackend(AttentionBackend):
                 )
             out[start:end] = o.squeeze(0).transpose(0, 1).to(q.dtype)
             start = end
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` is Triton on CUDA and torch elsewhere; Triton on CPU only under TRITON_INTERPRET=1 (tests)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchBackend()
-    if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
-                "use 'torch' or 'auto' on CPU"
-            )
-        from batchrun.model.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")

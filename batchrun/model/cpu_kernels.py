@@ -8,8 +8,8 @@ second) into the batchrun cache, keyed by source, compiler and CPU. Their OpenMP
 OpenMP runtime (torch ships libgomp.so.1 and has it loaded when the library loads), so the two never fight
 over the cores. Without a compiler, or with BATCHRUN_CPU_KERNELS=0, every op takes its torch path.
 
-Each wrapper takes fp32 CPU tensors whose innermost dimension is contiguous; `usable(t)` says whether a
-tensor qualifies, and the callers (batchrun/model/ops.py, attention.py) fall back to torch otherwise.
+Each wrapper takes fp32 CPU tensors whose innermost dimension is contiguous. Whether a model uses them is
+decided once, at load (ops.select_ops, backends.select_backend), not per call.
 """
 
 from __future__ import annotations
@@ -87,14 +87,6 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
-
-
-_FP32 = torch.float32
-
-
-def usable(t: torch.Tensor) -> bool:
-    """fp32 on the CPU with a contiguous last dimension, and the kernels built."""
-    return t.dtype is _FP32 and not t.is_cuda and t.stride(-1) == 1 and _library() is not None
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

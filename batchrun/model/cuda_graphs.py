@@ -13,7 +13,9 @@ import logging
 
 import torch
 
-from batchrun.model.attention import AttentionMetadata
+from batchrun.model.attention import AttentionBackend, AttentionMetadata
+from batchrun.model.context import ForwardContext
+from batchrun.model.ops import TorchOps
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +26,12 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_model_len: int, block_size: int,
+                 backend: AttentionBackend, ops: TorchOps) -> None:
         dev = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
+        self.backend, self.ops = backend, ops
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.sizes = batch_ladder(max_batch)
@@ -48,17 +52,23 @@ class DecodeGraphs:
             query_start_loc=self.qsl[: b + 1], num_decodes=b, max_query_len=1, max_seq_len=self.max_model_len,
             seq_lens_host=[self.max_model_len] * b, query_lens_host=[1] * b, has_padding=True)
 
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model on the static buffers' first b rows. A fresh context per call: what it computes
+        lazily (the rotary rows) must be computed inside the capture, from the static positions."""
+        ctx = ForwardContext(self._meta(b), self.kv_cache, self.model.rotary(self.positions[:b]), self.backend,
+                             self.ops)
+        return self.model(self.input_ids[:b], ctx)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture the largest size first so the smaller ones share its memory pool."""
         for b in reversed(self.sizes):
-            meta = self._meta(b)
             for _ in range(2):  # warm up (Triton compiles outside the capture)
-                self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
+                self._forward(b)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[b] = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
+                self.outputs[b] = self._forward(b)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g

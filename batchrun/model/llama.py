@@ -1,10 +1,11 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and the paged KV pool.
 
-One forward takes the step's tokens of every sequence as one flat batch ([num_tokens, hidden]); only
-attention needs to know where one sequence ends and the next begins, and it reads that from the
-`AttentionMetadata`. Q/K/V and gate/up projections are fused at load time (one matmul each instead of
-three and two). The element-wise ops (ops.py) follow transformers' modules op for op, or on fp32 CPU
-tensors do the same arithmetic in one fused C pass, so fp32 logits match closely (tests/test_parity.py).
+One forward takes the step's tokens of every sequence as one flat batch ([num_tokens, hidden]) and the
+step's ForwardContext; only attention needs to know where one sequence ends and the next begins, and it
+reads that from the context's `AttentionMetadata`. Q/K/V and gate/up projections are fused at load time
+(one matmul each instead of three and two). The element-wise ops (the context's `ops`, chosen at load)
+follow transformers' modules op for op, or on fp32 CPU tensors do the same arithmetic in one fused C pass,
+so fp32 logits match closely (tests/test_parity.py).
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from batchrun.model import ops
-from batchrun.model.attention import AttentionBackend, AttentionMetadata
+from batchrun.model.context import ForwardContext
+from batchrun.model.ops import Rotary, TorchOps
 
 
 class RMSNorm(nn.Module):
     """With a residual it first adds it (h = residual + x) and returns (norm(h), h), so the residual add
-    and the norm are one pass (see ops.rms_norm)."""
+    and the norm are one pass (see TorchOps.rms_norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, ops: TorchOps, residual: torch.Tensor | None = None):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -69,16 +70,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, rot: ops.Rotary, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = ops.apply_rope(q, k, rot)
-        o = backend.forward(q, k, v, kv_cache[self.layer], meta, self.scale)
+            q, k = self.q_norm(q.contiguous(), ctx.ops), self.k_norm(k.contiguous(), ctx.ops)
+        q, k = ctx.ops.apply_rope(q, k, ctx.rotary)
+        o = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer], ctx.attn, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -92,7 +93,7 @@ class MLP(nn.Module):
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (batchrun supports silu)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
@@ -104,16 +105,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rot, kv_cache, meta, backend):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """(x, residual) -> (mlp output, residual stream before it); the residual adds happen in the
         norms, so layer i's output is residual + x (first layer: residual None, x the embeddings)."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, ctx.ops), x
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rot, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm(x, ctx.ops, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm(h, ctx.ops, residual)
+        return self.mlp(h, ctx.ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.cos = self.sin = torch.empty(0)
-        self.backend: AttentionBackend | None = None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -144,15 +144,17 @@ class LlamaForCausalLM(nn.Module):
         device = self.embed_tokens.weight.device
         self.cos, self.sin = cos.to(device), sin.to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        """The rotary embedding of a step's positions (for its ForwardContext)."""
+        return Rotary(positions, self.cos, self.sin, self.embed_tokens.weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
-        rot = ops.Rotary(positions, self.cos, self.sin, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rot, kv_cache, meta, self.backend)
-        return self.norm(x, residual)[0]
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,9 +1,11 @@
-"""The element-wise ops of a decoder layer, each with a torch path and a fused CPU kernel.
+"""The element-wise ops of a decoder layer: a torch implementation, and fused CPU kernels for fp32 CPU models.
 
-The torch paths follow transformers' modules op for op (they run on CUDA, in other dtypes, and are the
-reference the kernels are tested against). On fp32 CPU tensors the C kernels in cpu_kernels.py do the
-same arithmetic in one pass and one call each: at decode batch sizes a layer is a few dozen small ops, and
-on a CPU their dispatch and memory passes cost as much as the matmuls.
+Which one a model uses is decided once, at load (`select_ops(device, dtype)`), and travels to the layers in
+the step's ForwardContext: no op re-decides per call. The torch ops follow transformers' modules op for op
+(they run on CUDA, in other dtypes, and are the reference the kernels are tested against). On fp32 CPU
+tensors the C kernels in cpu_kernels.py do the same arithmetic in one pass and one call each: at decode
+batch sizes a layer is a few dozen small ops, and on a CPU their dispatch and memory passes cost as much as
+the matmuls.
 """
 
 from __future__ import annotations
@@ -15,31 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """weight * x / rms(x). With a residual: h = residual + x, returns (weight * h / rms(h), h); on the
-    kernel path h is written into `residual` itself, which the caller must own."""
-    if cpu_kernels.usable(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
-        out = cpu_kernels.rms_norm(x, weight, eps, residual)
-        return out if residual is None else (out, residual)
-    if residual is not None:
-        x = residual + x
-        residual = x
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
-    return out if residual is None else (out, residual)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for the fused [N, 2I] gate|up projection."""
-    if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
-        return cpu_kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @dataclass
@@ -64,12 +41,66 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of q [N, H, D] and k [N, Hkv, D]; on the kernel path in place (q and k may be views
-    into the fused qkv projection, which the caller owns)."""
-    if cpu_kernels.usable(q) and cpu_kernels.usable(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
-        for x in (q, k):
-            cpu_kernels.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
-        return q, k
-    cos, sin = rot.rows
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+class TorchOps:
+    """The reference implementations, for any device and dtype."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """weight * x / rms(x). With a residual: h = residual + x, returns (weight * h / rms(h), h); the
+        kernel ops write h into `residual` itself, which the caller must own."""
+        if residual is not None:
+            x = residual + x
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for the fused [N, 2I] gate|up projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def apply_rope(self, q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of q [N, H, D] and k [N, Hkv, D]; the kernel ops rotate in place (q and k may be
+        views into the fused qkv projection, which the caller owns)."""
+        cos, sin = rot.rows
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class CpuKernelOps(TorchOps):
+    """The C kernels, for fp32 models on a CPU with the kernels built. A tensor laid out in a way the kernel
+    does not take (never the case in our layers, but cheap to check) goes to the torch op."""
+
+    name = "cpu_kernels"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out = cpu_kernels.rms_norm(x, weight, eps, residual)
+            return out if residual is None else (out, residual)
+        return super().rms_norm(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up):
+        if gate_up.is_contiguous():
+            return cpu_kernels.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def apply_rope(self, q, k, rot):
+        if q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+            for x in (q, k):
+                cpu_kernels.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
+            return q, k
+        return super().apply_rope(q, k, rot)
+
+
+def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 on the CPU with the kernels built (they take fp32 only)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The element-wise ops for a model on `device` in `dtype`, chosen once at load."""
+    return CpuKernelOps() if uses_cpu_kernels(device, dtype) else TorchOps()

@@ -1,10 +1,13 @@
-"""ModelRunner: turns a SchedulerOutput into one forward over the paged KV pool. It decides nothing.
+"""ModelRunner: turns a SchedulerOutput into one forward over the paged KV pool and its samples. It
+decides nothing.
 
 The device pool and the host (swap) pool are each one tensor allocated at start-up:
     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 Per step the runner applies the scheduler's block moves (swap out, swap in, copy-on-write) in bulk, one
 call each, builds the flat batch (token ids, positions, slot mapping, block tables) and runs the model,
-computing logits only for the positions that sample.
+computing logits only for the positions that sample, then samples them as the step's SamplingRequests say
+(sampling_batch.py) and returns a StepOutput of plain lists, with one host sync. The attention backend and
+the element-wise ops are chosen once, here, for the device and dtype.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.engine.scheduler import SchedulerOutput
-from batchrun.model.attention import AttentionMetadata, select_backend
+from batchrun.engine.contract import ScheduledSeq, SchedulerOutput, StepOutput
+from batchrun.model.attention import AttentionMetadata
+from batchrun.model.backends import select_backend
+from batchrun.model.context import ForwardContext
 from batchrun.model.llama import LlamaForCausalLM
+from batchrun.model.ops import select_ops
+from batchrun.model.sampling_batch import plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +66,8 @@ class ModelRunner:
         self.shape = shape
         self.device = device
         self.block_size = shape.block_size
-        model.backend = select_backend(attention_backend, device)
-        self.backend = model.backend
+        self.backend = select_backend(attention_backend, device, shape.dtype)
+        self.ops = select_ops(device, shape.dtype)
         self.kv_cache = shape.pool(num_blocks, device)
         self.on_cuda = device.type == "cuda"
         self.host_cache = shape.pool(num_host_blocks, torch.device("cpu"), pin=self.on_cuda) \
@@ -79,7 +86,8 @@ class ModelRunner:
         if not self.on_cuda or self.backend.name != "triton":
             return
         try:
-            graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len, self.block_size)
+            graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len, self.block_size,
+                                  self.backend, self.ops)
             graphs.capture()
             self.graphs = graphs
         except Exception as e:  # noqa: BLE001 - a capture failure must not stop the job: run eagerly
@@ -137,8 +145,9 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     # ---- one step ------------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat inputs for the step. Per-token work (positions, slots) is done with tensor ops."""
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor]:
+        """Flat inputs for the step: token ids, the forward's context, and the rows of the hidden states
+        that sample. Per-token work (positions, slots) is done with tensor ops."""
         bs = self.block_size
         seqs = out.seqs
         input_ids: list[int] = []
@@ -176,20 +185,32 @@ class ModelRunner:
             query_lens_host=qlens,
         )
         ids = torch.tensor(input_ids).to(dev, non_blocking=nb)
-        return ids, positions.to(dev, non_blocking=nb), meta, logits_idx.to(dev, non_blocking=nb)
+        ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions.to(dev, non_blocking=nb)), self.backend,
+                             self.ops)
+        return ids, ctx, logits_idx.to(dev, non_blocking=nb)
 
     def profile_forward(self, num_tokens: int) -> None:
         """One forward at the step-token budget, into a throw-away pool (CUDA memory profiling)."""
         out, nblk = profile_out(num_tokens, self.model.cos.shape[0], self.block_size)
         saved, self.kv_cache = self.kv_cache, self.shape.pool(nblk, self.device)
         try:
-            self.execute(out)
+            self.compute_logits(out)
         finally:
             self.kv_cache = saved
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Apply block moves, run the forward; logits [num sampling sequences, vocab] in float32."""
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Apply block moves, run the forward, sample what out.sampling asks (one host sync)."""
+        plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device) if out.sampling else None
+        logits = self.compute_logits(out)
+        if logits is None or plan is None:
+            return StepOutput()
+        return sample_step(logits, plan)
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Apply block moves, run the forward; logits [num sampling sequences, vocab] in float32 (None when
+        nothing runs)."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -197,14 +218,15 @@ class ModelRunner:
         if out.copies:
             self.copy_blocks(out.copies)
         if not out.seqs:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        ids, positions, meta, logits_idx = self.prepare(out)
+            return None
+        ids, ctx, logits_idx = self.prepare(out)
+        meta = ctx.attn
         t0 = time.perf_counter()
         if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.fits(
                 meta.num_seqs, meta.max_seq_len):
-            hidden = self.graphs.run(ids, positions, meta)
+            hidden = self.graphs.run(ids, ctx.positions, meta)
         else:
-            hidden = self.model(ids, positions, self.kv_cache, meta)
+            hidden = self.model(ids, ctx)
         logits = self.model.compute_logits(hidden[logits_idx])
         self.model_time_s += time.perf_counter() - t0
         return logits
@@ -212,8 +234,6 @@ class ModelRunner:
 
 def profile_out(num_tokens: int, max_len: int, block_size: int):
     """A SchedulerOutput of fresh prefills totalling num_tokens (for peak-memory profiling)."""
-    from batchrun.engine.scheduler import ScheduledSeq
-
     seqs, block = [], 0
     while num_tokens > 0:
         n = min(num_tokens, max_len)

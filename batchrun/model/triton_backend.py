@@ -5,7 +5,7 @@ gets the leading rows and the prefill kernel the rest, each writing its rows of 
 `forward` reads a device value on the host, so a decode-only step can be captured in a CUDA graph (build the
 capture metadata with `max_seq_len` = the longest context the graph will replay, e.g. max_model_len).
 
-On CPU these kernels only run under TRITON_INTERPRET=1 (tests); `select_backend` refuses otherwise.
+On CPU these kernels only run under TRITON_INTERPRET=1 (tests); `backends.select_backend` refuses otherwise.
 """
 
 from __future__ import annotations

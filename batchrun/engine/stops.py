@@ -1,0 +1,30 @@
+"""Whether a sequence is done after its newest token: EOS, a stop token, a stop string, or its length."""
+
+from __future__ import annotations
+
+from batchrun.engine.request import Sequence
+from batchrun.sampling_params import SamplingParams
+
+
+def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_ids: tuple[int, ...],
+                  max_model_len: int) -> tuple[str, int | str | None] | None:
+    """(finish_reason, stop_reason) once `token` (already appended) ends the sequence, else None. The
+    detokenizer sees every token that is not a stop token, so stop strings spanning tokens are found;
+    nothing stops before min_tokens but the length limits."""
+    n = seq.num_output
+    can_stop = n >= params.min_tokens
+    if can_stop and not params.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if can_stop and token in params.stop_token_ids:
+        return "stop", token
+    hit = seq.detok.add(token)
+    if hit is not None and can_stop:
+        return "stop", hit
+    if n >= (params.max_tokens or max_model_len) or len(seq.token_ids) >= max_model_len:
+        return "length", None
+    return None
+
+
+def banned_until_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """The ids a sequence may not draw before min_tokens: its stop tokens, and EOS unless ignored."""
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))

@@ -1,0 +1,157 @@
+"""One step's sampling: the engine's SamplingRequests -> tensors -> the sampler -> a StepOutput of lists.
+
+The sampling tensors are built before the forward is queued (plan_sampling); after it, everything the step
+returns (drawn tokens, their logprobs and top logprobs, beam candidates) is packed into one tensor and moved
+to the host with one `.tolist()`: the only device sync of the step (sample_step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.engine.contract import SamplingRequest, StepOutput
+from batchrun.model.sampler import SamplingBatch, sample
+
+
+def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: int,
+                         device: torch.device) -> SamplingBatch:
+    """Per-row parameters as tensors; row i draws with seeds[i] from the request rows[i] (a request drawing
+    several samples appears once per seed). O(rows) Python, plus O(tokens) only for rows with penalties."""
+    dev = device
+    params = [r.params for r in rows]
+    greedy = [p.temperature == 0.0 for p in params]
+    all_greedy = all(greedy)
+    b = SamplingBatch(
+        greedy=torch.tensor(greedy, device=dev),
+        temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev),
+        top_k=torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k for p in params) else None,
+        top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None,
+        min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in params) else None,
+        seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
+        counters=torch.tensor([r.num_output for r in rows], dtype=torch.int64, device=dev),
+        all_greedy=all_greedy,
+    )
+    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
+        b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        b.prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+        b.output_counts = torch.zeros(len(rows), vocab, device=dev)
+        for i, r in enumerate(rows):
+            b.prompt_mask[i, torch.tensor(r.token_ids[: r.prompt_len], device=dev)] = True
+            if r.num_output:
+                out = torch.tensor(r.token_ids[r.prompt_len :], device=dev)
+                b.output_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
+    banned_rows, banned_ids = [], []
+    for i, r in enumerate(rows):
+        if r.banned_token_ids:
+            banned_rows += [i] * len(r.banned_token_ids)
+            banned_ids += r.banned_token_ids
+    if banned_rows:
+        b.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    b.want_logprobs = bool(asked)
+    b.max_logprobs = max(asked, default=0)
+    return b
+
+
+def _beam_candidates(logits: torch.Tensor, beams: list[SamplingRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top max(num_beam_candidates) of log_softmax(logits / T) per beam row: (log-probs, ids) [rows, k]."""
+    k = min(max(r.num_beam_candidates for r in beams), logits.shape[-1])
+    temps = {r.beam_temperature for r in beams}
+    if len(temps) == 1:  # the usual case: one expression for all rows
+        t = temps.pop()
+        logp = (logits / t if t > 0 else logits).log_softmax(dim=-1)
+    else:
+        logp = torch.cat([(row / r.beam_temperature if r.beam_temperature > 0 else row).log_softmax(dim=-1)
+                          for row, r in zip(logits.split(1), beams)])
+    return logp.topk(k, dim=-1)
+
+
+@dataclass
+class SamplingPlan:
+    """A step's sampling as tensors, built before the forward is queued: on CUDA the small host-to-device
+    copies then go ahead of the forward instead of waiting behind it."""
+
+    rows: torch.Tensor | None  # logits row of each drawn sample; None: every row draws once, in order
+    batch: SamplingBatch | None  # None: nothing to draw (beam rows only)
+    num_drawn: int
+    beam_rows: torch.Tensor | None
+    beams: list[SamplingRequest]
+
+
+def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingPlan:
+    """requests[i] samples from logits row i."""
+    rows: list[int] = []  # logits row of each drawn sample
+    drawn: list[SamplingRequest] = []
+    seeds: list[int] = []
+    beam_rows: list[int] = []
+    beams: list[SamplingRequest] = []
+    for i, r in enumerate(requests):
+        if r.num_beam_candidates:
+            beam_rows.append(i)
+            beams.append(r)
+            continue
+        if len(r.seeds) == 1:
+            rows.append(i)
+            drawn.append(r)
+            seeds.append(r.seeds[0])
+        else:
+            rows += [i] * len(r.seeds)
+            drawn += [r] * len(r.seeds)
+            seeds += r.seeds
+    return SamplingPlan(
+        rows=None if len(rows) == len(requests) else torch.tensor(rows, device=device),
+        batch=build_sampling_batch(drawn, seeds, vocab, device) if drawn else None,
+        num_drawn=len(drawn),
+        beam_rows=torch.tensor(beam_rows, device=device) if beams else None,
+        beams=beams,
+    )
+
+
+def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
+    """logits: float32 [requests, V] -> the step's draws and beam candidates, with one host transfer."""
+    parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
+    result = None
+    if plan.batch is not None:
+        result = sample(logits if plan.rows is None else logits[plan.rows], plan.batch)
+        if result.logprob is None and not plan.beams:  # the common case: the tokens are all there is
+            return StepOutput(token_ids=result.tokens.tolist())
+        parts.append(result.tokens)
+        if result.logprob is not None:
+            parts.append(result.logprob)
+        if result.top_ids is not None:
+            parts += [result.top_ids.flatten(), result.top_logprobs.flatten()]
+    if plan.beams:
+        beam_lp, beam_ids = _beam_candidates(logits[plan.beam_rows], plan.beams)
+        parts += [beam_ids.flatten(), beam_lp.flatten()]
+    # float64 holds every token id and float32 log-prob exactly
+    flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one host sync of the step
+    out = StepOutput()
+    at = 0
+
+    def take(n: int) -> list[float]:
+        nonlocal at
+        at += n
+        return flat[at - n : at]
+
+    if result is not None:
+        n = plan.num_drawn
+        out.token_ids = list(map(int, take(n)))
+        if result.logprob is not None:
+            out.logprobs = take(n)
+        if result.top_ids is not None:
+            k = result.top_ids.shape[1]
+            ids, lps = list(map(int, take(n * k))), take(n * k)
+            out.top_token_ids = [ids[j : j + k] for j in range(0, n * k, k)]
+            out.top_logprobs = [lps[j : j + k] for j in range(0, n * k, k)]
+    if plan.beams:
+        k = beam_ids.shape[1]
+        ids, lps = list(map(int, take(len(plan.beams) * k))), take(len(plan.beams) * k)
+        for j, r in enumerate(plan.beams):
+            width = min(r.num_beam_candidates, k)
+            out.beam_token_ids.append(ids[j * k : j * k + width])
+            out.beam_logprobs.append(lps[j * k : j * k + width])
+    return out

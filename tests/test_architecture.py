@@ -1,0 +1,162 @@
+"""The layering, read from the source with `ast`: every import, at module level and inside functions.
+
+- batchrun/engine/ holds no tensors: it imports no torch, and nothing of the layers above or beside it
+  (model, io, job, llm, distributed).
+- batchrun/model/ takes from the engine only the step contract (batchrun.engine.contract).
+- the contract is a leaf: it imports nothing of batchrun.
+- no import cycle among the modules of batchrun/ and kernels/.
+
+Imports under `if TYPE_CHECKING:` do not run, so they are left out. A package's __init__ is a module like any
+other (its imports are edges); importing batchrun.x.y is an edge to batchrun.x.y, not to its parents, whose
+__init__ Python runs first anyway.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("batchrun", "kernels")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Every Import / ImportFrom node, wherever it is, except under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(module: str) -> set[str]:
+    """Dotted names `module` imports: `from a.b import c` is a.b.c when that is a module, else a.b."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+            continue
+        base = node.module or ""
+        if node.level:  # relative: from .x import y
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            found.add(sub if sub in MODULES else base)
+    return found
+
+
+def project_imports(module: str) -> set[str]:
+    return {name for name in imports_of(module) if name.split(".")[0] in PACKAGES}
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_parser_sees_function_level_imports():
+    # the runner imports the CUDA-graph module inside a method: it must be an edge
+    assert "batchrun.model.cuda_graphs" in project_imports("batchrun.model.runner")
+    assert "batchrun.engine.contract" in project_imports("batchrun.model.runner")
+
+
+def test_engine_imports_no_torch():
+    offenders = {m: sorted(n for n in imports_of(m) if n.split(".")[0] in ("torch", "triton", "numpy"))
+                 for m in MODULES if _under(m, "batchrun.engine")}
+    assert {m: n for m, n in offenders.items() if n} == {}
+
+
+def test_engine_imports_nothing_above_it():
+    above = ("batchrun.model", "batchrun.io", "batchrun.job", "batchrun.llm", "batchrun.distributed",
+             "batchrun.cli", "batchrun.config", "batchrun.plan", "batchrun.progress", "kernels")
+    bad = {m: sorted(n for n in project_imports(m) if any(_under(n, a) for a in above))
+           for m in MODULES if _under(m, "batchrun.engine")}
+    assert {m: n for m, n in bad.items() if n} == {}
+
+
+def test_model_takes_only_the_contract_from_the_engine():
+    bad = {m: sorted(n for n in project_imports(m) if _under(n, "batchrun.engine") and n != "batchrun.engine.contract")
+           for m in MODULES if _under(m, "batchrun.model")}
+    assert {m: n for m, n in bad.items() if n} == {}
+
+
+def test_the_contract_is_a_leaf():
+    assert project_imports("batchrun.engine.contract") == set()
+
+
+def _cycles(modules: set[str]) -> list[list[str]]:
+    """The strongly connected components with more than one module (or a self-import), Tarjan's way."""
+    graph = {m: sorted(n for n in project_imports(m) if n in modules and n != m or n == m) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_import_cycle_in_engine_and_model():
+    layer = {m for m in MODULES if _under(m, "batchrun.engine") or _under(m, "batchrun.model") or _under(m, "kernels")}
+    assert _cycles(layer) == []
+
+
+# Outside engine/ and model/ two cycles remain, both issue 11 part 3 (jobs), fixed on their own branch:
+# job.py <-> distributed/ray_executor.py (RayRun subclasses job._Run) and io/sources.py <-> io/hf_datasets.py.
+# The merge makes this strict.
+@pytest.mark.xfail(strict=False, reason="job.py <-> distributed/ray_executor.py and io/sources.py <-> "
+                   "io/hf_datasets.py cycles (issue 11 part 3)")
+def test_no_import_cycle_anywhere():
+    assert _cycles(set(MODULES)) == []
