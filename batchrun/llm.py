@@ -71,7 +71,8 @@ class LLM:
         else:
             args = EngineArgs(model, **kwargs)
         args.check_environment()
-        source = locate_model(args.model)  # the check `batchrun validate` makes, before anything loads
+        source = locate_model(args.model)  # the checks `batchrun validate` makes, before anything loads
+        source.check_max_model_len(args.max_model_len)
         self.args = args
         num_kv_blocks = args.num_kv_blocks
         kv_bytes = args.kv_cache_bytes

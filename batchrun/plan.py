@@ -1,8 +1,8 @@
 """plan_job(): everything about a job that can be checked without the model, and how its rows are sliced.
 
-Checks the model and engine settings against this machine and where the model path points (the checks LLM
-makes too, batchrun.model.locate), opens the input (readable, the columns exist), picks this shard's slice of rows,
-checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
+Checks the model and engine settings against this machine and where the model path points (the same checks
+LLM makes, batchrun.model.locate), opens the input (readable, the columns exist), picks this shard's slice of
+rows, checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
 another one (refused, exit 2). Nothing is loaded, nothing is written.
 """
 
@@ -88,12 +88,13 @@ def check_model(cfg: JobConfig) -> ModelSource:
     args = cfg.engine_args()
     try:
         args.check_environment()
+        source = locate_model(args.model)
+        source.check_max_model_len(args.max_model_len)
     except EngineArgsError as e:
         raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
-    try:
-        return locate_model(args.model)
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
+    return source
 
 
 def check_output_dir(path: Path) -> None:
@@ -291,5 +292,8 @@ def describe_plan(plan: JobPlan) -> str:
     ex = plan.cfg.executor
     n = ex["replicas"]
     on = f"; on Ray ({n} replica{'s' * (n != 1)}, {ex['address'] or 'a local Ray'})" if ex["kind"] == "ray" else ""
-    return (f"ok: model {plan.cfg.model['path']}; input {src.path} ({src.format}, {rows} rows{shard}); "
+    model = plan.cfg.model["path"]
+    if plan.model is not None and plan.model.hub_id:
+        model += f" (from the Hugging Face cache: {plan.model.path})"
+    return (f"ok: model {model}; input {src.path} ({src.format}, {rows} rows{shard}); "
             f"output {plan.out_dir} {what}{on}")

@@ -128,7 +128,7 @@ def test_checkpoint_without_weights_or_with_malformed_config(tmp_path, tiny_llam
 
 
 def test_llm_takes_engine_args_whole(llm, tiny_llama_path):
-    from batchrun.engine_args import EngineArgs
+    from batchrun import EngineArgs
 
     args = EngineArgs(str(tiny_llama_path), num_kv_blocks=64, max_model_len=256)
     assert llm.args == args  # LLM(model, **kwargs) is EngineArgs(model, **kwargs)

@@ -27,10 +27,12 @@ def make_corpus(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 but not really parquet")
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "batch.jsonl").write_text('{"custom_id": "a", "body": {"prompt": "hi"}}\n')
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "max_position_embeddings": 1024}
     for name, files in {
         "bad-json": {"config.json": '{"architectures": ["LlamaForCausalLM"],'},
         "no-weights": {"config.json": json.dumps(llama), "tokenizer.json": "{}", "tokenizer_config.json": "{}"},
+        "short-context": {"config.json": json.dumps(llama), "model.safetensors": "x"},
         "bin-weights": {"config.json": json.dumps(llama), "pytorch_model.bin": "x"},
         "gpt2": {"config.json": json.dumps({"architectures": ["GPT2LMHeadModel"]}), "model.safetensors": "x"},
         "missing-shard": {"config.json": json.dumps(llama), "model-00001-of-00002.safetensors": "x",
@@ -130,6 +132,9 @@ CASES = {
                               "model.path: {d}/junk/junk.gguf is not a GGUF file"),
     "folder of two ggufs": (lambda d: good_job(d, model={"path": str(d / "two-ggufs")}), [],
                             "holds 2 .gguf files; name one of them"),
+    "max_model_len past the model's positions": (
+        lambda d: good_job(d, model={"path": str(d / "short-context"), "max_model_len": 4096}), [],
+        "model.max_model_len: 4096 exceeds what the model supports (1024)"),
     "hub id not in the cache": (lambda d: good_job(d, model={"path": "batchrun-tests/no-such-model"}), [],
                                 "model.path: batchrun-tests/no-such-model does not exist"),
 }

@@ -65,7 +65,7 @@ LLM_CASES = ["wrong type", "missing model", "unknown builtin model", "model fold
              "cuda without CUDA", "block size not a power of two", "max_model_len leaves no room",
              "config.json not JSON", "checkpoint without weights", "checkpoint with .bin weights",
              "sharded checkpoint missing a shard", "unsupported architecture", "gguf that is not GGUF",
-             "folder of two ggufs", "hub id not in the cache"]
+             "folder of two ggufs", "max_model_len past the model's positions", "hub id not in the cache"]
 
 
 @pytest.mark.parametrize("name", LLM_CASES)
@@ -171,6 +171,8 @@ def test_a_hub_id_in_the_local_cache_runs_from_its_snapshot(tmp_path, prompts, t
     job = write_job(tmp_path / "job.yaml", model={"path": "batchrun-tests/tiny"}, input={"path": str(prompts)},
                     output={"path": str(tmp_path / "out")}, sampling={"max_tokens": 2}, engine=ENGINE)
     validate_then_run(job, tmp_path / "out")
+    said = CliRunner().invoke(main, ["validate", job]).stdout
+    assert said.startswith(f"ok: model batchrun-tests/tiny (from the Hugging Face cache: {snapshot}); input ")
     from batchrun.llm import LLM
 
     assert str(LLM("batchrun-tests/tiny", num_kv_blocks=8).model_path) == snapshot

@@ -15,11 +15,13 @@ one line before the model code runs. Accepted:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.engine_args import EngineArgsError
 from batchrun.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -35,6 +37,14 @@ class ModelSource:
     kind: str  # builtin | checkpoint (a Hugging Face folder) | gguf (a .gguf file)
     path: Path | None  # the folder or .gguf file; None for a built-in (made on first load)
     hub_id: str | None = None  # set when `spec` was a Hub id found in the local cache
+    max_position_embeddings: int | None = None  # from config.json, when there is one
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """A max_model_len past the model's positions is refused before loading. (The loader also caps a
+        sliding-window model at its window; that finer limit is checked when it loads.)"""
+        limit = self.max_position_embeddings
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
 
     @property
     def load_spec(self) -> str:
@@ -64,7 +74,7 @@ def locate_model(spec: str) -> ModelSource:
         snapshot = _cached_snapshot(spec)
         if snapshot is not None:
             found = _local(spec, snapshot)
-            return ModelSource(spec, found.kind, found.path, hub_id=spec)
+            return dataclasses.replace(found, hub_id=spec)
     raise ModelLoadError(f"{spec} does not exist: not a folder, a .gguf file, builtin:NAME or a model in the "
                          "local Hugging Face cache (batchrun downloads nothing)")
 
@@ -85,9 +95,10 @@ def _local(spec: str, path: Path) -> ModelSource:
         if ggufs:
             raise ModelLoadError(f"{spec} holds {len(ggufs)} .gguf files; name one of them")
         raise ModelLoadError(f"{spec} has no config.json (not a Hugging Face checkpoint folder) and no .gguf file")
-    _check_config(spec, config)
+    positions = _check_config(spec, config).get("max_position_embeddings")
     _check_weights(spec, path)
-    return ModelSource(spec, "checkpoint", path)
+    return ModelSource(spec, "checkpoint", path,
+                       max_position_embeddings=positions if isinstance(positions, int) else None)
 
 
 def _read_json(spec: str, file: Path) -> object:
@@ -100,7 +111,7 @@ def _read_json(spec: str, file: Path) -> object:
         raise ModelLoadError(f"{spec}: cannot read {file.name}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _check_config(spec: str, file: Path) -> None:
+def _check_config(spec: str, file: Path) -> dict:
     config = _read_json(spec, file)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{spec}: config.json is not a JSON object")
@@ -111,6 +122,7 @@ def _check_config(spec: str, file: Path) -> None:
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {archs[0]!r}; batchrun supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
 
 
 def _check_weights(spec: str, path: Path) -> None:
