@@ -55,6 +55,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "batchrun.llm",
+    "EngineArgs": "batchrun.engine_args",
     "SamplingParams": "batchrun.sampling_params",
     "RequestOutput": "batchrun.outputs",
     "CompletionOutput": "batchrun.outputs",
@@ -62,11 +63,12 @@ _EXPORTS = {
     "BeamSearchOutput": "batchrun.beam_search",
     "BeamSearchSequence": "batchrun.beam_search",
 }
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "__version__"]
 
 if TYPE_CHECKING:
     from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from batchrun.engine_args import EngineArgs
     from batchrun.llm import LLM
     from batchrun.outputs import CompletionOutput, RequestOutput
     from batchrun.sampling_params import SamplingParams

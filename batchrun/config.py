@@ -1,8 +1,9 @@
 """The job file: YAML in, a validated JobConfig out, before anything heavy is imported or loaded.
 
-Every key is declared once in SCHEMA (default, type, allowed values); the `sampling:` section is
-SamplingParams' own fields, checked by SamplingParams itself. A mistake raises JobError with one line
-naming the key path, e.g. ``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
+Every key is declared once: the `model:` and `engine:` sections are EngineArgs' fields (their defaults and
+rules live in batchrun.engine_args), the `sampling:` section is SamplingParams' own fields, checked by
+SamplingParams itself, and the other sections are declared in SCHEMA. A mistake raises JobError with one
+line naming the key path, e.g. ``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from typing import Any
 
 import yaml
 
+from batchrun.engine_args import (
+    EngineArgs,
+    EngineArgsError,
+    Rule,
+    field_of,
+    job_key,
+    job_rules,
+    parse_size,
+    show,
+)
 from batchrun.sampling_params import SamplingParams
 
 
@@ -27,25 +38,29 @@ class JobError(Exception):
 
 
 @dataclass(frozen=True)
-class Key:
-    default: Any = None
-    kind: str = "any"  # str | int | number | bool | str_list | str_map | size | data_files
-    choices: tuple = ()
-    nullable: bool = False
-    min: float | None = None
-    max: float | None = None
-    required: bool = False
+class Key(Rule):
+    """A job-file key: an EngineArgs Rule, plus the kinds only the input section has."""
+
+    def kind_problem(self, value: Any) -> str | None:
+        kind = self.kind
+        if kind == "str_list":
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                return f"expected a list of column names, got {show(value)}"
+            if len(set(value)) != len(value):
+                return "lists a column twice"
+        elif kind == "str_map":
+            if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+                return f"expected a mapping of name: column, got {show(value)}"
+        elif kind == "data_files":
+            ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)) or (
+                isinstance(value, dict) and all(isinstance(v, (str, list)) for v in value.values()))
+            if not ok:
+                return f"expected a path, a list of paths or a split: paths mapping, got {show(value)}"
+        return super().kind_problem(value)
 
 
-SIZE_RE = re.compile(r"^\s*(\d+(\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-
-SCHEMA: dict[str, dict[str, Key]] = {
-    "model": {
-        "path": Key(kind="str", required=True),
-        "dtype": Key("auto", "str", ("auto", "float32", "float16", "bfloat16")),
-        "device": Key("auto", "str"),
-        "max_model_len": Key(None, "int", nullable=True, min=1),
-    },
+SCHEMA: dict[str, dict[str, Rule]] = {
+    "model": job_rules("model"),  # path, dtype, device, max_model_len
     "input": {
         "path": Key(kind="str", required=True),
         "format": Key(None, "str", ("parquet", "jsonl", "dataset", "openai-batch"), nullable=True),
@@ -58,19 +73,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sampling_columns": Key({}, "str_map"),
         "on_error": Key("record", "str", ("record", "skip", "fail")),
     },
-    "engine": {
-        "block_size": Key(16, "int", min=1),
-        "kv_cache_memory": Key(None, "size", nullable=True),
-        "num_kv_blocks": Key(None, "int", nullable=True, min=1),
-        "gpu_memory_utilization": Key(0.9, "number", min=0.01, max=1.0),
-        "swap_space": Key(0, "size"),
-        "max_num_seqs": Key(256, "int", min=1),
-        "max_num_batched_tokens": Key(4096, "int", min=1),
-        "preemption_mode": Key("auto", "str", ("auto", "swap", "recompute")),
-        "enable_prefix_caching": Key(True, "bool"),
-        "attention_backend": Key("auto", "str", ("auto", "torch", "triton")),
-        "enforce_eager": Key(False, "bool"),
-    },
+    "engine": job_rules("engine"),  # block_size, kv_cache_memory, ... (EngineArgs)
     "output": {
         "path": Key(kind="str", required=True),
         "rows_per_part": Key(10000, "int", min=1),
@@ -110,12 +113,16 @@ class JobConfig:
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **overrides})
 
+    def engine_args(self) -> EngineArgs:
+        """The model and engine sections as the EngineArgs LLM takes; the engine's base seed is sampling.seed."""
+        values = {field_of(f"{section}.{k}"): v for section in ("model", "engine")
+                  for k, v in getattr(self, section).items()}
+        seed = self.sampling.get("seed")
+        return EngineArgs(**values, seed=0 if seed is None else seed)
+
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for LLM(model, **kwargs)."""
-        seed = self.sampling.get("seed")
-        return {"dtype": self.model["dtype"], "device": self.model["device"],
-                "max_model_len": self.model["max_model_len"], "seed": 0 if seed is None else seed,
-                **self.engine}
+        return self.engine_args().llm_kwargs()
 
 
 # ---------------------------------------------------------------- loading
@@ -228,7 +235,7 @@ def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
         if given is None:
             given = {}
         if not isinstance(given, dict):
-            raise JobError(f"{source}: {name}: expected a mapping of keys, got {_show(given)}")
+            raise JobError(f"{source}: {name}: expected a mapping of keys, got {show(given)}")
         out = {}
         for k in given:
             if k not in keys:
@@ -246,62 +253,18 @@ def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
     cfg = JobConfig(model=sections["model"], input=sections["input"], sampling=sampling,
                     engine=sections["engine"], output=sections["output"], executor=sections["executor"],
                     source=source, explicit=explicit)
+    try:  # each key passed its rule above; this is the one path LLM takes too
+        cfg.engine_args()
+    except EngineArgsError as e:
+        raise JobError(f"{source}: {job_key(e.field) or e.field}: {e.problem}") from None
     _cross_checks(cfg)
     return cfg
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _check(where: str, value: Any, spec: Key) -> Any:
-    if value is None:
-        if spec.nullable:
-            return None
-        raise JobError(f"{where}: must not be null")
-    kind = spec.kind
-    if kind == "str":
-        if not isinstance(value, str):
-            raise JobError(f"{where}: expected a string, got {_show(value)}")
-        if spec.choices and value not in spec.choices:
-            raise JobError(f"{where}: must be one of {', '.join(spec.choices)}, got {value!r}")
-        if not value.strip():
-            raise JobError(f"{where}: must not be empty")
-    elif kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise JobError(f"{where}: expected an integer, got {_show(value)}")
-    elif kind == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise JobError(f"{where}: expected a number, got {_show(value)}")
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise JobError(f"{where}: expected true or false, got {_show(value)}")
-    elif kind == "str_list":
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise JobError(f"{where}: expected a list of column names, got {_show(value)}")
-        if len(set(value)) != len(value):
-            raise JobError(f"{where}: lists a column twice")
-    elif kind == "str_map":
-        if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
-            raise JobError(f"{where}: expected a mapping of name: column, got {_show(value)}")
-    elif kind == "data_files":
-        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)) or (
-            isinstance(value, dict) and all(isinstance(v, (str, list)) for v in value.values()))
-        if not ok:
-            raise JobError(f"{where}: expected a path, a list of paths or a split: paths mapping, "
-                           f"got {_show(value)}")
-    elif kind == "size":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and SIZE_RE.match(value))):
-            raise JobError(f"{where}: expected a byte count or a size like '4GiB', got {_show(value)}")
-        if isinstance(value, int) and value < 0:
-            raise JobError(f"{where}: must be >= 0, got {value}")
-    if spec.min is not None and isinstance(value, (int, float)) and value < spec.min:
-        raise JobError(f"{where}: must be >= {spec.min:g}, got {value}")
-    if spec.max is not None and isinstance(value, (int, float)) and value > spec.max:
-        raise JobError(f"{where}: must be <= {spec.max:g}, got {value}")
+def _check(where: str, value: Any, spec: Rule) -> Any:
+    why = spec.problem(value)
+    if why:
+        raise JobError(f"{where}: {why}")
     return value
 
 
@@ -349,7 +312,7 @@ def check_sampling_value(name: str, value: Any) -> str | None:
     tp = _sampling_types()[name]
     if check_type(value, tp):
         return None
-    return f"expected {describe_type(tp)}, got {_show(value)}"
+    return f"expected {describe_type(tp)}, got {show(value)}"
 
 
 def sampling_error(err: ValueError) -> tuple[str | None, str]:
@@ -364,7 +327,7 @@ def _validate_sampling(given: Any, source: str, explicit: set[str]) -> dict[str,
     if given is None:
         given = {}
     if not isinstance(given, dict):
-        raise JobError(f"{source}: sampling: expected a mapping of SamplingParams fields, got {_show(given)}")
+        raise JobError(f"{source}: sampling: expected a mapping of SamplingParams fields, got {show(given)}")
     names = SamplingParams.field_names()
     for k, v in given.items():
         if k not in names:
@@ -401,12 +364,4 @@ def _cross_checks(cfg: JobConfig) -> None:
 
 def size_to_bytes(value: int | str | None) -> int | None:
     """'4GiB' -> 4294967296 (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024)."""
-    if value is None or isinstance(value, int):
-        return value
-    m = SIZE_RE.match(value)
-    if not m:
-        raise ValueError(f"not a size: {value!r}")
-    unit = (m.group(3) or "B").upper()
-    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * mult)
+    return parse_size(value)

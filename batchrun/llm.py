@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -12,9 +13,11 @@ from tqdm.auto import tqdm
 from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
+from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.cpu_linear import reorder_linears, use_onednn
 from batchrun.model.loader import load_config, load_model, resolve_path
-from batchrun.model.memory import cpu_default_bytes, parse_size, profile_cuda_kv_bytes
+from batchrun.model.locate import locate_model
+from batchrun.model.memory import cpu_default_bytes, profile_cuda_kv_bytes
 from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.outputs import RequestOutput
 from batchrun.sampling_params import SamplingParams
@@ -28,12 +31,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def _resolve_device(device: str) -> torch.device:
+    """auto: CUDA when there is one. (EngineArgs.check_environment has refused CUDA where there is none.)"""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available here")
-    return dev
+    return torch.device(device)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype) -> torch.dtype:
@@ -59,62 +60,49 @@ def _derive_seed(base: int, index: int) -> int:
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
-    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool takes 2 GiB (or an eighth of
-    the machine's memory if less); on CUDA it takes `gpu_memory_utilization` of the GPU less the weights
-    and a profiled peak forward. `swap_space` sizes the host pool used by swap preemption.
+    `LLM(model, **kwargs)` takes EngineArgs' fields as keyword arguments (see batchrun.engine_args for each
+    one's default and rule), or `LLM(EngineArgs(...))` / `LLM.from_engine_args(args)` the settings whole.
+    Every setting and the model path are checked before anything loads (ValueError naming the field).
     """
 
-    def __init__(self, model: str, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, swap_space: int | str = 0,
-                 preemption_mode: str = "auto", enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0, attention_backend: str = "auto",
-                 enforce_eager: bool = False) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(msg)
-
-        need(isinstance(block_size, int) and block_size > 0 and block_size & (block_size - 1) == 0,
-             f"block_size must be a power of two, got {block_size!r}")
-        need(isinstance(max_num_seqs, int) and max_num_seqs > 0, f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
-        need(isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0,
-             f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens!r}")
-        need(num_kv_blocks is None or (isinstance(num_kv_blocks, int) and num_kv_blocks > 0),
-             f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
-        need(0 < gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        need(preemption_mode in ("auto", "swap", "recompute"),
-             f"preemption_mode must be 'auto', 'swap' or 'recompute', got {preemption_mode!r}")
-        need(attention_backend in ("auto", "torch", "triton"),
-             f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
-        need(max_model_len is None or (isinstance(max_model_len, int) and max_model_len > 1),
-             f"max_model_len must be an integer > 1, got {max_model_len!r}")
-        kv_bytes = parse_size(kv_cache_memory, "kv_cache_memory")
-        swap_bytes = parse_size(swap_space, "swap_space") or 0
-        self.device = _resolve_device(device)
-        self.seed = seed
+    def __init__(self, model: str | EngineArgs, **kwargs: Any) -> None:
+        if isinstance(model, EngineArgs):
+            args = dataclasses.replace(model, **kwargs) if kwargs else model
+        else:
+            args = EngineArgs(model, **kwargs)
+        args.check_environment()
+        source = locate_model(args.model)  # the checks `batchrun validate` makes, before anything loads
+        source.check_max_model_len(args.max_model_len)
+        self.args = args
+        num_kv_blocks = args.num_kv_blocks
+        kv_bytes = args.kv_cache_bytes
+        swap_bytes = args.swap_space_bytes
+        self.device = _resolve_device(args.device)
+        self.seed = args.seed
         self._requests = 0
 
-        cfg = load_config(resolve_path(model))  # the dtype decision needs the config before weights load
-        self.dtype = _resolve_dtype(dtype, self.device, getattr(cfg, "dtype", None))
-        loaded = load_model(model, dtype=self.dtype, device=self.device, max_model_len=max_model_len)
+        cfg = load_config(resolve_path(source.load_spec))  # the dtype decision needs the config before weights
+        self.dtype = _resolve_dtype(args.dtype, self.device, getattr(cfg, "dtype", None))
+        loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len)
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
+        block_size = args.block_size
         shape = cache_shape(loaded.model, block_size, self.dtype)
 
         if num_kv_blocks is None:
             if kv_bytes is None:
                 if self.device.type == "cuda":
                     def probe():
-                        return ModelRunner(loaded.model, shape, 1, 0, self.device, attention_backend)
-                    kv_bytes = profile_cuda_kv_bytes(probe, self.device, gpu_memory_utilization,
-                                                     max_num_batched_tokens)
+                        return ModelRunner(loaded.model, shape, 1, 0, self.device, args.attention_backend)
+                    kv_bytes = profile_cuda_kv_bytes(probe, self.device, args.gpu_memory_utilization,
+                                                     args.max_num_batched_tokens)
                 else:
                     kv_bytes = cpu_default_bytes()
             num_kv_blocks = kv_bytes // shape.bytes_per_block
-            need(num_kv_blocks > 0, f"kv_cache_memory={kv_cache_memory!r} holds no block of "
-                                    f"{shape.bytes_per_block} bytes")
+            if num_kv_blocks < 1:
+                raise EngineArgsError("kv_cache_memory", f"{args.kv_cache_memory!r} holds no block of "
+                                                         f"{shape.bytes_per_block} bytes")
         num_host_blocks = swap_bytes // shape.bytes_per_block
         self.max_model_len = loaded.max_model_len
         if self.max_model_len > num_kv_blocks * block_size:
@@ -124,25 +112,29 @@ class LLM:
         log.info("KV cache: %d blocks of %d tokens (%d bytes/token), %d host blocks", num_kv_blocks, block_size,
                  shape.bytes_per_token, num_host_blocks)
 
-        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, attention_backend)
+        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend)
         n_params = sum(p.numel() for p in loaded.model.parameters())
         if use_onednn(loaded.model, self.device, self.dtype):
             log.info("%d linear layers reordered for oneDNN (see batchrun/model/cpu_linear.py)",
                      reorder_linears(loaded.model))
         on_cuda = self.device.type == "cuda"
         sched_cfg = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode, flops_per_token=2.0 * n_params,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            preemption_mode=args.preemption_mode, flops_per_token=2.0 * n_params,
             bytes_per_block=shape.bytes_per_block,
             compute_flops_per_s=2e14 if on_cuda else 5e10, copy_bytes_per_s=2e10 if on_cuda else 5e9,
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
-                               max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+                               max_model_len=self.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                                kv_bytes_per_token=shape.bytes_per_token)
-        if not enforce_eager:
-            runner.enable_cuda_graphs(min(max_num_seqs, 256), self.max_model_len)
+        if not args.enforce_eager:
+            runner.enable_cuda_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
         self.eos_token_ids = loaded.eos_token_ids
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(args)
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput, where: str) -> tuple[str | None, list[int]]:
@@ -163,7 +155,7 @@ class LLM:
         raise ValueError(f"{where}: a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
                          f"got {type(prompt).__name__}")
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+    def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         """None when the prompt can run, else a one-line reason (for a row error)."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -191,7 +183,7 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is not a SamplingParams")
             text, ids = self._tokenize(p, f"prompts[{i}]")
-            reason = self.check_prompt(ids, sp)
+            reason = self.check_prompt(ids)
             if reason:
                 raise ValueError(f"prompts[{i}]: {reason}")
             items.append((text, ids, sp))
@@ -240,7 +232,7 @@ class LLM:
                     key, prompt, sp = item
                     text, ids = self._tokenize(prompt, f"request {key!r}")
                     if not _checked:
-                        reason = self.check_prompt(ids, sp)
+                        reason = self.check_prompt(ids)
                         if reason:
                             raise ValueError(f"request {key!r}: {reason}")
                     rid = f"{self._requests}"

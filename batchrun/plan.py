@@ -1,7 +1,8 @@
 """plan_job(): everything about a job that can be checked without the model, and how its rows are sliced.
 
-Checks the model path, opens the input (readable, the columns exist), picks this shard's slice of rows,
-checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
+Checks the model and engine settings against this machine and where the model path points (the same checks
+LLM makes, batchrun.model.locate), opens the input (readable, the columns exist), picks this shard's slice of
+rows, checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
 another one (refused, exit 2). Nothing is loaded, nothing is written.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.config import JobConfig, JobError
+from batchrun.engine_args import EngineArgsError, job_key
 from batchrun.io.sinks import (
     SUCCESS,
     OpenAIBatchSink,
@@ -27,6 +29,8 @@ from batchrun.io.sinks import (
     read_job_file,
 )
 from batchrun.io.sources import Source, open_source
+from batchrun.model.errors import ModelLoadError
+from batchrun.model.locate import ModelSource, locate_model
 
 FINGERPRINT_VERSION = 1
 
@@ -78,41 +82,19 @@ class ShardSpec:
 # ---------------------------------------------------------------- checks that need no model
 
 
-def builtin_model_names() -> set[str]:
+def check_model(cfg: JobConfig) -> ModelSource:
+    """The model and engine settings against this machine, and where the model path points: the same checks
+    LLM makes before it loads anything, so that `validate` and `run` accept exactly the jobs LLM does."""
+    args = cfg.engine_args()
     try:
-        from batchrun.model.builtin import BUILTIN_MODELS  # type: ignore[import-not-found]
-    except ImportError:
-        # NOTE: batchrun.model.builtin does not exist yet; until it does, this is the list.
-        return {"tiny-llama"}
-    return set(BUILTIN_MODELS)
-
-
-def check_model_path(path: str) -> None:
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        names = builtin_model_names()
-        if name not in names:
-            raise JobError(f"model.path: {path!r} is not a built-in model (built-in: "
-                           f"{', '.join('builtin:' + n for n in sorted(names))})")
-        return
-    local = Path(os.path.expanduser(path))
-    if local.exists():
-        if not local.is_dir():
-            raise JobError(f"model.path: {path} is not a folder (expected a Hugging Face checkpoint folder)")
-        if not (local / "config.json").is_file():
-            raise JobError(f"model.path: {path} has no config.json (not a Hugging Face checkpoint folder)")
-        return
-    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            if isinstance(try_to_load_from_cache(path, "config.json"), str):
-                return
-        except Exception:  # noqa: BLE001 - a malformed repo id is simply "not found"
-            pass
-        raise JobError(f"model.path: {path} does not exist (neither a local folder nor a model in the "
-                       "Hugging Face cache)")
-    raise JobError(f"model.path: {path} does not exist")
+        args.check_environment()
+        source = locate_model(args.model)
+        source.check_max_model_len(args.max_model_len)
+    except EngineArgsError as e:
+        raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
+    except ModelLoadError as e:
+        raise JobError(f"model.path: {e}") from None
+    return source
 
 
 def check_output_dir(path: Path) -> None:
@@ -150,6 +132,7 @@ class JobPlan:
     out_dir: Path
     fingerprint: dict[str, Any]
     id_column: str | None
+    model: ModelSource | None = None  # where model.path points (checked, nothing loaded)
     lo: int = 0  # global index of this shard's first row (contiguous slices)
     hi: int | None = None  # one past its last row (None: to the end)
     strided: bool = False  # slice i % N == I instead (when the row count is unknown)
@@ -195,7 +178,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
         from batchrun.distributed import require_ray
 
         require_ray()
-    check_model_path(cfg.model["path"])
+    model = check_model(cfg)
     source = open_source(cfg.input)
     inp = cfg.input
     id_column = inp["id_column"]
@@ -231,7 +214,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
-                   fingerprint=fingerprint, id_column=id_column)
+                   fingerprint=fingerprint, id_column=id_column, model=model)
     _plan_slice(plan)
     _plan_resume(plan, resume)
     return plan
@@ -309,5 +292,8 @@ def describe_plan(plan: JobPlan) -> str:
     ex = plan.cfg.executor
     n = ex["replicas"]
     on = f"; on Ray ({n} replica{'s' * (n != 1)}, {ex['address'] or 'a local Ray'})" if ex["kind"] == "ray" else ""
-    return (f"ok: model {plan.cfg.model['path']}; input {src.path} ({src.format}, {rows} rows{shard}); "
+    model = plan.cfg.model["path"]
+    if plan.model is not None and plan.model.hub_id:
+        model += f" (from the Hugging Face cache: {plan.model.path})"
+    return (f"ok: model {model}; input {src.path} ({src.format}, {rows} rows{shard}); "
             f"output {plan.out_dir} {what}{on}")

@@ -94,3 +94,49 @@ def test_invalid_beam_search_params():
                       (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature")]:
         with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
             BeamSearchParams(**kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(device="tpu"), "device: must be auto, cpu, cuda or cuda:N"), (dict(dtype="int8"), "dtype: must be one of"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization: must be >= 0.01"),
+    (dict(max_model_len=1), "max_model_len: must be >= 2"), (dict(swap_space="lots"), "swap_space"),
+])
+def test_invalid_engine_arguments_before_any_load(kw, match):
+    """Checked before the model path is even looked at (the path here does not exist)."""
+    with pytest.raises(ValueError, match=match):
+        LLM("/no/such/model", **kw)
+
+
+def test_cuda_without_cuda_before_any_load():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="device: cuda but CUDA is not available"):
+        LLM("builtin:tiny-llama", device="cuda")
+
+
+def test_checkpoint_without_weights_or_with_malformed_config(tmp_path, tiny_llama_path):
+    for f in tiny_llama_path.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelLoadError, match="has no weights: no model.safetensors"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text("{'not': json}")
+    with pytest.raises(ModelLoadError, match=r"config.json is not valid JSON \(line 1, column 2"):
+        LLM(str(tmp_path))
+
+
+def test_llm_takes_engine_args_whole(llm, tiny_llama_path):
+    from batchrun import EngineArgs
+
+    args = EngineArgs(str(tiny_llama_path), num_kv_blocks=64, max_model_len=256)
+    assert llm.args == args  # LLM(model, **kwargs) is EngineArgs(model, **kwargs)
+    again = LLM.from_engine_args(args)
+    assert again.args is args and again.max_model_len == llm.max_model_len == 256
+    assert LLM(args, max_num_seqs=2).args.max_num_seqs == 2
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert (again.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    assert llm.check_prompt([]) == "empty prompt" and llm.check_prompt([1] * 300).startswith("prompt has 300")

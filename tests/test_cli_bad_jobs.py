@@ -1,6 +1,8 @@
 """The bad-job corpus: each exits 2 with one line on stderr, no traceback, before any model is constructed,
 without creating the output folder."""
 
+import functools
+import json
 import os
 
 import pyarrow as pa
@@ -14,13 +16,43 @@ from batchrun.cli import main
 
 @pytest.fixture
 def data(tmp_path):
+    return make_corpus(tmp_path)
+
+
+def make_corpus(tmp_path):
+    """The inputs and model folders the bad jobs point at."""
     pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"]}), tmp_path / "in.parquet")
     (tmp_path / "pq").mkdir()
     pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "pq" / "p.parquet")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 but not really parquet")
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "batch.jsonl").write_text('{"custom_id": "a", "body": {"prompt": "hi"}}\n')
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "max_position_embeddings": 1024}
+    for name, files in {
+        "bad-json": {"config.json": '{"architectures": ["LlamaForCausalLM"],'},
+        "no-weights": {"config.json": json.dumps(llama), "tokenizer.json": "{}", "tokenizer_config.json": "{}"},
+        "short-context": {"config.json": json.dumps(llama), "model.safetensors": "x"},
+        "bin-weights": {"config.json": json.dumps(llama), "pytorch_model.bin": "x"},
+        "gpt2": {"config.json": json.dumps({"architectures": ["GPT2LMHeadModel"]}), "model.safetensors": "x"},
+        "missing-shard": {"config.json": json.dumps(llama), "model-00001-of-00002.safetensors": "x",
+                          "model.safetensors.index.json": json.dumps({"weight_map": {
+                              "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})},
+        "two-ggufs": {"a.gguf": "GGUF", "b.gguf": "GGUF"},
+        "junk": {},
+    }.items():
+        (tmp_path / name).mkdir()
+        for file, text in files.items():
+            (tmp_path / name / file).write_text(text)
+    (tmp_path / "junk" / "junk.gguf").write_text("not a gguf file")
     return tmp_path
+
+
+@functools.cache
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def good_job(d, **sections):
@@ -76,12 +108,44 @@ CASES = {
                                                                "keep_columns": ["x"]}), [],
                                   "input.keep_columns: not used with openai-batch input"),
     "missing job file": (lambda d: str(d / "missing.yaml"), [], "{d}/missing.yaml: cannot read the job file"),
+    "unknown device": (lambda d: good_job(d, model={"device": "tpu"}), [],
+                       "model.device: must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    "cuda without CUDA": (lambda d: good_job(d, model={"device": "cuda"}), [],
+                          "model.device: cuda but CUDA is not available on this machine"),
+    "block size not a power of two": (lambda d: good_job(d, engine={"block_size": 12}), [],
+                                      "job.yaml: engine.block_size: must be a power of two, got 12"),
+    "set block size not a power of two": (lambda d: good_job(d), ["--set", "engine.block_size=48"],
+                                          "engine.block_size: must be a power of two, got 48"),
+    "max_model_len leaves no room": (lambda d: good_job(d, model={"max_model_len": 1}), [],
+                                     "model.max_model_len: must be >= 2, got 1"),
+    "config.json not JSON": (lambda d: good_job(d, model={"path": str(d / "bad-json")}), [],
+                             "model.path: {d}/bad-json: config.json is not valid JSON (line 1"),
+    "checkpoint without weights": (lambda d: good_job(d, model={"path": str(d / "no-weights")}), [],
+                                   "model.path: {d}/no-weights has no weights: no model.safetensors"),
+    "checkpoint with .bin weights": (lambda d: good_job(d, model={"path": str(d / "bin-weights")}), [],
+                                     ".bin weights are not supported"),
+    "sharded checkpoint missing a shard": (lambda d: good_job(d, model={"path": str(d / "missing-shard")}), [],
+                                           "lists model-00002-of-00002.safetensors, which is missing"),
+    "unsupported architecture": (lambda d: good_job(d, model={"path": str(d / "gpt2")}), [],
+                                 "model.path: unsupported architecture 'GPT2LMHeadModel'; batchrun supports"),
+    "gguf that is not GGUF": (lambda d: good_job(d, model={"path": str(d / "junk" / "junk.gguf")}), [],
+                              "model.path: {d}/junk/junk.gguf is not a GGUF file"),
+    "folder of two ggufs": (lambda d: good_job(d, model={"path": str(d / "two-ggufs")}), [],
+                            "holds 2 .gguf files; name one of them"),
+    "max_model_len past the model's positions": (
+        lambda d: good_job(d, model={"path": str(d / "short-context"), "max_model_len": 4096}), [],
+        "model.max_model_len: 4096 exceeds what the model supports (1024)"),
+    "hub id not in the cache": (lambda d: good_job(d, model={"path": "batchrun-tests/no-such-model"}), [],
+                                "model.path: batchrun-tests/no-such-model does not exist"),
 }
+NEEDS_NO_CUDA = {"cuda without CUDA"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_job_exits_2_in_one_line(name, data, monkeypatch, tmp_path):
     make, extra, expect = CASES[name]
+    if name in NEEDS_NO_CUDA and cuda_available():
+        pytest.skip("this machine has CUDA")
     job = make(data)
     marker = tmp_path / "constructed"
     monkeypatch.setenv("BATCHRUN_LLM_FACTORY", "test_job_fakes:ExplodingLLM")

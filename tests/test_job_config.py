@@ -141,3 +141,55 @@ def test_env_expansion_applies_to_set_values(monkeypatch):
 def test_sizes():
     assert parse("engine: {kv_cache_memory: 512MiB, swap_space: 1GB}").engine["kv_cache_memory"] == "512MiB"
     assert size_to_bytes("512MiB") == 512 * 2**20 and size_to_bytes("1GB") == 10**9 and size_to_bytes(5) == 5
+
+
+def test_model_and_engine_sections_are_engine_args_fields():
+    """The job file declares no engine setting of its own: its model:/engine: keys, defaults and rules are
+    EngineArgs' (seed, the one field without a key, comes from sampling.seed)."""
+    from dataclasses import fields
+
+    from batchrun.config import SCHEMA
+    from batchrun.engine_args import EngineArgs, job_key
+
+    keys = {f"{section}.{k}" for section in ("model", "engine") for k in SCHEMA[section]}
+    assert keys == {job_key(f.name) for f in fields(EngineArgs)} - {None}
+    assert job_key("seed") is None and job_key("model") == "model.path"
+    cfg = parse("engine: {block_size: 32, swap_space: 1GiB}\nsampling: {seed: 7}")
+    args = cfg.engine_args()
+    assert args == EngineArgs("builtin:tiny-llama", block_size=32, swap_space="1GiB", seed=7)
+    assert args.swap_space_bytes == 2**30 and args.kv_cache_bytes is None
+    assert cfg.engine == {"block_size": 32, "kv_cache_memory": None, "num_kv_blocks": None,
+                          "gpu_memory_utilization": 0.9, "swap_space": "1GiB", "max_num_seqs": 256,
+                          "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
+                          "attention_backend": "auto", "enforce_eager": False}
+    assert parse("sampling: {seed: null}").llm_kwargs()["seed"] == 0
+
+
+@pytest.mark.parametrize("extra,expect", [
+    ("engine: {block_size: 12}", "job.yaml: engine.block_size: must be a power of two, got 12"),
+    ("model: {path: builtin:tiny-llama, device: tpu}", "job.yaml: model.device: must be auto, cpu, cuda or cuda:N, "
+                                                       "got 'tpu'"),
+    ("model: {path: builtin:tiny-llama, device: 'cuda:x'}", "model.device: must be auto, cpu, cuda or cuda:N"),
+    ("model: {path: builtin:tiny-llama, dtype: int8}", "model.dtype: must be one of auto, float32, float16, bfloat16"),
+    ("model: {path: builtin:tiny-llama, max_model_len: 1}", "model.max_model_len: must be >= 2, got 1"),
+    ("engine: {gpu_memory_utilization: 1.5}", "engine.gpu_memory_utilization: must be <= 1, got 1.5"),
+    ("engine: {swap_space: -1}", "engine.swap_space: must be >= 0, got -1"),
+    ("engine: {swap_space: null}", "engine.swap_space: must not be null"),
+    ("engine: {enforce_eager: 1}", "engine.enforce_eager: expected true or false, got 1 (int)"),
+])
+def test_engine_rules_name_the_key(extra, expect):
+    assert expect in error_of(extra)
+
+
+def test_engine_args_validate_themselves():
+    from batchrun.engine_args import EngineArgs, EngineArgsError
+
+    with pytest.raises(EngineArgsError, match=r"^block_size: must be a power of two, got 12$") as e:
+        EngineArgs("m", block_size=12)
+    assert (e.value.field, e.value.problem) == ("block_size", "must be a power of two, got 12")
+    assert isinstance(e.value, ValueError)
+    assert EngineArgs("m", dtype="bf16").dtype == "bfloat16" and EngineArgs("m", dtype="half").dtype == "float16"
+    with pytest.raises(TypeError):
+        EngineArgs("m", block_sise=16)
+    with pytest.raises(EngineArgsError, match="model: must not be null"):
+        EngineArgs(None)

@@ -69,7 +69,7 @@ class FakeLLM:
         self.steps = self.outputs = self.running = self.waiting = 0
         self.max_seen_in_flight = 0
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+    def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         if not prompt_token_ids:
             return "empty prompt"
         if len(prompt_token_ids) >= self.max_model_len:
@@ -114,7 +114,7 @@ class FakeLLM:
                 key, prompt, params = item
                 assert isinstance(prompt, dict) and "prompt_token_ids" in prompt, prompt
                 ids = list(prompt["prompt_token_ids"])
-                why = self.check_prompt(ids, params)
+                why = self.check_prompt(ids)
                 if why:
                     raise ValueError(why)
                 running[key] = [ids, params, self.request_steps(ids, params)]
@@ -286,8 +286,8 @@ class PacedLLM:
         self.tokenizer = self.inner.tokenizer
         self.max_model_len = self.inner.max_model_len
 
-    def check_prompt(self, ids, params):
-        return self.inner.check_prompt(ids, params)
+    def check_prompt(self, ids):
+        return self.inner.check_prompt(ids)
 
     def metrics(self):
         return self.inner.metrics()

@@ -3,6 +3,9 @@
 Nothing is downloaded. The tokenizer is a byte-level BPE trained with `tokenizers` on a synthetic English
 corpus generated from a fixed seed; the weights are random from a fixed seed. Both are written with
 `save_pretrained` and then loaded through the same code path as any checkpoint.
+
+Importing this module imports no torch: batchrun.model.locate reads BUILTIN_MODELS' names when it checks a
+job, and `batchrun validate` stays light.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.paths import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +99,10 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
 
 
 def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer=None,
-                    dtype: torch.dtype = torch.float32, init_std: float = 0.02, **overrides) -> Path:
-    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) with `save_pretrained`."""
+                    dtype: torch.dtype | None = None, init_std: float = 0.02, **overrides) -> Path:
+    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) with `save_pretrained`
+    (float32 unless `dtype` says otherwise)."""
+    import torch
     import transformers
 
     if arch not in _ARCHS:
@@ -113,7 +120,7 @@ def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int =
     config = getattr(transformers, config_cls_name)(**cfg)
     config.architectures = [model_cls_name]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls_name)(config).to(dtype)
+    model = getattr(transformers, model_cls_name)(config).to(dtype or torch.float32)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

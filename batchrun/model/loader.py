@@ -13,10 +13,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.llama import LlamaForCausalLM
+from batchrun.model.locate import SUPPORTED_ARCHITECTURES
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass

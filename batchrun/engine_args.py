@@ -1,0 +1,238 @@
+"""EngineArgs: every model and engine setting, declared once, with its default, type and rule.
+
+`LLM(model, **kwargs)` builds one from its keyword arguments, and the job file's `model:` and `engine:`
+sections are derived from its fields (the way `sampling:` is derived from SamplingParams), so a setting's
+default, type and allowed values are written here and nowhere else. A bad value raises EngineArgsError (a
+ValueError) naming the field; the job file reports the same problem under its key path.
+
+This module imports no torch: `batchrun validate` checks a job in a fraction of a second. Only
+`check_environment` (is CUDA there when a job asks for it) imports torch, and only when it has to.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+
+class EngineArgsError(ValueError):
+    """A bad model or engine setting: `field` is the EngineArgs field, `problem` what is wrong with it."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name}: {problem}")
+        self.field = name
+        self.problem = problem
+
+
+# ---------------------------------------------------------------- sizes
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Bytes from an int or a string like '2GiB', '512MiB', '1.5GB' (K/M/G/T: powers of 1000, Ki/Mi/Gi/Ti:
+    of 1024). Raises ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+# ---------------------------------------------------------------- rules
+
+
+def show(value: Any) -> str:
+    """A value as a message shows it: its repr (shortened) and its type."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one setting may be. `problem(value)` says what is wrong, or None; the caller adds the name."""
+
+    default: Any = None
+    kind: str = "any"  # str | int | number | bool | size | device (and the job file's own kinds, config.Key)
+    choices: tuple = ()
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    required: bool = False
+    power_of_two: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        if value is None:
+            return None if self.nullable else "must not be null"
+        why = self.kind_problem(value)
+        if why:
+            return why
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.min is not None and value < self.min:
+                return f"must be >= {self.min:g}, got {value}"
+            if self.max is not None and value > self.max:
+                return f"must be <= {self.max:g}, got {value}"
+            if self.power_of_two and value & (value - 1):
+                return f"must be a power of two, got {value}"
+        return None
+
+    def kind_problem(self, value: Any) -> str | None:
+        kind = self.kind
+        if kind == "str":
+            if not isinstance(value, str):
+                return f"expected a string, got {show(value)}"
+            if not value.strip():
+                return "must not be empty"
+        elif kind == "device":
+            if not isinstance(value, str) or not _DEVICE_RE.fullmatch(value):
+                return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"expected an integer, got {show(value)}"
+        elif kind == "number":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                return f"expected a number, got {show(value)}"
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                return f"expected true or false, got {show(value)}"
+        elif kind == "size":
+            try:
+                size = parse_size(value)
+            except ValueError:
+                return f"expected a byte count or a size like '4GiB', got {show(value)}"
+            if size is not None and size < 0:
+                return f"must be >= 0, got {value}"
+        return None
+
+
+def _setting(default: Any, kind: str, job_key: str | None, **rule: Any) -> Any:
+    """A dataclass field carrying its Rule and the job-file key it is known by (None: not in job files)."""
+    required = default is MISSING
+    spec = Rule(None if required else default, kind, required=required, **rule)
+    return field(default=default, metadata={"rule": spec, "job_key": job_key})
+
+
+# ---------------------------------------------------------------- the settings
+
+
+# Spellings LLM(dtype=...) also takes (vLLM's); the job file names the canonical ones only.
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+@dataclass
+class EngineArgs:
+    """How to load the model and size the engine. Invalid values raise EngineArgsError at construction.
+
+    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool takes 2 GiB (or an eighth of the
+    machine's memory if less); on CUDA it takes `gpu_memory_utilization` of the GPU less the weights and a
+    profiled peak forward. `swap_space` sizes the host pool used by swap preemption.
+    """
+
+    # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.locate)
+    model: str = _setting(MISSING, "str", "model.path")
+    # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
+    dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    device: str = _setting("auto", "device", "model.device")
+    # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.
+    max_model_len: int | None = _setting(None, "int", "model.max_model_len", nullable=True, min=2)
+    # tokens per KV block; a power of two so that kernels split a slot into block and offset with shifts
+    block_size: int = _setting(16, "int", "engine.block_size", min=1, power_of_two=True)
+    kv_cache_memory: int | str | None = _setting(None, "size", "engine.kv_cache_memory", nullable=True)
+    num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1)
+    gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0)
+    swap_space: int | str = _setting(0, "size", "engine.swap_space")
+    max_num_seqs: int = _setting(256, "int", "engine.max_num_seqs", min=1)
+    max_num_batched_tokens: int = _setting(4096, "int", "engine.max_num_batched_tokens", min=1)
+    preemption_mode: str = _setting("auto", "str", "engine.preemption_mode", choices=("auto", "swap", "recompute"))
+    enable_prefix_caching: bool = _setting(True, "bool", "engine.enable_prefix_caching")
+    attention_backend: str = _setting("auto", "str", "engine.attention_backend", choices=("auto", "torch", "triton"))
+    enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager")
+    # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)
+    seed: int = _setting(0, "int", None)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if isinstance(self.dtype, str):
+            self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise EngineArgsError for the first field whose value breaks its rule."""
+        for f in fields(self):
+            why = f.metadata["rule"].problem(getattr(self, f.name))
+            if why:
+                raise EngineArgsError(f.name, why)
+
+    def check_environment(self) -> None:
+        """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
+        torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
+        wants_cuda = self.device.startswith("cuda")
+        if not wants_cuda and self.attention_backend != "triton":
+            return
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+        if wants_cuda and not has_cuda:
+            raise EngineArgsError("device", f"{self.device} but CUDA is not available on this machine "
+                                            "(use auto or cpu)")
+        if wants_cuda and ":" in self.device:
+            index, count = int(self.device.partition(":")[2]), torch.cuda.device_count()
+            if index >= count:
+                raise EngineArgsError("device", f"{self.device} but this machine has {count} CUDA "
+                                                f"device{'s' * (count != 1)}")
+        on_cuda = wants_cuda or (self.device == "auto" and has_cuda)
+        if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise EngineArgsError("attention_backend", "triton needs a CUDA device (or TRITON_INTERPRET=1 for "
+                                                       "tests); use torch or auto on CPU")
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return parse_size(self.kv_cache_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return parse_size(self.swap_space) or 0
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Every field but `model`, as keyword arguments for LLM(model, **kwargs)."""
+        values = asdict(self)
+        del values["model"]
+        return values
+
+
+# ---------------------------------------------------------------- the job file's view
+
+
+def job_rules(section: str) -> dict[str, Rule]:
+    """The keys of the job file's `section` (model or engine) and their rules, in declaration order."""
+    return {key.partition(".")[2]: f.metadata["rule"] for f, key in _job_fields() if key.startswith(section + ".")}
+
+
+def job_key(name: str) -> str | None:
+    """The job-file key of EngineArgs field `name` (block_size -> engine.block_size), None if it has none."""
+    return next((key for f, key in _job_fields() if f.name == name), None)
+
+
+def field_of(key: str) -> str:
+    """The EngineArgs field of a job-file key (model.path -> model)."""
+    return next(f.name for f, k in _job_fields() if k == key)
+
+
+def _job_fields() -> list[tuple[Any, str]]:
+    return [(f, f.metadata["job_key"]) for f in fields(EngineArgs) if f.metadata["job_key"]]

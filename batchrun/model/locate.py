@@ -1,0 +1,182 @@
+"""locate_model(): where a model path points, checked before anything is loaded.
+
+The one model-path check: `batchrun validate`, `batchrun run` (through plan_job) and `LLM` all call it, so they
+accept exactly the same paths. It imports no torch and reads only small files (config.json, a safetensors
+index, four bytes of a .gguf): checking a job stays fast, and a checkpoint that cannot load is refused with
+one line before the model code runs. Accepted:
+
+- `builtin:NAME`: a built-in model (batchrun.model.builtin; made on first load, not here);
+- a local Hugging Face checkpoint folder: a config.json that is a JSON object naming a supported
+  architecture, and safetensors weights (model.safetensors, or an index whose shards are all there);
+- a `.gguf` file, or a folder holding exactly one (without a config.json);
+- a Hub id (`org/name`) already in the local Hugging Face cache, resolved offline with huggingface_hub to
+  its snapshot folder, which is then checked as a local folder. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchrun.engine_args import EngineArgsError
+from batchrun.model.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A located model: what to hand the loader."""
+
+    spec: str  # as the user wrote it
+    kind: str  # builtin | checkpoint (a Hugging Face folder) | gguf (a .gguf file)
+    path: Path | None  # the folder or .gguf file; None for a built-in (made on first load)
+    hub_id: str | None = None  # set when `spec` was a Hub id found in the local cache
+    max_position_embeddings: int | None = None  # from config.json, when there is one
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """A max_model_len past the model's positions is refused before loading. (The loader also caps a
+        sliding-window model at its window; that finer limit is checked when it loads.)"""
+        limit = self.max_position_embeddings
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
+
+    @property
+    def load_spec(self) -> str:
+        """The string the loader takes: `builtin:NAME`, or the local path."""
+        return self.spec if self.path is None else str(self.path)
+
+
+def builtin_names() -> list[str]:
+    from batchrun.model.builtin import BUILTIN_MODELS  # torch-free at import: a dict of names and configs
+
+    return sorted(BUILTIN_MODELS)
+
+
+def locate_model(spec: str) -> ModelSource:
+    """Where `spec` points, or ModelLoadError with one line saying why it cannot load."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        names = builtin_names()
+        if name not in names:
+            raise ModelLoadError(f"{spec!r} is not a built-in model (built-in: "
+                                 f"{', '.join('builtin:' + n for n in names)})")
+        return ModelSource(spec, "builtin", None)
+    local = Path(spec).expanduser()
+    if local.exists():
+        return _local(spec, local)
+    if _may_be_hub_id(spec):
+        snapshot = _cached_snapshot(spec)
+        if snapshot is not None:
+            found = _local(spec, snapshot)
+            return dataclasses.replace(found, hub_id=spec)
+    raise ModelLoadError(f"{spec} does not exist: not a folder, a .gguf file, builtin:NAME or a model in the "
+                         "local Hugging Face cache (batchrun downloads nothing)")
+
+
+def _local(spec: str, path: Path) -> ModelSource:
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec} is not a folder or a .gguf file (expected a Hugging Face checkpoint "
+                                 "folder)")
+        return ModelSource(spec, "gguf", _check_gguf(spec, path))
+    if not path.is_dir():
+        raise ModelLoadError(f"{spec} is not a folder or a .gguf file")
+    config = path / "config.json"
+    if not config.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(spec, "gguf", _check_gguf(f"{spec.rstrip('/')}/{ggufs[0].name}", ggufs[0]))
+        if ggufs:
+            raise ModelLoadError(f"{spec} holds {len(ggufs)} .gguf files; name one of them")
+        raise ModelLoadError(f"{spec} has no config.json (not a Hugging Face checkpoint folder) and no .gguf file")
+    positions = _check_config(spec, config).get("max_position_embeddings")
+    _check_weights(spec, path)
+    return ModelSource(spec, "checkpoint", path,
+                       max_position_embeddings=positions if isinstance(positions, int) else None)
+
+
+def _read_json(spec: str, file: Path) -> object:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{spec}: {file.name} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                             f"{e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{spec}: cannot read {file.name}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_config(spec: str, file: Path) -> dict:
+    config = _read_json(spec, file)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{spec}: config.json is not a JSON object")
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise ModelLoadError(f"{spec}: config.json names no architecture; batchrun supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {archs[0]!r}; batchrun supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def _check_weights(spec: str, path: Path) -> None:
+    """The weight files the loader reads are there (it reads safetensors: a .bin checkpoint is refused)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(spec, index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{spec}: {index.name} has no weight_map")
+        missing = sorted({str(f) for f in weight_map.values() if not (path / str(f)).is_file()})
+        if missing:
+            raise ModelLoadError(f"{spec}: {index.name} lists {missing[0]}, which is missing"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return
+    if (path / "model.safetensors").is_file():
+        return
+    other = " (.bin weights are not supported: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+    raise ModelLoadError(f"{spec} has no weights: no model.safetensors or model.safetensors.index.json{other}")
+
+
+def _check_gguf(shown: str, file: Path) -> Path:
+    """The file starts as every GGUF file does (the loader reads the rest)."""
+    try:
+        with open(file, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{shown}: cannot read it: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{shown} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    return file
+
+
+def _may_be_hub_id(spec: str) -> bool:
+    """`org/name` (or a bare `name`), as the Hub spells ids; anything path-like is a local path."""
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache, or None. Offline: no request is made."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a cache entry that cannot be read is one that is not there
+        return None
