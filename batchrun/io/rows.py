@@ -39,7 +39,7 @@ class RequestBuilder:
     """Turns batches of input rows into RowTasks for one job."""
 
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
-                 check_prompt: Callable[[list[int], SamplingParams], str | None],
+                 check_prompt: Callable[[list[int]], str | None],
                  id_column: str | None) -> None:
         self.cfg = cfg
         self.inp = cfg.input
@@ -182,7 +182,7 @@ class RequestBuilder:
         for task in tasks:
             if task.error is None and task.prompt_ids is not None:
                 task.prompt_tokens = len(task.prompt_ids)
-                why = self.check_prompt(task.prompt_ids, task.params)
+                why = self.check_prompt(task.prompt_ids)
                 if why:
                     task.error = why
             if task.error is not None:
