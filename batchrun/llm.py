@@ -259,8 +259,9 @@ class LLM:
         """Queue one request whose prompt passed `check_prompt`; `step()` hands it back as a RequestOutput
         with this `request_id` (the caller's, unique among those in flight). Without `params.seed`, its
         random stream derives from the LLM's seed and the number of requests added before it."""
+        _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, self._requests)
-        self.engine.add_request(request_id, prompt, list(prompt_token_ids), params, seed)
+        self.engine.add_request(request_id, prompt, ids, params, seed)
         self._requests += 1
 
     def step(self) -> list[RequestOutput]:

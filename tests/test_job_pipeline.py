@@ -6,9 +6,11 @@ import inspect
 import subprocess
 import sys
 
+import pyarrow as pa
 import pytest
 from test_job_fakes import FakeLLM, PacedLLM, real_engine_available
 
+from batchrun.distributed.workers import INDEX, POS, Indexer
 from batchrun.io.rows import RowTask
 from batchrun.io.sources import Source
 from batchrun.llm import LLM
@@ -39,8 +41,10 @@ def test_the_reader_and_the_indexer_pick_the_same_rows(rows):
     read = [item for batch in rows.read(ListSource(n), None) for item in batch]
     assert all(row["i"] == index for _, index, row in read)
     picked = [(pos, index) for pos, index, _ in read]
-    by_index = [(rows.position_of(i), i) for i in range(n) if rows.position_of(i) is not None]
-    assert picked == by_index  # the Ray Indexer's keep test is the local reader's selection
+    indexer = Indexer(start=0, rows=rows)  # the Ray executor's first stage, fed the whole input in blocks
+    stamped = [indexer(pa.table({"i": list(range(lo, min(lo + 9, n)))})) for lo in range(0, n, 9)]
+    by_indexer = [(p, i) for t in stamped for p, i in zip(t.column(POS).to_pylist(), t.column(INDEX).to_pylist())]
+    assert picked == by_indexer  # one answer to "which rows are this run's", locally and on Ray
     assert [pos for pos, _ in picked] == list(range(rows.start, rows.start + len(picked)))
     assert all(rows.index_of(pos) == index for pos, index in picked)
     first, stop = rows.index_range()

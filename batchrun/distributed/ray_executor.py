@@ -24,7 +24,7 @@ import pickle
 import re
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchrun.config import JobError
 from batchrun.distributed.workers import CALLS, GEN, METRICS, POS, REPLICA, RESULT, EngineReplica, Indexer
@@ -33,6 +33,9 @@ from batchrun.pipeline.engine_api import LLM_FACTORY_ENV
 from batchrun.pipeline.executor import Executor, RowReceiver
 from batchrun.pipeline.slicing import RowSlice
 
+if TYPE_CHECKING:
+    from batchrun.plan import JobPlan
+
 log = logging.getLogger(__name__)
 
 # Gauges a replica reports at the end of a batch, when its engine is idle: meaningless summed over time.
@@ -40,9 +43,9 @@ _SNAPSHOT_GAUGES = ("num_running", "num_waiting", "num_swapped", "kv_blocks_in_u
 
 
 class RayExecutor(Executor):
-    def __init__(self, plan: Any, factory: Any = None) -> None:
-        """plan: a batchrun.plan.JobPlan. factory: what builds each replica's engine (a picklable callable,
-        or None: the replica resolves $BATCHRUN_LLM_FACTORY, else batchrun.llm.LLM)."""
+    def __init__(self, plan: JobPlan, factory: Any = None) -> None:
+        """factory: what builds each replica's engine (a picklable callable, or None: the replica resolves
+        $BATCHRUN_LLM_FACTORY, else batchrun.llm.LLM)."""
         self.plan, self.cfg, self.ex = plan, plan.cfg, plan.cfg.executor
         self.factory = factory
         self.replica_metrics: dict[str, dict[str, Any]] = {}

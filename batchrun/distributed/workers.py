@@ -137,8 +137,8 @@ class EngineReplica:
         return sorted(rows, key=lambda row: row[0].pos)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        indices = batch.column(INDEX).to_pylist()
-        tasks = self.builder.build(list(zip(batch.column(POS).to_pylist(), indices, self._rows(batch))))
+        items = zip(batch.column(POS).to_pylist(), batch.column(INDEX).to_pylist(), self._rows(batch))
+        tasks = self.builder.build(list(items))
         rows = self._generate(tasks)
         results = []
         for task, outputs in rows:

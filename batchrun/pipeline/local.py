@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchrun.io.rows import RequestBuilder
 from batchrun.pipeline.engine_api import JobEngine
 from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
 from batchrun.pipeline.slicing import RowSlice
+
+if TYPE_CHECKING:
+    from batchrun.plan import JobPlan
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +25,8 @@ log = logging.getLogger(__name__)
 class LocalExecutor(Executor):
     REORDER_FACTOR = 4  # rows finished or in flight but not yet written: at most this x max_in_flight
 
-    def __init__(self, plan: Any, factory: Callable[..., JobEngine]) -> None:
-        """plan: a batchrun.plan.JobPlan (its cfg, source and id_column); factory(model, **llm_kwargs)
-        builds the engine."""
+    def __init__(self, plan: JobPlan, factory: Callable[..., JobEngine]) -> None:
+        """factory(model path, **cfg.llm_kwargs()) builds the engine."""
         self.cfg, self.source, self.id_column = plan.cfg, plan.source, plan.id_column
         self.factory = factory
         self.max_in_flight = max_in_flight(self.cfg.engine["max_num_seqs"])

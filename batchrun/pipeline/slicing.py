@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchrun.io.sources import Row, Source
+
+if TYPE_CHECKING:
+    from batchrun.plan import JobPlan
 
 Batch = list[tuple[int, int, Row]]  # (pos, global index, row)
 
@@ -30,8 +33,8 @@ class RowSlice:
     limit: int | None = None  # --limit: positions this shard may reach, in all runs together
 
     @classmethod
-    def of_plan(cls, plan: Any, start: int) -> RowSlice:
-        """The slice of a batchrun.plan.JobPlan, resuming at position `start`."""
+    def of_plan(cls, plan: JobPlan, start: int) -> RowSlice:
+        """The slice a plan gives this shard (contiguous or strided, --limit), resuming at position `start`."""
         if plan.strided:
             return cls(base=plan.shard.index, stride=plan.shard.count, start=start, limit=plan.limit)
         length = None if plan.hi is None else plan.hi - plan.lo
