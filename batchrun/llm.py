@@ -209,9 +209,9 @@ class LLM:
     def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *, max_in_flight: int = 1024,
                _checked: bool = False) -> Iterator[tuple[Any, RequestOutput]]:
         """Pull (key, prompt, params) lazily, keep at most max_in_flight requests in the engine, and yield
-        (key, finished RequestOutput) in completion order. An item None means "nothing to add now": the
-        engine takes a step before asking again (a caller bounding its own buffers uses it). A prompt that
-        cannot run raises ValueError: callers that want row errors ask `check_prompt` first."""
+        (key, finished RequestOutput) in completion order. A prompt that cannot run raises ValueError:
+        callers that want row errors ask `check_prompt` first. (The job runner drives the engine itself,
+        through add_request / step below.)"""
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         engine = self.engine
@@ -223,13 +223,10 @@ class LLM:
             while True:
                 while not exhausted and len(keys) < max_in_flight:
                     try:
-                        item = next(source)
+                        key, prompt, sp = next(source)
                     except StopIteration:
                         exhausted = True
                         break
-                    if item is None:  # the caller has nothing to add right now: keep stepping
-                        break
-                    key, prompt, sp = item
                     text, ids = self._tokenize(prompt, f"request {key!r}")
                     if not _checked:
                         reason = self.check_prompt(ids)
@@ -242,16 +239,34 @@ class LLM:
                     self._requests += 1
                     index += 1
                 if not engine.has_unfinished():
-                    if exhausted:
-                        return
-                    if not keys:
-                        raise RuntimeError("stream(): the source held back (None) with nothing in flight")
-                    continue
+                    return
                 for out in engine.step():
                     yield keys.pop(out.request_id), out
         finally:
             if keys:  # abandoned half way (an exception, or the caller stopped iterating)
                 engine.abort_all()
+
+    # ---- stepping: what the job layer drives (batchrun.pipeline.engine_api.JobEngine) -------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: str | None = None) -> None:
+        """Queue one request whose prompt passed `check_prompt`; `step()` hands it back as a RequestOutput
+        with this `request_id` (the caller's, unique among those in flight). Without `params.seed`, its
+        random stream derives from the LLM's seed and the number of requests added before it."""
+        _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
+        seed = params.seed if params.seed is not None else _derive_seed(self.seed, self._requests)
+        self.engine.add_request(request_id, prompt, ids, params, seed)
+        self._requests += 1
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the requests that finished in it."""
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def abort_all(self) -> None:
+        """Drop every request in flight and free its KV blocks."""
+        self.engine.abort_all()
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -16,32 +16,18 @@ from typing import Any
 log = logging.getLogger("batchrun.progress")
 
 INTERVAL_ENV = "BATCHRUN_PROGRESS_INTERVAL"
-
-# Names tried, in order, for each gauge in LLM.metrics().
-_KEYS = {
-    "running": ("num_running", "running", "num_running_seqs"),
-    "waiting": ("num_waiting", "waiting", "num_waiting_seqs"),
-    "swapped": ("num_swapped", "swapped", "num_swapped_seqs"),
-}
+COUNTS = ("running", "waiting", "swapped")  # sequences, read from EngineMetrics' num_running, ...
 
 
 def engine_gauges(m: dict[str, Any]) -> dict[str, Any]:
-    """KV use (%) and running / waiting / swapped from the engine's metrics, whichever it reports."""
+    """KV blocks in use (%) and the running / waiting / swapped counts, from the engine's metrics
+    (batchrun.engine.metrics.EngineMetrics' names); a gauge the metrics lack is left out."""
     out: dict[str, Any] = {}
-    for name, keys in _KEYS.items():
-        for k in keys:
-            if k in m:
-                out[name] = m[k]
-                break
-    for k in ("kv_usage", "kv_cache_usage", "gpu_cache_usage"):
-        if k in m and m[k] is not None:
-            out["kv"] = 100.0 * float(m[k])
-            break
-    else:
-        used = next((m[k] for k in ("kv_blocks_in_use", "kv_blocks_used", "num_used_blocks") if k in m), None)
-        total = next((m[k] for k in ("kv_blocks_total", "num_blocks", "num_device_blocks") if k in m), None)
-        if used is not None and total:
-            out["kv"] = 100.0 * used / total
+    for name in COUNTS:
+        if f"num_{name}" in m:
+            out[name] = m[f"num_{name}"]
+    if "kv_blocks_in_use" in m and m.get("kv_blocks_total"):
+        out["kv"] = 100.0 * m["kv_blocks_in_use"] / m["kv_blocks_total"]
     return out
 
 
@@ -104,10 +90,11 @@ class Progress:
             g = {}
         if "kv" in g:
             parts.append(f"KV {g['kv']:.0f}%")
-        rws = [f"{k[0] if short else k} {g[k]}" for k in ("running", "waiting", "swapped") if k in g]
-        if rws:
-            parts.append(("r/w/s " + "/".join(str(g[k]) for k in ("running", "waiting", "swapped") if k in g))
-                         if short else ", ".join(rws))
+        counts = [name for name in COUNTS if name in g]
+        if counts and short:
+            parts.append(f"r/w/s {'/'.join(str(g[name]) for name in counts)}")
+        elif counts:
+            parts.append(", ".join(f"{name} {g[name]}" for name in counts))
         if self.errors:
             parts.append(f"{self.errors} errors")
         return ", ".join(parts)

@@ -1,4 +1,5 @@
-"""A fake LLM honouring batchrun.llm.LLM's contract, for job-runner tests that need no model.
+"""A fake engine implementing batchrun.pipeline.JobEngine (the stepping interface the job layer drives), for
+job-runner tests that need no model.
 
 Used in-process (`FakeLLM` as the llm_factory) and in subprocesses through the BATCHRUN_LLM_FACTORY hook
 ("test_job_fakes:FakeLLM" with tests/ on PYTHONPATH). Completions are a deterministic function of the prompt
@@ -54,20 +55,18 @@ def fake_text(ids: list[int], params: SamplingParams, j: int) -> str:
 
 
 class FakeLLM:
-    def __init__(self, model: str, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 kv_cache_memory: Any = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, swap_space: Any = 0, preemption_mode: str = "auto",
-                 enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0, attention_backend: str = "auto",
-                 enforce_eager: bool = False) -> None:
+    """A JobEngine. Takes LLM's keyword arguments (only max_model_len and max_num_seqs mean anything here)."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
         self.model = model
         self.tokenizer = make_tokenizer(os.environ.get("BATCHRUN_FAKE_NO_TEMPLATE") is None)
-        self.max_model_len = max_model_len or 256
-        self.max_num_seqs = max_num_seqs
+        self.max_model_len = engine_args.get("max_model_len") or 256
+        self.max_num_seqs = engine_args.get("max_num_seqs", 256)
         self.delay = float(os.environ.get("BATCHRUN_FAKE_DELAY", "0"))
         self.fail_after = int(os.environ.get("BATCHRUN_FAKE_FAIL_AFTER", "-1"))
         self.steps = self.outputs = self.running = self.waiting = 0
         self.max_seen_in_flight = 0
+        self.requests: dict[str, list] = {}  # request id -> [prompt ids, params, steps left], in arrival order
 
     def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         if not prompt_token_ids:
@@ -97,49 +96,64 @@ class FakeLLM:
         """Engine steps a request takes (subclasses make some rows slow)."""
         return min(natural_length(ids), params.max_tokens or 10**9)
 
-    def stream(self, items: Iterable[tuple[Any, Any, SamplingParams] | None], *,
+    # ---- JobEngine
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        ids = list(prompt_token_ids)
+        why = self.check_prompt(ids)
+        if why:
+            raise ValueError(why)
+        assert request_id not in self.requests, request_id
+        self.requests[request_id] = [ids, params, self.request_steps(ids, params)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """The first max_num_seqs requests advance one token; those done come back, latest arrival first
+        (so rows finish out of input order)."""
+        self.max_seen_in_flight = max(self.max_seen_in_flight, len(self.requests))
+        self.steps += 1
+        self.running = min(len(self.requests), self.max_num_seqs)
+        self.waiting = len(self.requests) - self.running
+        if self.delay:
+            time.sleep(self.delay)
+        done = []
+        for request_id, entry in list(self.requests.items())[:self.max_num_seqs]:
+            entry[2] -= 1
+            if entry[2] <= 0:
+                done.append(request_id)
+        outs = []
+        for request_id in reversed(done):
+            ids, params, _ = self.requests.pop(request_id)
+            if self.fail_after >= 0 and self.outputs >= self.fail_after:
+                raise RuntimeError("fake engine failure")
+            self.outputs += 1
+            outs.append(RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids,
+                                      outputs=self._complete(ids, params), finished=True))
+        return outs
+
+    def abort_all(self) -> None:
+        self.requests.clear()
+
+    def metrics(self) -> dict[str, float | int]:
+        return {"num_running": self.running, "num_waiting": self.waiting, "num_swapped": 0,
+                "kv_blocks_in_use": self.running, "kv_blocks_total": max(self.max_num_seqs, 1),
+                "num_steps": self.steps, "num_requests_finished": self.outputs}
+
+    # ---- LLM's conveniences, over the stepping methods
+
+    def stream(self, items: Iterable[tuple[Any, Any, SamplingParams]], *,
                max_in_flight: int = 1024) -> Iterator[tuple[Any, RequestOutput]]:
-        it = iter(items)
-        running: dict[Any, list] = {}
-        exhausted = False
-        while True:
-            while not exhausted and len(running) < max_in_flight:
-                try:
-                    item = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                if item is None:  # the caller holds back: step without adding (LLM.stream's contract)
-                    break
-                key, prompt, params = item
-                assert isinstance(prompt, dict) and "prompt_token_ids" in prompt, prompt
-                ids = list(prompt["prompt_token_ids"])
-                why = self.check_prompt(ids)
-                if why:
-                    raise ValueError(why)
-                running[key] = [ids, params, self.request_steps(ids, params)]
-            self.max_seen_in_flight = max(self.max_seen_in_flight, len(running))
-            if not running:
-                if exhausted:
-                    return
-                raise RuntimeError("stream(): the source held back (None) with nothing in flight")
-            self.steps += 1
-            self.running = min(len(running), self.max_num_seqs)
-            self.waiting = len(running) - self.running
-            if self.delay:
-                time.sleep(self.delay)
-            done = []
-            for key, entry in list(running.items())[:self.max_num_seqs]:
-                entry[2] -= 1
-                if entry[2] <= 0:
-                    done.append(key)
-            for key in reversed(done):
-                ids, params, _ = running.pop(key)
-                if self.fail_after >= 0 and self.outputs >= self.fail_after:
-                    raise RuntimeError("fake engine failure")
-                self.outputs += 1
-                yield key, RequestOutput(request_id=str(key), prompt=None, prompt_token_ids=ids,
-                                         outputs=self._complete(ids, params), finished=True)
+        keys: dict[str, Any] = {}
+        for n, (key, prompt, params) in enumerate(items):
+            assert isinstance(prompt, dict) and "prompt_token_ids" in prompt, prompt
+            while len(keys) >= max_in_flight:
+                yield from ((keys.pop(out.request_id), out) for out in self.step())
+            keys[str(n)] = key
+            self.add_request(str(n), prompt["prompt_token_ids"], params)
+        while keys:
+            yield from ((keys.pop(out.request_id), out) for out in self.step())
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = prompts if isinstance(prompts, list) else [prompts]
@@ -153,11 +167,6 @@ class FakeLLM:
             items.append((i, p, params[i] if isinstance(params, list) else params))
         got = dict(self.stream(items))
         return [got[i] for i in range(len(items))]
-
-    def metrics(self) -> dict[str, float | int]:
-        return {"num_running": self.running, "num_waiting": self.waiting, "num_swapped": 0,
-                "kv_blocks_used": self.running, "kv_blocks_total": max(self.max_num_seqs, 1),
-                "steps": self.steps, "requests_finished": self.outputs}
 
 
 # ---------------------------------------------------------------- the fake's own contract
@@ -271,8 +280,8 @@ def read_rows(out_dir) -> list[dict]:
 
 
 class PacedLLM:
-    """The engine the tests run (real when it works, else FakeLLM), with BATCHRUN_FAKE_DELAY seconds of
-    sleep before each finished request is handed out: lets a test kill a run half way, deterministically."""
+    """The engine the tests run (real when it works, else FakeLLM), handing out one finished request per
+    BATCHRUN_FAKE_DELAY seconds: lets a test kill a run half way, deterministically."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         if real_engine_available():
@@ -285,6 +294,7 @@ class PacedLLM:
             self.delay = 0.0  # FakeLLM sleeps per step itself
         self.tokenizer = self.inner.tokenizer
         self.max_model_len = self.inner.max_model_len
+        self.ready: list[RequestOutput] = []  # finished in the inner engine, not yet handed out
 
     def check_prompt(self, ids):
         return self.inner.check_prompt(ids)
@@ -292,8 +302,23 @@ class PacedLLM:
     def metrics(self):
         return self.inner.metrics()
 
-    def stream(self, items, *, max_in_flight: int = 1024):
-        for pair in self.inner.stream(items, max_in_flight=max_in_flight):
-            if self.delay:
-                time.sleep(self.delay)
-            yield pair
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.inner.add_request(request_id, prompt_token_ids, params)
+
+    def has_unfinished(self):
+        return bool(self.ready) or self.inner.has_unfinished()
+
+    def step(self):
+        if not self.ready:
+            self.ready = list(self.inner.step())
+            if not self.delay:
+                self.ready, done = [], self.ready
+                return done
+        if not self.ready:
+            return []
+        time.sleep(self.delay)
+        return [self.ready.pop(0)]
+
+    def abort_all(self):
+        self.ready.clear()
+        self.inner.abort_all()

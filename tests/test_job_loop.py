@@ -1,5 +1,5 @@
-"""The runner's loop on the fake engine: a strictly bounded reorder buffer (held-back rows, LLM.stream's
-None items), parts committed on time as well as on size, progress lines and engine gauges while no row
+"""The runner's loop on the fake engine: a strictly bounded reorder buffer (input held back while the engine
+steps), parts committed on time as well as on size, progress lines and engine gauges while no row
 finishes."""
 
 import json
@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from test_job_fakes import FakeLLM, read_rows
 
-from batchrun import job as job_module
 from batchrun.config import parse_job
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.job import plan_job, run_job
+from batchrun.pipeline.local import LocalExecutor
 from batchrun.progress import engine_gauges
 
 
@@ -35,7 +35,7 @@ class SlowHeadLLM(FakeLLM):
 
 
 def test_reorder_buffer_is_strictly_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(job_module._Run, "REORDER_FACTOR", 1)  # bound = max_in_flight = 64 rows
+    monkeypatch.setattr(LocalExecutor, "REORDER_FACTOR", 1)  # bound = max_in_flight = 64 rows
     write_input(tmp_path, 400)
     engines = []
 

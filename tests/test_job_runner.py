@@ -155,7 +155,7 @@ def test_progress_log_lines_and_bar(tmp_path, caplog):
             return True
 
     tty = Tty()
-    p = Progress(total=10, initial=2, quiet=False, metrics=lambda: {"num_running": 3, "kv_usage": 0.5},
+    p = Progress(total=10, initial=2, quiet=False, metrics=lambda: {"num_running": 3, "kv_blocks_in_use": 1, "kv_blocks_total": 2},
                  stream=tty)
     p.update(8, 100, 0)
     p.close()

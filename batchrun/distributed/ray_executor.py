@@ -5,7 +5,7 @@ JSONL, split into lines in the Indexer exactly as the local reader splits them, 
 error: `read_json` would fail the whole file) -> the ordered Indexer (global row indices, this run's
 slice) -> blocks of `batch_size` rows -> `map_batches(EngineReplica)` on an actor pool of `replicas`,
 each holding one engine -> the driver, which takes the results in input order (`preserve_order`) and
-feeds them to the local executor's reorder buffer and Sink.
+pushes them to the job's OrderedWriter, as the local executor does.
 
 Why the driver writes, not `Dataset.write_parquet`: the output must be the local executor's (same parts,
 schema, row errors, `_metrics.json`) and resumable without duplicates; a part is committed atomically
@@ -24,12 +24,17 @@ import pickle
 import re
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchrun.config import JobError
 from batchrun.distributed.workers import CALLS, GEN, METRICS, POS, REPLICA, RESULT, EngineReplica, Indexer
 from batchrun.io.rows import input_columns
-from batchrun.job import _Run
+from batchrun.pipeline.engine_api import LLM_FACTORY_ENV
+from batchrun.pipeline.executor import Executor, RowReceiver
+from batchrun.pipeline.slicing import RowSlice
+
+if TYPE_CHECKING:
+    from batchrun.plan import JobPlan
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +42,12 @@ log = logging.getLogger(__name__)
 _SNAPSHOT_GAUGES = ("num_running", "num_waiting", "num_swapped", "kv_blocks_in_use")
 
 
-class RayRun(_Run):
-    def __init__(self, plan, factory, *, quiet: bool, progress_interval: float | None) -> None:
-        super().__init__(plan, factory, quiet=quiet, progress_interval=progress_interval)
-        self.ex = plan.cfg.executor
+class RayExecutor(Executor):
+    def __init__(self, plan: JobPlan, factory: Any = None) -> None:
+        """factory: what builds each replica's engine (a picklable callable, or None: the replica resolves
+        $BATCHRUN_LLM_FACTORY, else batchrun.llm.LLM)."""
+        self.plan, self.cfg, self.ex = plan, plan.cfg, plan.cfg.executor
+        self.factory = factory
         self.replica_metrics: dict[str, dict[str, Any]] = {}
         self.owns_ray = False
         self.ray: Any = None
@@ -50,7 +57,7 @@ class RayRun(_Run):
 
     # -------------------------------------------------------- cluster
 
-    def _connect(self) -> None:
+    def _connect(self, receiver: RowReceiver) -> None:
         import ray
 
         self.ray = ray
@@ -70,7 +77,7 @@ class RayRun(_Run):
             raise JobError(f"executor.address: cannot start or join Ray at {address or 'a local instance'}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
         self.owns_ray = True
-        self.interrupts.reinstall()  # ray.init installs its own SIGTERM handler; ours commits first
+        receiver.reclaim_signals()  # ray.init installs its own SIGTERM handler; ours commits first
         self._check_resources()
 
     def _check_resources(self) -> None:
@@ -89,21 +96,21 @@ class RayRun(_Run):
 
     # -------------------------------------------------------- pipeline
 
-    def _read(self, columns: list[str] | None) -> tuple[Any, int, bool]:
+    def _read(self, rows: RowSlice, columns: list[str] | None) -> tuple[Any, int, bool]:
         """(Ray dataset of the input, global index of its first row, whether rows are JSONL lines)."""
         import ray.data
 
         src = self.plan.source
         if src.format == "parquet":
-            files, start = self._parquet_files()
+            files, start = self._parquet_files(rows)
             ds = ray.data.read_parquet(files, file_extensions=None, partitioning=None)
             return (ds if columns is None else ds.select_columns(columns)), start, False
         if src.format in ("jsonl", "openai-batch"):
             files = [os.path.abspath(f) for f in src.files]
             return ray.data.read_binary_files(files, include_paths=True, file_extensions=None), 0, True
-        return self._from_huggingface(src.ds.select_columns(columns) if columns is not None else src.ds)
+        return self._from_huggingface(rows, src.ds.select_columns(columns) if columns is not None else src.ds)
 
-    def _from_huggingface(self, hf: Any) -> tuple[Any, int, bool]:
+    def _from_huggingface(self, rows: RowSlice, hf: Any) -> tuple[Any, int, bool]:
         """What `ray.data.from_huggingface` does, without its Hub lookup first: that lookup goes to the
         network (failing offline, or for a local `json` builder) and may swap in the Hub's Parquet export
         for the dataset, whose rows need not be the ones the local executor reads."""
@@ -117,21 +124,14 @@ class RayRun(_Run):
                 return ray.data.from_huggingface(hf), 0, False
             return ray.data.read_datasource(HuggingFaceDatasource(dataset=hf)), 0, False
         # A saved dataset: only this run's rows (resume, shard, --limit) go into Ray's object store.
-        plan, end_pos = self.plan, self._end_pos()
-        first = plan.lo + self.next_pos
-        table = hf.with_format("arrow")[first:None if end_pos is None else plan.lo + end_pos]
-        return ray.data.from_arrow(table), first, False
+        first, stop = rows.index_range()
+        return ray.data.from_arrow(hf.with_format("arrow")[first:stop]), first, False
 
-    def _parquet_files(self) -> tuple[list[str], int]:
+    def _parquet_files(self, rows: RowSlice) -> tuple[list[str], int]:
         """The files holding this run's rows (earlier and later files are not read at all) and the
         global index of the first one's first row."""
-        plan, src = self.plan, self.plan.source
-        end_pos = self._end_pos()
-        if plan.strided:
-            first, last = plan.shard.index + self.next_pos * plan.shard.count, None
-        else:
-            first = plan.lo + self.next_pos
-            last = None if end_pos is None else plan.lo + end_pos
+        src = self.plan.source
+        first, last = rows.index_range()
         files, start, offset = [], None, 0
         for f, groups in zip(src.files, src._row_groups):
             n = sum(groups)
@@ -142,7 +142,7 @@ class RayRun(_Run):
             offset += n
         return files, start or 0
 
-    def _dataset(self) -> Any:
+    def _dataset(self, rows: RowSlice) -> Any:
         import ray.data
 
         plan, cfg, ex = self.plan, self.cfg, self.ex
@@ -151,23 +151,18 @@ class RayRun(_Run):
         ctx.enable_progress_bars = False  # batchrun's own progress line covers the job ...
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... say so only once
         columns = input_columns(cfg, plan.source.format, plan.id_column)
-        ds, start, text = self._read(columns)
-        if plan.strided:
-            base, stride = plan.shard.index, plan.shard.count
-        else:
-            base, stride = plan.lo, 1
-        indexer = dict(start=start, base=base, stride=stride, first_pos=self.next_pos, last_pos=self._end_pos(),
-                       text=text)
+        ds, start, text = self._read(rows, columns)
         # One actor, one call at a time, never restarted: it sees the blocks in order, so its counter is
         # the row index. Reading is fused into it; it needs no CPU of its own.
-        ds = _map_indexer(ds, indexer)
+        ds = _map_indexer(ds, dict(start=start, rows=rows, text=text))
         ds = ds.repartition(target_num_rows_per_block=ex["batch_size"])  # so blocks spread over replicas
         model = dict(cfg.model)
         if not model["path"].startswith("builtin:") and os.path.exists(model["path"]):
             model["path"] = os.path.abspath(model["path"])  # replicas may start in another directory
         replica = dict(cfg=dataclasses.replace(cfg, model=model), source_format=plan.source.format,
-                       id_column=plan.id_column, factory=self.factory or os.environ.get("BATCHRUN_LLM_FACTORY"),
-                       data_columns=columns, parser=plan.source if text else None)
+                       id_column=plan.id_column, factory=self.factory or os.environ.get(LLM_FACTORY_ENV),
+                       data_columns=columns,
+                       parser=plan.source if text else None)
         # The job's own settings travel with it to every node (model cache, test hooks, HF offline mode).
         env = {k: v for k, v in os.environ.items() if k.startswith(("BATCHRUN_", "HF_"))}
         return ds.map_batches(EngineReplica, fn_constructor_kwargs=replica, batch_format="pyarrow",
@@ -175,39 +170,38 @@ class RayRun(_Run):
                               num_cpus=ex["num_cpus_per_replica"], num_gpus=ex["num_gpus_per_replica"] or None,
                               runtime_env={"env_vars": env} if env else None, zero_copy_batch=True)
 
-    def _tick_progress(self) -> None:
+    def _tick_progress(self, receiver: RowReceiver) -> None:
         """In a thread: progress lines while a batch is generating (rows only arrive a block at a time,
         so commits need no clock of their own; they happen as blocks arrive, on the main thread)."""
         while not self.stop.wait(0.5):
-            if self.progress is not None:
-                self.progress.tick()
+            receiver.tick_progress()
 
     # -------------------------------------------------------- run
 
-    def _execute(self) -> None:
-        end_pos = self._end_pos()
-        if end_pos is not None and self.next_pos >= end_pos:
-            self.exhausted = self._reached_end(self.next_pos)
+    def run(self, rows: RowSlice, receiver: RowReceiver) -> None:
+        if rows.empty:
             return
-        self._connect()
-        ds = self._dataset()
+        self._connect(receiver)
+        ds = self._dataset(rows)
         log.info("running on Ray: %d replicas x (%g CPU, %g GPU), batch_size %d", self.ex["replicas"],
                  self.ex["num_cpus_per_replica"], self.ex["num_gpus_per_replica"], self.ex["batch_size"])
-        self._start_progress(self._progress_metrics)
-        self.thread = threading.Thread(target=self._tick_progress, name="batchrun-progress", daemon=True)
+        receiver.start()
+        self.thread = threading.Thread(target=self._tick_progress, args=(receiver,), name="batchrun-progress",
+                                       daemon=True)
         self.thread.start()
         # Iterated on the main thread: SIGTERM / SIGINT interrupt it there, which unwinds Ray Data's
         # iterator and stops the pipeline before Ray itself is shut down.
         blocks = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1)
+        end, pos = rows.end, rows.start  # pos: the next position due back
         try:
             for block in blocks:
-                self._take(block)
-                self.tick()
-                if end_pos is not None and self.next_pos >= end_pos:
-                    self.exhausted = self._reached_end(self.next_pos)
+                pos = self._take(block, pos, receiver)
+                receiver.tick()
+                if end is not None and pos >= end:
                     return
-            self._check_complete(end_pos)
-            self.exhausted = True
+            if rows.short_at(pos):
+                raise RuntimeError(f"Ray returned rows up to input position {pos} of {end}; what came back is "
+                                   "committed, and a rerun resumes")
         except Exception as e:  # noqa: BLE001 - re-raised, unwrapped from Ray's remote traceback
             cause = _remote_failure(e)
             if cause is e:
@@ -218,34 +212,29 @@ class RayRun(_Run):
             if close is not None:
                 close()
 
-    def _check_complete(self, end_pos: int | None) -> None:
-        """Ray finished: when the slice's length is known, every position must have come back."""
-        if end_pos is not None and self.plan.hi is not None and not self.plan.strided and self.next_pos < end_pos:
-            raise RuntimeError(f"Ray returned rows up to input position {self.next_pos} of {end_pos}; what "
-                               "came back is committed, and a rerun resumes")
-
-    def _take(self, block: Any) -> None:
-        """One block of results, in input order: each row goes through the local executor's buffer and sink."""
-        for pos, gen, payload in zip(block.column(POS).to_pylist(), block.column(GEN).to_pylist(),
+    def _take(self, block: Any, pos: int, receiver: RowReceiver) -> int:
+        """One block of results, in input order, to the receiver; returns the next position due."""
+        for got, gen, payload in zip(block.column(POS).to_pylist(), block.column(GEN).to_pylist(),
                                      block.column(RESULT).to_pylist()):
-            expected = self.next_pos + len(self.buffer)
             if self.generation is None:
                 self.generation = gen
             if gen != self.generation:
                 raise RuntimeError("the Ray actor numbering the rows restarted (its node failed?); every row "
                                    "before it is committed and a rerun resumes")
-            if pos != expected:
-                raise RuntimeError(f"internal error: Ray returned input position {pos} where {expected} was due; "
+            if got != pos:
+                raise RuntimeError(f"internal error: Ray returned input position {got} where {pos} was due; "
                                    "nothing after the last committed row was written")
             task, outputs = pickle.loads(payload)
-            self._finished(task, outputs)
+            receiver.put(task, outputs)
+            pos += 1
         for name, text in zip(block.column(REPLICA).to_pylist(), block.column(METRICS).to_pylist()):
             if text is not None:
                 m = json.loads(text)
                 if m[CALLS] > self.replica_metrics.get(name, {}).get(CALLS, 0):
                     self.replica_metrics[name] = m
+        return pos
 
-    def _engine_metrics(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, Any]:
         """The engine metrics of the replicas that ran rows: counters summed, fractions averaged, peaks the
         largest one's."""
         per = list(self.replica_metrics.values())
@@ -262,10 +251,10 @@ class RayRun(_Run):
                 out[key] = sum(values)
         return out
 
-    def _progress_metrics(self) -> dict[str, Any]:
-        return {k: v for k, v in self._engine_metrics().items() if k not in _SNAPSHOT_GAUGES}
+    def progress_metrics(self) -> dict[str, Any]:
+        return {k: v for k, v in self.metrics().items() if k not in _SNAPSHOT_GAUGES}
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
@@ -276,8 +265,8 @@ class RayRun(_Run):
 def _map_indexer(ds: Any, kwargs: dict[str, Any]) -> Any:
     """The Indexer stage. A restarted Indexer would count from the start again, so it must not restart
     (its node failing fails the run; a rerun resumes). Ray Data takes max_restarts only through the
-    deprecated **ray_remote_args; where that is gone, the generation check in RayRun._take still catches
-    a restart."""
+    deprecated **ray_remote_args; where that is gone, the generation check in RayExecutor._take still
+    catches a restart."""
     import ray.data
 
     args = dict(fn_constructor_kwargs=kwargs, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,

@@ -14,7 +14,6 @@ to the same Sink the local executor uses: one code path for row errors, schema a
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import logging
@@ -24,6 +23,11 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
+
+from batchrun.io.rows import RequestBuilder, RowTask
+from batchrun.pipeline.engine_api import engine_factory
+from batchrun.pipeline.executor import EngineLoop, max_in_flight
+from batchrun.pipeline.slicing import RowSlice
 
 log = logging.getLogger(__name__)
 
@@ -36,27 +40,15 @@ GEN = "__batchrun_indexer"  # which Indexer instance stamped a row: a restarted 
 class Indexer:
     """Stamps global row indices on blocks that arrive in input order; keeps only this run's rows.
 
-    start: global index of the first row it will see. lo/hi: keep indices in [lo, hi) (hi None: to the
-    end); pos = index - base. With stride N (shards of an input of unknown length) keep index ≡ base
-    (mod N) and pos = (index - base) // N, for pos in [first_pos, last_pos).
+    start: global index of the first row it will see; rows: this run's RowSlice, which says which indices
+    are its rows and at which positions.
     """
 
-    def __init__(self, *, start: int, base: int, first_pos: int, last_pos: int | None, stride: int = 1,
-                 text: bool = False) -> None:
+    def __init__(self, *, start: int, rows: RowSlice, text: bool = False) -> None:
         self.next = start
-        self.base, self.stride = base, stride
-        self.first_pos, self.last_pos = first_pos, last_pos
+        self.rows = rows
         self.text = text
         self.generation = uuid.uuid4().hex
-
-    def _keep(self, index: int) -> int | None:
-        off = index - self.base
-        if off < 0 or off % self.stride:
-            return None
-        pos = off // self.stride
-        if pos < self.first_pos or (self.last_pos is not None and pos >= self.last_pos):
-            return None
-        return pos
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.text:
@@ -64,7 +56,7 @@ class Indexer:
         n = batch.num_rows
         keep, pos = [], []
         for i in range(n):
-            p = self._keep(self.next + i)
+            p = self.rows.position_of(self.next + i)
             if p is not None:
                 keep.append(i)
                 pos.append(p)
@@ -83,7 +75,7 @@ class Indexer:
             for lineno, line in enumerate(text, 1):
                 if not line.strip():
                     continue
-                p = self._keep(self.next)
+                p = self.rows.position_of(self.next)
                 if p is not None:
                     lines.append(line)
                     where.append(f"{name} line {lineno}")
@@ -95,28 +87,20 @@ class Indexer:
                          GEN: pa.array([self.generation] * len(pos), pa.string())})
 
 
-def resolve_factory(spec: str | None):
-    """'module:attr' -> the callable that builds the engine (batchrun.llm:LLM by default)."""
-    module, _, attr = (spec or "batchrun.llm:LLM").partition(":")
-    return getattr(importlib.import_module(module), attr or "LLM")
-
-
 class EngineReplica:
     """One batchrun engine. Each call runs one batch of rows through it and returns one row per input row."""
 
     def __init__(self, *, cfg: Any, source_format: str, id_column: str | None, factory: Any,
                  data_columns: list[str], parser: Any = None) -> None:
-        from batchrun.io.rows import RequestBuilder
-
         self.cfg = cfg
         self.data_columns = data_columns
         self.parser = parser  # a JsonlSource: its _parse turns a line into a row (or a row error)
-        make = factory if callable(factory) else resolve_factory(factory)
+        make = factory if callable(factory) else engine_factory(factory)
         self.llm = make(cfg.model["path"], **cfg.llm_kwargs())
         self.builder = RequestBuilder(cfg, source_format=source_format, tokenizer=self.llm.tokenizer,
                                       check_prompt=self.llm.check_prompt, id_column=id_column)
         self.columns = self.builder.columns()
-        self.max_in_flight = max(2 * cfg.engine["max_num_seqs"], 64)
+        self.max_in_flight = max_in_flight(cfg.engine["max_num_seqs"])
         self.keep_prompt = cfg.output["include_prompt"]
         self.name = f"{os.uname().nodename}:{os.getpid()}"
         self.calls = 0  # batches need not run in input order: the driver keeps each replica's latest metrics
@@ -134,27 +118,39 @@ class EngineReplica:
             rows.append(row)
         return rows
 
+    def _generate(self, tasks: list[RowTask]) -> list[tuple[RowTask, list[Any] | None]]:
+        """Every row of a batch through the engine (row errors skip it), in the batch's order."""
+        loop = EngineLoop(self.llm)
+        rows: list[tuple[RowTask, list[Any] | None]] = []
+        try:
+            for task in tasks:
+                if task.error is not None:
+                    rows.append((task, None))
+                    continue
+                while len(loop) >= self.max_in_flight:
+                    rows += loop.step()
+                loop.add(task)
+            while len(loop):
+                rows += loop.step()
+        finally:
+            loop.abort()  # a failure half way leaves nothing behind in the engine
+        return sorted(rows, key=lambda row: row[0].pos)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
-        positions = batch.column(POS).to_pylist()
-        indices = batch.column(INDEX).to_pylist()
-        tasks = self.builder.build(list(zip(positions, indices, self._rows(batch))))
-        outputs: list[list[Any] | None] = [None] * len(tasks)
-        ok = [(i, t) for i, t in enumerate(tasks) if t.error is None]
-        if ok:
-            items = ((i, {"prompt_token_ids": t.prompt_ids}, t.params) for i, t in ok)
-            for i, out in self.llm.stream(items, max_in_flight=self.max_in_flight):
-                outputs[i] = list(out.outputs)
+        items = zip(batch.column(POS).to_pylist(), batch.column(INDEX).to_pylist(), self._rows(batch))
+        tasks = self.builder.build(list(items))
+        rows = self._generate(tasks)
         results = []
-        for task, outs in zip(tasks, outputs):
-            task.prompt_ids, task.params = None, None  # the sink needs neither; keep the payload small
+        for task, outputs in rows:
+            task.params = None  # the sink needs neither params nor prompt ids; keep the payload small
             if not self.keep_prompt:
                 task.prompt = None
-            results.append(pickle.dumps((task, outs), protocol=pickle.HIGHEST_PROTOCOL))
-        n = len(tasks)
+            results.append(pickle.dumps((task, outputs), protocol=pickle.HIGHEST_PROTOCOL))
+        n = len(rows)
         metrics = [None] * n
         self.calls += 1
         if n:
             metrics[-1] = json.dumps({**self.llm.metrics(), CALLS: self.calls}, default=float)
-        return pa.table({POS: pa.array(positions, pa.int64()), GEN: batch.column(GEN),
+        return pa.table({POS: pa.array([task.pos for task, _ in rows], pa.int64()), GEN: batch.column(GEN),
                          RESULT: pa.array(results, pa.binary()),
                          REPLICA: pa.array([self.name] * n, pa.string()), METRICS: pa.array(metrics, pa.string())})

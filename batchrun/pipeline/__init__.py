@@ -1,0 +1,20 @@
+"""Jobs as a push pipeline: RowSlice -> Executor (local | Ray) -> finished rows, any order -> OrderedWriter -> Sink.
+
+- `RowSlice` (slicing.py): which input rows are this run's (shard, --limit, resume).
+- `Executor` (executor.py): runs a slice's rows through engines and pushes each finished row to a
+  `RowReceiver`; `EngineLoop` drives one engine under an in-flight bound. `LocalExecutor` (local.py) is one
+  engine in this process; the Ray one lives in batchrun.distributed.ray_executor.
+- `OrderedWriter` (writer.py): reorder buffer, sink, commit clock, signals.
+- `JobEngine` (engine_api.py): what the pipeline needs from an engine; batchrun.llm.LLM satisfies it.
+
+Nothing here imports batchrun.job, which picks the executor and runs the pieces.
+"""
+
+from batchrun.pipeline.engine_api import JobEngine
+from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
+from batchrun.pipeline.signals import Interrupts, JobInterrupted
+from batchrun.pipeline.slicing import RowSlice
+from batchrun.pipeline.writer import OrderedWriter, RowFailure
+
+__all__ = ["EngineLoop", "Executor", "Interrupts", "JobEngine", "JobInterrupted", "OrderedWriter", "RowFailure",
+           "RowReceiver", "RowSlice", "max_in_flight"]

@@ -1,0 +1,70 @@
+"""LocalExecutor: one engine in this process, driven step by step.
+
+It adds requests while fewer than `max_in_flight` are generating and the reorder buffer has room, takes an
+engine step, and hands each finished row to the receiver. Rows that cannot run (row errors) never reach
+the engine; they go to the receiver as soon as they are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from batchrun.io.rows import RequestBuilder
+from batchrun.pipeline.engine_api import JobEngine
+from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
+from batchrun.pipeline.slicing import RowSlice
+
+if TYPE_CHECKING:
+    from batchrun.plan import JobPlan
+
+log = logging.getLogger(__name__)
+
+
+class LocalExecutor(Executor):
+    REORDER_FACTOR = 4  # rows finished or in flight but not yet written: at most this x max_in_flight
+
+    def __init__(self, plan: JobPlan, factory: Callable[..., JobEngine]) -> None:
+        """factory(model path, **cfg.llm_kwargs()) builds the engine."""
+        self.cfg, self.source, self.id_column = plan.cfg, plan.source, plan.id_column
+        self.factory = factory
+        self.max_in_flight = max_in_flight(self.cfg.engine["max_num_seqs"])
+        self.reorder_limit = self.REORDER_FACTOR * self.max_in_flight
+        self.engine: JobEngine | None = None
+        self.loop: EngineLoop | None = None
+
+    def run(self, rows: RowSlice, receiver: RowReceiver) -> None:
+        cfg = self.cfg
+        log.info("loading model %s", cfg.model["path"])
+        self.engine = engine = self.factory(cfg.model["path"], **cfg.llm_kwargs())
+        builder = RequestBuilder(cfg, source_format=self.source.format, tokenizer=engine.tokenizer,
+                                 check_prompt=engine.check_prompt, id_column=self.id_column)
+        self.loop = loop = EngineLoop(engine)
+        receiver.start()
+        for batch in rows.read(self.source, builder.columns()):
+            for task in builder.build(batch):
+                receiver.tick()
+                # Rows in flight can all finish behind a slow one: they count against the buffer's bound. When
+                # it is full the oldest unwritten row is in flight (else the buffer would drain): a step frees room.
+                while len(loop) >= self.max_in_flight or len(loop) + receiver.buffered >= self.reorder_limit:
+                    self._step(receiver)
+                if task.error is not None:
+                    receiver.put(task, None)
+                else:
+                    loop.add(task)
+        while len(loop):  # the input is read: step until the last row is back
+            self._step(receiver)
+
+    def _step(self, receiver: RowReceiver) -> None:
+        assert self.loop is not None
+        for task, outputs in self.loop.step():
+            receiver.put(task, outputs)
+        receiver.tick()
+
+    def metrics(self) -> dict[str, Any]:
+        return dict(self.engine.metrics()) if self.engine is not None else {}
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.abort()
