@@ -153,10 +153,5 @@ def test_no_import_cycle_in_engine_and_model():
     assert _cycles(layer) == []
 
 
-# Outside engine/ and model/ two cycles remain, both issue 11 part 3 (jobs), fixed on their own branch:
-# job.py <-> distributed/ray_executor.py (RayRun subclasses job._Run) and io/sources.py <-> io/hf_datasets.py.
-# The merge makes this strict.
-@pytest.mark.xfail(strict=False, reason="job.py <-> distributed/ray_executor.py and io/sources.py <-> "
-                   "io/hf_datasets.py cycles (issue 11 part 3)")
 def test_no_import_cycle_anywhere():
     assert _cycles(set(MODULES)) == []

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.config import JobError
-from batchrun.io.sources import Row, Source, one_line, size_of
+from batchrun.io.base import Row, Source, one_line, size_of
 
 DATASET_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
+from batchrun.io.base import Row, Source, one_line, size_of
 
 log = logging.getLogger(__name__)
 
@@ -33,43 +33,6 @@ BATCH_BYTES = 8 * 2**20  # a read batch holds about this much input (rows are al
 MIN_BATCH_ROWS = 8
 PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")
-
-Row = dict[str, Any]
-
-
-class Source(ABC):
-    """A table of input rows. Subclasses fill `columns` (None when unknown) and implement iter_rows."""
-
-    format = "?"
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.columns: list[str] | None = None
-
-    def arrow_types(self) -> dict[str, pa.DataType]:
-        """Arrow types of the columns, where the input declares them (Parquet, datasets)."""
-        return {}
-
-    def num_rows(self) -> int | None:
-        """The row count when it is cheap to know (metadata), else None."""
-        return None
-
-    def count_rows(self) -> int | None:
-        """The row count, scanning the input if need be; None if it cannot be known (a remote stream)."""
-        return self.num_rows()
-
-    @abstractmethod
-    def iter_rows(self, start: int = 0, columns: list[str] | None = None,
-                  batch_size: int = 1024) -> Iterator[list[Row]]:
-        """Batches of rows from position `start`, reading only `columns` where the format allows."""
-
-    def identity(self) -> dict[str, Any]:
-        """What identifies this input for resume checks: format, path, and total size of its files."""
-        return {"format": self.format, "path": self.path}
-
-    def has_column(self, name: str) -> bool:
-        return self.columns is None or name in self.columns
-
 
 # ---------------------------------------------------------------- format inference and opening
 
@@ -177,10 +140,6 @@ def open_source(inp: dict[str, Any]) -> Source:
     return HubDatasetSource(path, inp["split"], inp.get("data_files"))
 
 
-def size_of(paths: list[str]) -> int:
-    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
-
-
 # ---------------------------------------------------------------- Parquet
 
 
@@ -273,11 +232,6 @@ def _bytes_per_row(path: str) -> dict[str, int]:
 
 class InputReadError(RuntimeError):
     """The input became unreadable during the run (exit 1; the committed rows are kept)."""
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 # ---------------------------------------------------------------- JSONL
