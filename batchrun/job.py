@@ -25,6 +25,7 @@ from batchrun.io.rows import RequestBuilder, RowTask
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
 from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
 from batchrun.progress import Progress
+from batchrun.timeseries import TimeSeries
 
 __all__ = ["run_job", "plan_job", "describe_plan", "ShardSpec", "JobPlan", "RunResult", "JobInterrupted",
            "RowFailure"]
@@ -167,6 +168,7 @@ class _Run:
         self.llm: Any = None
         self.progress: Progress | None = None
         self.t0 = time.monotonic()
+        self.series = TimeSeries(start=self.t0)
 
     # -------------------------------------------------------- input side
 
@@ -292,6 +294,7 @@ class _Run:
                 self._commit()
         if self.progress is not None:
             self.progress.tick(now)
+        self.series.maybe_sample(now, self.done_rows, self._engine_metrics, self.gen_tokens)
 
     def _commit_all(self) -> None:
         with self.interrupts.deferred():
@@ -413,6 +416,7 @@ class _Run:
             "engine": engine, "model": self.cfg.model["path"],
             "executor": {"kind": ex["kind"], **({"replicas": ex["replicas"]} if ex["kind"] == "ray" else {})},
             "shard": str(self.plan.shard) if self.plan.shard else None,
+            "series": self.series.finish(self.done_rows, engine, self.gen_tokens),
         }
         try:
             write_json_atomic(self.plan.out_dir / METRICS, metrics)

@@ -94,9 +94,22 @@ def check_model_path(path: str) -> None:
         if name not in names:
             raise JobError(f"model.path: {path!r} is not a built-in model (built-in: "
                            f"{', '.join('builtin:' + n for n in sorted(names))})")
+        from batchrun.model.builtin import ModelLoadError, check_builtin  # e.g. its wheel is not installed
+
+        try:
+            check_builtin(name)
+        except ModelLoadError as e:
+            raise JobError(f"model.path: {e}") from None
         return
     local = Path(os.path.expanduser(path))
     if local.exists():
+        from batchrun.model.gguf import ModelLoadError, find_gguf  # a .gguf file, or a folder holding one
+
+        try:
+            if find_gguf(local) is not None:
+                return
+        except ModelLoadError as e:
+            raise JobError(f"model.path: {e}") from None
         if not local.is_dir():
             raise JobError(f"model.path: {path} is not a folder (expected a Hugging Face checkpoint folder)")
         if not (local / "config.json").is_file():
