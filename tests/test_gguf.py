@@ -52,7 +52,7 @@ def test_a_folder_holding_one_gguf_file_resolves_to_it(gguf_file, tmp_path):
         resolve_path(str(folder))
     with pytest.raises(JobError, match="model.path: .*holds 2 .gguf files"):
         check_model_path(str(folder))
-    with pytest.raises(ModelLoadError, match="neither a folder nor a .gguf file"):
+    with pytest.raises(ModelLoadError, match="is not a folder or a .gguf file"):
         resolve_path(str(folder / "README.md"))
 
 

@@ -45,7 +45,7 @@ def resolve_path(model: str) -> Path:
     if file is not None:
         return file
     if not path.is_dir():
-        raise ModelLoadError(f"model path {model!r} is neither a folder nor a .gguf file (batchrun loads local "
+        raise ModelLoadError(f"model path {model!r} is not a folder or a .gguf file (batchrun loads local "
                              "checkpoints and 'builtin:NAME'; it downloads nothing)")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model path {model!r} has no config.json (nor a .gguf file)")
