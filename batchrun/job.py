@@ -23,6 +23,7 @@ from typing import Any
 from batchrun.config import JobError
 from batchrun.io.rows import RequestBuilder, RowTask
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
+from batchrun.model.errors import ModelLoadError
 from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
 from batchrun.progress import Progress
 from batchrun.timeseries import TimeSeries
@@ -315,7 +316,10 @@ class _Run:
         """Load the engine and stream every row of this run through it (the local executor)."""
         cfg, plan = self.cfg, self.plan
         log.info("loading model %s", cfg.model["path"])
-        self.llm = self.factory(cfg.model["path"], **cfg.llm_kwargs())
+        try:
+            self.llm = self.factory(cfg.model["path"], **cfg.llm_kwargs())
+        except ModelLoadError as e:  # e.g. a .gguf of an unsupported architecture: a bad job, exit 2
+            raise JobError(f"model.path: {e}") from None
         self.builder = RequestBuilder(cfg, source_format=plan.source.format, tokenizer=self.llm.tokenizer,
                                       check_prompt=self.llm.check_prompt, id_column=plan.id_column)
         self._start_progress(self.llm.metrics)

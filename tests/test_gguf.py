@@ -6,8 +6,11 @@ import logging
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from test_job_fakes import write_job
 
 from batchrun import LLM, SamplingParams
+from batchrun.cli import main
 from batchrun.config import JobError
 from batchrun.model.builtin import BUILTIN_MODELS
 from batchrun.model.errors import ModelLoadError
@@ -91,3 +94,11 @@ def test_architectures_outside_the_llama_family_get_one_line(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="unsupported architecture 'Phi3ForCausalLM'"):
         LLM(str(tmp_path / "phi3.gguf"), device="cpu")
+    # in a job: the file passes the checks before the model loads; loading it is exit 2, one line
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    job = write_job(tmp_path / "job.yaml", model={"path": str(tmp_path / "phi3.gguf")}, input={"path": str(src)},
+                    output={"path": str(tmp_path / "out")})
+    result = CliRunner().invoke(main, ["run", job, "-q"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "model.path: unsupported architecture 'Phi3ForCausalLM'" in result.stderr
