@@ -1,13 +1,14 @@
 """`batchrun show OUTPUT`: the first rows of an output folder as a table a person reads in a terminal.
 
-OUTPUT is a job's Parquet output folder, or a folder of job-array shards (shard-I-of-N/, shown in shard
-order with a `shard` column). Only the rows shown are read. By default the columns are the id, the question
+OUTPUT is a job's Parquet output folder, a folder of job-array shards (shard-I-of-N/, shown in shard
+order with a `shard` column), or an OpenAI batch output folder (output.jsonl: custom_id, completion, error). Only the rows shown are read. By default the columns are the id, the question
 (a chat `messages` column as its last user message, else the prompt), the completion, and the error when a
 shown row has one. Long cells are wrapped to the terminal's width.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import textwrap
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
-from batchrun.io.sinks import part_files
+from batchrun.io.sinks import OPENAI_OUTPUT, part_files
 
 SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 QUESTION_COLUMNS = ("messages", "prompt")  # the first one present is shown as the question
@@ -41,6 +42,8 @@ def output_folders(output: Path) -> list[tuple[str | None, Path]]:
 def read_rows(output: Path, n: int, columns: list[str] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """The available column names and the first `n` rows (of `columns`, or all), reading no more parts
     than needed."""
+    if (output / OPENAI_OUTPUT).is_file():
+        return _openai_rows(output / OPENAI_OUTPUT, n, columns)
     folders = output_folders(output)
     names = pq.read_schema(part_files(folders[0][1])[0]).names
     if folders[0][0] is not None:
@@ -58,6 +61,27 @@ def read_rows(output: Path, n: int, columns: list[str] | None = None) -> tuple[l
     return names, rows
 
 
+def _openai_rows(path: Path, n: int, columns: list[str] | None) -> tuple[list[str], list[dict[str, Any]]]:
+    """The first `n` lines of an OpenAI batch output file, flattened to custom_id / completion / error."""
+    names = ["custom_id", "status_code", "completion", "finish_reason", "error"]
+    unknown = [c for c in columns or [] if c not in names]
+    if unknown:
+        raise JobError(f"no column {', '.join(map(repr, unknown))} in {path}; its columns: {', '.join(names)}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if len(rows) >= n or not line.endswith("\n"):  # a line without its newline is not committed
+                break
+            response = json.loads(line).get("response") or {}
+            body = response.get("body") or {}
+            choice = (body.get("choices") or [{}])[0]
+            text = (choice.get("message") or {}).get("content", choice.get("text"))
+            rows.append({"custom_id": json.loads(line).get("custom_id"), "status_code": response.get("status_code"),
+                         "completion": text, "finish_reason": choice.get("finish_reason"),
+                         "error": (body.get("error") or {}).get("message")})
+    return names, rows
+
+
 def _rows_of(folder: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
     for part in part_files(folder):
         f = pq.ParquetFile(part)
@@ -67,7 +91,7 @@ def _rows_of(folder: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
 
 
 def default_columns(names: list[str], rows: list[dict[str, Any]]) -> list[str]:
-    cols = [c for c in ("shard", "id") if c in names]
+    cols = [c for c in ("shard", "id", "custom_id") if c in names]
     cols += [c for c in QUESTION_COLUMNS if c in names][:1]
     cols += [c for c in ("completion",) if c in names]
     if "error" in names and any(r.get("error") for r in rows):

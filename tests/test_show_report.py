@@ -145,3 +145,21 @@ def test_progress_counts_tokens_as_they_are_generated():
     assert "running 4, waiting 2, swapped 0" in line and "KV cache 25% used" in line
     assert " 0 tok/s" in Progress(total=8, initial=0, quiet=False, metrics=dict, stream=io.StringIO()).line()
     assert isinstance(FakeLLM, type)
+
+
+def test_show_reads_an_openai_batch_output(tmp_path):
+    src = tmp_path / "batch.jsonl"
+    reqs = [{"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}},
+            {"custom_id": "bad-2", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "x", "messages": "not a list"}}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    job = write_job(tmp_path / "job.yaml", input={"path": str(src)}, output={"path": str(tmp_path / "out")})
+    env = {"BATCHRUN_LLM_FACTORY": "test_job_fakes:FakeLLM"}
+    assert CliRunner().invoke(main, ["run", job, "-q"], env=env).exit_code == 0
+    result = CliRunner().invoke(main, ["show", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["custom_id", "|", "completion", "|", "error"]
+    assert lines[2].startswith("chat-1") and " r" in lines[2]  # the fake engine's text
+    assert any(line.startswith("bad-2") for line in lines) and "malformed" in result.stdout
