@@ -132,6 +132,15 @@ def test_show_wraps_long_cells_and_reads_shards(tmp_path):
     assert "shard-1-of-2" in body[3] and "question 3" in body[3]  # a conversation shows as its question
     empty = CliRunner().invoke(main, ["show", str(tmp_path)])
     assert empty.exit_code == 2 and "holds no committed rows" in empty.stderr
+    # the report of a job array: one line per shard (the fake engine's tokens come from its finished rows)
+    from batchrun.report import load_series
+
+    series = load_series(tmp_path / "out")
+    assert [label for label, _ in series] == ["shard-0-of-2", "shard-1-of-2"]
+    assert [s["rows_done"][-1] for _, s in series] == [3, 3] and all(s["generated_tokens"][-1] > 0 for _, s in series)
+    drawn = CliRunner().invoke(main, ["report", str(tmp_path / "out"), "--size", "400x300"])
+    assert drawn.exit_code == 0, drawn.output
+    assert png_size(tmp_path / "out" / "report.png") == (400, 300)
 
 
 def test_progress_counts_tokens_as_they_are_generated():
