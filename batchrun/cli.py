@@ -136,5 +136,41 @@ def _with_executor(overrides: tuple[str, ...], executor: str | None) -> tuple[st
     return overrides if executor is None else (*overrides, f"executor.kind={executor}")
 
 
+@main.command()
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("-n", "rows", type=click.IntRange(min=1), default=5, show_default=True, help="How many rows.")
+@click.option("--columns", metavar="A,B,...", help="Columns to show, comma-separated (default: id, question, "
+                                                  "completion, and error when a row has one).")
+def show(output: str, rows: int, columns: str | None) -> None:
+    """Print the first rows of OUTPUT (an output folder, or a folder of job-array shards) as a table."""
+    from batchrun.show import show as show_rows
+
+    try:
+        table = show_rows(output, rows, [c.strip() for c in columns.split(",") if c.strip()] if columns else None)
+    except JobError as e:
+        _fail(str(e))
+    click.echo(table)
+
+
+@main.command()
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--out", "dest", type=click.Path(dir_okay=False), metavar="PNG",
+              help="Where to write the picture (default: OUTPUT/report.png).")
+@click.option("--size", default="1200x900", show_default=True, metavar="WxH", help="Picture size in pixels.")
+def report(output: str, dest: str | None, size: str) -> None:
+    """Draw the run's throughput, concurrency and KV cache use over time (from _metrics.json) to a PNG."""
+    from batchrun.report import draw
+
+    try:
+        width, height = (int(x) for x in size.lower().split("x"))
+    except ValueError:
+        _fail(f"--size: expected WIDTHxHEIGHT in pixels, e.g. 1200x900, got {size!r}")
+    try:
+        path = draw(output, dest, (width, height))
+    except JobError as e:
+        _fail(str(e))
+    click.echo(f"batchrun: wrote {path} ({width}x{height})")
+
+
 if __name__ == "__main__":
     main()

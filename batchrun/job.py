@@ -20,6 +20,7 @@ from typing import Any
 
 from batchrun.config import JobError
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
+from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
 from batchrun.pipeline.local import LocalExecutor
@@ -28,6 +29,7 @@ from batchrun.pipeline.slicing import RowSlice
 from batchrun.pipeline.writer import OrderedWriter, RowFailure
 from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
 from batchrun.progress import Progress
+from batchrun.timeseries import TimeSeries
 
 __all__ = ["run_job", "plan_job", "describe_plan", "ShardSpec", "JobPlan", "RunResult", "JobInterrupted",
            "RowFailure", "LLM_FACTORY_ENV"]
@@ -76,15 +78,23 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
         return Progress(total=plan.total, initial=initial, quiet=quiet, metrics=executor.progress_metrics,
                         interval=progress_interval)
 
+    series = TimeSeries(start=t0)
+
+    def sample_series(now: float) -> None:
+        series.maybe_sample(now, writer.done_rows, executor.progress_metrics, writer.generated_tokens)
+
     writer = OrderedWriter(make_sink(plan), on_error=plan.cfg.input["on_error"],
-                           commit_interval_s=float(plan.cfg.output["commit_interval_s"]), make_progress=make_progress)
+                           commit_interval_s=float(plan.cfg.output["commit_interval_s"]), make_progress=make_progress,
+                           on_tick=sample_series)
     start = writer.open()
     if start:
         log.info("resuming %s after %d committed input rows", out, start)
     rows = RowSlice.of_plan(plan, start)
     code, message = _execute(executor, rows, writer)
     complete = code == EXIT_OK and rows.complete_at(writer.next_pos)
-    write_metrics(plan, writer, _quiet_metrics(executor), wall_s=time.monotonic() - t0, complete=complete)
+    engine = _quiet_metrics(executor)
+    write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
+                  series=series.finish(writer.done_rows, engine, writer.generated_tokens))
     counts = writer.sink.committed.as_dict()
     if code == EXIT_OK:
         if complete:
@@ -114,6 +124,9 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
         except JobError:
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             raise
+        except ModelLoadError as e:  # found only when it loads (e.g. a .gguf of an unsupported architecture)
+            _quietly(writer, writer.commit_finished, "commit the finished rows")
+            raise JobError(f"model.path: {e}") from None
         except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = EXIT_FAILED, _one_line(e)
@@ -146,8 +159,9 @@ def _quiet_metrics(executor: Executor) -> dict[str, Any]:
 
 
 def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], *, wall_s: float,
-                  complete: bool) -> None:
-    """`_metrics.json`: what is committed (all runs), what this run did, and the engine's own metrics."""
+                  complete: bool, series: dict[str, Any] | None = None) -> None:
+    """`_metrics.json`: what is committed (all runs), what this run did, the engine's own metrics, and the
+    run's time series (batchrun.timeseries, drawn by `batchrun report`)."""
     sink, ex = writer.sink, plan.cfg.executor
     run = sink.this_run
 
@@ -163,6 +177,7 @@ def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], 
         "engine": engine, "model": plan.cfg.model["path"],
         "executor": {"kind": ex["kind"], **({"replicas": ex["replicas"]} if ex["kind"] == "ray" else {})},
         "shard": str(plan.shard) if plan.shard else None,
+        "series": series,
     }
     try:
         write_json_atomic(plan.out_dir / METRICS, metrics)

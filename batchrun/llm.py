@@ -206,6 +206,35 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{role, content}, ...]) or a list of them (vLLM's `chat`).
+
+        Each conversation is rendered with the tokenizer's chat template (or `chat_template`), then runs as
+        `generate` on the rendered text; the template already holds the special tokens, so none are added.
+        `continue_final_message` extends the last (assistant) message instead of opening a new one."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation ([{'role': ..., 'content': ...}, ...]) or a "
+                             "non-empty list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.model_path} has no chat template: pass chat_template=")
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, (list, tuple)) or not conversation or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
+                raise ValueError(f"messages[{i}]: a conversation is a non-empty list of {{'role', 'content'}} dicts")
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *, max_in_flight: int = 1024,
                _checked: bool = False) -> Iterator[tuple[Any, RequestOutput]]:
         """Pull (key, prompt, params) lazily, keep at most max_in_flight requests in the engine, and yield

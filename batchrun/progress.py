@@ -83,18 +83,19 @@ class Progress:
 
     def _stats(self, now: float, short: bool = False) -> str:
         elapsed = max(now - self.t0, 1e-9)
-        parts = [f"{self.tokens / elapsed:.0f} tok/s"]
         try:
-            g = engine_gauges(self.metrics())
+            m = self.metrics()
+            g = engine_gauges(m)
         except Exception:  # noqa: BLE001 - progress must never break the job
-            g = {}
+            m, g = {}, {}
+        # Tokens as the engine generates them: finished rows alone would show 0 tok/s until the first row ends.
+        tokens = max(self.tokens, int(m.get("generation_tokens") or 0))
+        parts = [f"{tokens / elapsed:.0f} tok/s"]
+        rws = [f"{k} {g[k]}" for k in COUNTS if k in g]
+        if rws:
+            parts.append(", ".join(rws))
         if "kv" in g:
-            parts.append(f"KV {g['kv']:.0f}%")
-        counts = [name for name in COUNTS if name in g]
-        if counts and short:
-            parts.append(f"r/w/s {'/'.join(str(g[name]) for name in counts)}")
-        elif counts:
-            parts.append(", ".join(f"{name} {g[name]}" for name in counts))
+            parts.append(f"KV cache {g['kv']:.0f}% used")
         if self.errors:
             parts.append(f"{self.errors} errors")
         return ", ".join(parts)

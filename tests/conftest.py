@@ -48,3 +48,19 @@ def make_ckpt(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama_path(make_ckpt):
     return make_ckpt("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """builtin:smollm2-135m-instruct, dequantized once per test session into the session's cache."""
+    from batchrun.model.builtin import builtin_path
+
+    return builtin_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The real model in fp32 on CPU, shared by the tests that ask it questions."""
+    from batchrun import LLM
+
+    return LLM(str(smollm2_path), dtype="float32", device="cpu", kv_cache_memory="128MiB", max_num_seqs=32)

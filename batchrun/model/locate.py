@@ -23,6 +23,7 @@ from pathlib import Path
 
 from batchrun.engine_args import EngineArgsError
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.gguf import find_gguf, require_gguf_package
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -58,6 +59,12 @@ def builtin_names() -> list[str]:
     return sorted(BUILTIN_MODELS)
 
 
+def _check_builtin(name: str) -> None:
+    from batchrun.model.builtin import check_builtin  # e.g. the wheel a real built-in comes from is absent
+
+    check_builtin(name)
+
+
 def locate_model(spec: str) -> ModelSource:
     """Where `spec` points, or ModelLoadError with one line saying why it cannot load."""
     if spec.startswith("builtin:"):
@@ -66,6 +73,7 @@ def locate_model(spec: str) -> ModelSource:
         if name not in names:
             raise ModelLoadError(f"{spec!r} is not a built-in model (built-in: "
                                  f"{', '.join('builtin:' + n for n in names)})")
+        _check_builtin(name)
         return ModelSource(spec, "builtin", None)
     local = Path(spec).expanduser()
     if local.exists():
@@ -80,20 +88,14 @@ def locate_model(spec: str) -> ModelSource:
 
 
 def _local(spec: str, path: Path) -> ModelSource:
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{spec} is not a folder or a .gguf file (expected a Hugging Face checkpoint "
-                                 "folder)")
-        return ModelSource(spec, "gguf", _check_gguf(spec, path))
+    gguf = find_gguf(path)  # a .gguf file, or the one in a folder without config.json (two: refused)
+    if gguf is not None:
+        require_gguf_package()
+        return ModelSource(spec, "gguf", _check_gguf(str(gguf), gguf))
     if not path.is_dir():
-        raise ModelLoadError(f"{spec} is not a folder or a .gguf file")
+        raise ModelLoadError(f"{spec} is not a folder or a .gguf file (expected a Hugging Face checkpoint folder)")
     config = path / "config.json"
     if not config.is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource(spec, "gguf", _check_gguf(f"{spec.rstrip('/')}/{ggufs[0].name}", ggufs[0]))
-        if ggufs:
-            raise ModelLoadError(f"{spec} holds {len(ggufs)} .gguf files; name one of them")
         raise ModelLoadError(f"{spec} has no config.json (not a Hugging Face checkpoint folder) and no .gguf file")
     positions = _check_config(spec, config).get("max_position_embeddings")
     _check_weights(spec, path)

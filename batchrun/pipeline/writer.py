@@ -29,11 +29,13 @@ class RowFailure(RuntimeError):
 
 class OrderedWriter:
     def __init__(self, sink: Sink, *, on_error: str, commit_interval_s: float,
-                 make_progress: Callable[[int], Progress] | None = None) -> None:
+                 make_progress: Callable[[int], Progress] | None = None,
+                 on_tick: Callable[[float], None] | None = None) -> None:
         self.sink = sink
         self.on_error = on_error
         self.commit_interval_s = commit_interval_s
         self.make_progress = make_progress  # called at start() with the first position: rows finish from then on
+        self.on_tick = on_tick  # called with the time on every tick (the job's time series samples there)
         self.interrupts = Interrupts()
         self.next_pos = 0  # the next position to write: every one before it is in the sink
         self.buffer: dict[int, tuple[RowTask, list[Any] | None]] = {}  # the reorder buffer: pos -> row
@@ -113,6 +115,8 @@ class OrderedWriter:
                 self._commit()
         if self.progress is not None:
             self.progress.tick(now)
+        if self.on_tick is not None:
+            self.on_tick(now)
 
     def tick_progress(self) -> None:
         """Progress only, from another thread (commits stay on the main thread)."""
