@@ -131,7 +131,7 @@ CASES = {
     "gguf that is not GGUF": (lambda d: good_job(d, model={"path": str(d / "junk" / "junk.gguf")}), [],
                               "model.path: {d}/junk/junk.gguf is not a GGUF file"),
     "folder of two ggufs": (lambda d: good_job(d, model={"path": str(d / "two-ggufs")}), [],
-                            "holds 2 .gguf files; name one of them"),
+                            "holds 2 .gguf files (a.gguf, b.gguf); name one of them"),
     "max_model_len past the model's positions": (
         lambda d: good_job(d, model={"path": str(d / "short-context"), "max_model_len": 4096}), [],
         "model.max_model_len: 4096 exceeds what the model supports (1024)"),
