@@ -57,13 +57,14 @@ _EXPORTS = {
     "LLM": "batchrun.llm",
     "EngineArgs": "batchrun.engine_args",
     "SamplingParams": "batchrun.sampling_params",
+    "StructuredOutputsParams": "batchrun.sampling_params",
     "RequestOutput": "batchrun.outputs",
     "CompletionOutput": "batchrun.outputs",
     "BeamSearchParams": "batchrun.beam_search",
     "BeamSearchOutput": "batchrun.beam_search",
     "BeamSearchSequence": "batchrun.beam_search",
 }
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "__version__"]
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
     from batchrun.engine_args import EngineArgs
     from batchrun.llm import LLM
     from batchrun.outputs import CompletionOutput, RequestOutput
-    from batchrun.sampling_params import SamplingParams
+    from batchrun.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import functools
 import os
 import re
@@ -30,7 +31,7 @@ from batchrun.engine_args import (
     parse_size,
     show,
 )
-from batchrun.sampling_params import SamplingParams
+from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 
 class JobError(Exception):
@@ -337,6 +338,8 @@ def _validate_sampling(given: Any, source: str, explicit: set[str]) -> dict[str,
             raise JobError(f"{source}: sampling.{k}: {why}")
         explicit.add(f"sampling.{k}")
     values = {**SAMPLING_DEFAULTS, **given}
+    if values.get("structured_outputs") is not None:
+        values["structured_outputs"] = _structured_section(values["structured_outputs"], source)
     try:
         SamplingParams(**values)
     except ValueError as e:
@@ -345,11 +348,38 @@ def _validate_sampling(given: Any, source: str, explicit: set[str]) -> dict[str,
     return values
 
 
+def _structured_section(value: Any, source: str) -> dict[str, Any]:
+    """sampling.structured_outputs: a mapping of StructuredOutputsParams fields, where `json_file: path`
+    (relative to the working directory) stands for `json:` with that file's schema. The schema itself is
+    kept, so a changed file is a changed job (resume refuses it)."""
+    where = f"{source}: sampling.structured_outputs"
+    if not isinstance(value, dict):
+        raise JobError(f"{where}: expected a mapping such as {{json: <schema>}}, {{regex: ...}}, {{choice: [...]}} "
+                       f"or {{grammar: ...}}, got {show(value)}")
+    value = dict(value)
+    if "json_file" in value:
+        path = value.pop("json_file")
+        if "json" in value:
+            raise JobError(f"{where}: set json or json_file, not both")
+        if not isinstance(path, str) or not path:
+            raise JobError(f"{where}.json_file: expected a path, got {show(path)}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise JobError(f"{where}.json_file: cannot read {path}: {e.strerror or e}") from None
+        try:
+            value["json"] = json.loads(text)
+        except ValueError as e:
+            raise JobError(f"{where}.json_file: {path} is not JSON: {e}") from None
+    return value
+
+
 def _cross_checks(cfg: JobConfig) -> None:
     src, inp = cfg.source, cfg.input
     if "input.prompt_column" in cfg.explicit and inp["messages_column"]:
         raise JobError(f"{src}: input.messages_column: set either prompt_column or messages_column, not both")
-    names = SamplingParams.field_names()
+    names = SamplingParams.field_names() + list(STRUCTURED_KINDS)
     for k in inp["sampling_columns"]:
         if k not in names:
             raise JobError(f"{src}: input.sampling_columns.{k}: not a SamplingParams field{_suggest(str(k), names)}")

@@ -162,6 +162,8 @@ class EngineArgs:
     enable_prefix_caching: bool = _setting(True, "bool", "engine.enable_prefix_caching")
     attention_backend: str = _setting("auto", "str", "engine.attention_backend", choices=("auto", "torch", "triton"))
     enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager")
+    # how long one structured-output grammar may take to compile before it is refused (a row error)
+    grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001)
     # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)
     seed: int = _setting(0, "int", None)
 

@@ -131,6 +131,7 @@ class LLM:
             runner.enable_cuda_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
         self.eos_token_ids = loaded.eos_token_ids
+        self._structured = None  # batchrun.structured's compiler, made at the first structured request
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -165,6 +166,35 @@ class LLM:
                     f"{self.max_model_len}")
         return None
 
+    # ---- structured outputs ----------------------------------------------------------------------
+    @property
+    def structured(self):
+        """The grammar compiler of this model (batchrun.structured.compiler.StructuredOutputs)."""
+        if self._structured is None:
+            from batchrun.structured.compiler import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, self.eos_token_ids,
+                                                 timeout_s=self.args.grammar_compile_timeout_s)
+        return self._structured
+
+    def check_structured(self, params: SamplingParams) -> str | None:
+        """None when the request's structured output (if any) compiles, else a one-line reason (for a row
+        error). Compiled grammars are cached, so the request then starts at once."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured.check(params.structured_outputs)
+
+    def _grammar(self, params: SamplingParams, where: str):
+        """A fresh matcher for a structured-output request, None for the others."""
+        if params.structured_outputs is None:
+            return None
+        from batchrun.structured.compiler import StructuredOutputError
+
+        try:
+            return self.structured.matcher(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise ValueError(f"{where}: structured_outputs: {e}") from None
+
     def _prepare(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -183,7 +213,7 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is not a SamplingParams")
             text, ids = self._tokenize(p, f"prompts[{i}]")
-            reason = self.check_prompt(ids)
+            reason = self.check_prompt(ids) or self.check_structured(sp)
             if reason:
                 raise ValueError(f"prompts[{i}]: {reason}")
             items.append((text, ids, sp))
@@ -263,7 +293,7 @@ class LLM:
                             raise ValueError(f"request {key!r}: {reason}")
                     rid = f"{self._requests}"
                     seed = sp.seed if sp.seed is not None else _derive_seed(self.seed, index)
-                    engine.add_request(rid, text, ids, sp, seed)
+                    engine.add_request(rid, text, ids, sp, seed, grammar=self._grammar(sp, f"request {key!r}"))
                     keys[rid] = key
                     self._requests += 1
                     index += 1
@@ -283,7 +313,8 @@ class LLM:
         random stream derives from the LLM's seed and the number of requests added before it."""
         _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, self._requests)
-        self.engine.add_request(request_id, prompt, ids, params, seed)
+        grammar = self._grammar(params, f"request {request_id!r}")
+        self.engine.add_request(request_id, prompt, ids, params, seed, grammar=grammar)
         self._requests += 1
 
     def step(self) -> list[RequestOutput]:

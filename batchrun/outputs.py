@@ -16,6 +16,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop" | "length" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
+    # set when the text is not what was asked: a structured output cut off before its grammar completed
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -97,6 +97,33 @@ def check_model(cfg: JobConfig) -> ModelSource:
     return source
 
 
+def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
+    """The job-level structured output compiles, with the model's tokenizer alone (no weights): a bad
+    schema, regex or grammar, or one that overruns engine.grammar_compile_timeout_s, is exit 2 now."""
+    spec = cfg.sampling.get("structured_outputs")
+    if spec is None:
+        return
+    from batchrun.model.loader import eos_ids, load_config, load_tokenizer, resolve_path
+    from batchrun.sampling_params import SamplingParams
+
+    try:
+        from batchrun.structured.compiler import StructuredOutputs
+    except ImportError as e:
+        raise JobError(f"sampling.structured_outputs: {e}") from None
+
+    try:
+        path = resolve_path(model.load_spec)
+        config, tokenizer = load_config(path), load_tokenizer(path)
+    except (ModelLoadError, OSError, ValueError) as e:
+        raise JobError(f"model.path: cannot read the tokenizer for sampling.structured_outputs: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    compiler = StructuredOutputs(tokenizer, config.vocab_size, eos_ids(path, config, tokenizer),
+                                 timeout_s=cfg.engine["grammar_compile_timeout_s"])
+    why = compiler.check(SamplingParams(structured_outputs=spec).structured_outputs)
+    if why:
+        raise JobError(f"sampling.structured_outputs: {why}")
+
+
 def check_output_dir(path: Path) -> None:
     """The folder exists and is writable, or can be created."""
     p = path
@@ -179,6 +206,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
 
         require_ray()
     model = check_model(cfg)
+    check_structured_outputs(cfg, model)
     source = open_source(cfg.input)
     inp = cfg.input
     id_column = inp["id_column"]

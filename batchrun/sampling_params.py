@@ -2,7 +2,100 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, fields
+from typing import Any
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a JSON schema, a regex, one of some strings, an EBNF grammar, or any
+    JSON object (vLLM's names; exactly one of them). The output then always parses: every drawn token is
+    one the grammar allows, and the sequence stops once the grammar has ended.
+
+    json: a JSON schema, as a dict or its JSON text. grammar: EBNF (GBNF) with a `root` rule.
+    disable_any_whitespace: JSON without free whitespace between tokens (compact, and a small model cannot
+    loop on blank lines)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.structured_outputs {name + ' ' if name else ''}{why}")
+
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            bad("", f"must set exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                    f"{', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                bad("json", f"is not valid JSON ({e})")
+        elif self.json is not None and not isinstance(self.json, dict):
+            bad("json", f"must be a JSON schema (a mapping or its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, f"must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                bad("choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            bad("json_object", f"must be true or false, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad("disable_any_whitespace", f"must be true or false, got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: (kind, its text, free whitespace). A schema's key order is
+        kept (it is the order the fields are generated in)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            text = value if isinstance(value, str) else _json.dumps(value)
+        elif kind == "choice":
+            text = _json.dumps(value)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = value
+        return kind, text, not self.disable_any_whitespace
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams:
+        """From a StructuredOutputsParams or a mapping of its fields (a job file's, a row's)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError:
+                raise ValueError("SamplingParams.structured_outputs must be a mapping (or its JSON text) such "
+                                 f"as {{json: <schema>}}, got {value[:40]!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError("SamplingParams.structured_outputs must be a mapping such as {json: <schema>}, "
+                             f"got {type(value).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ValueError(f"SamplingParams.structured_outputs has an unknown key {unknown[0]!r} "
+                             f"(known: {', '.join(names)})")
+        return cls(**value)
 
 
 @dataclass
@@ -26,6 +119,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a JSON schema, regex, choice or grammar the output must follow (a mapping of its fields is taken too)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +129,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -98,7 +98,8 @@ class EngineReplica:
         make = factory if callable(factory) else engine_factory(factory)
         self.llm = make(cfg.model["path"], **cfg.llm_kwargs())
         self.builder = RequestBuilder(cfg, source_format=source_format, tokenizer=self.llm.tokenizer,
-                                      check_prompt=self.llm.check_prompt, id_column=id_column)
+                                      check_prompt=self.llm.check_prompt, id_column=id_column,
+                                      check_structured=getattr(self.llm, "check_structured", None))
         self.columns = self.builder.columns()
         self.max_in_flight = max_in_flight(cfg.engine["max_num_seqs"])
         self.keep_prompt = cfg.output["include_prompt"]

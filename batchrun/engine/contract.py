@@ -27,6 +27,20 @@ class SamplingOptions(Protocol):
     logprobs: int | None  # top logprobs wanted per token; None = no logprobs at all
 
 
+class GrammarState(Protocol):
+    """A sequence's structured-output matcher (an xgrammar GrammarMatcher, made by batchrun.structured).
+    It lives on the engine's Sequence; the engine feeds it the drawn tokens and forks it with the sequence,
+    the runner fills the step's token bitmask from it. Opaque here, so neither side imports the other."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...  # the grammar has ended (its stop token was accepted)
+
+    def is_completed(self) -> bool: ...  # what was accepted so far is a complete match
+
+    def fork(self) -> GrammarState: ...
+
+
 @dataclass
 class ScheduledSeq:
     seq_id: int
@@ -53,6 +67,9 @@ class SamplingRequest:
     banned_token_ids: list[int] = field(default_factory=list)  # may not be drawn yet (min_tokens: stops, EOS)
     num_beam_candidates: int = 0  # beam row: this many best (token, log-prob) of log_softmax(logits / T)
     beam_temperature: float = 0.0  # T of a beam row (0 = none)
+    # structured outputs: only the tokens this matcher allows may be drawn (None: unconstrained). The
+    # first sample of an n > 1 request draws all its samples from the one state, as they share the prefix.
+    grammar: GrammarState | None = None
 
     @property
     def is_beam(self) -> bool:

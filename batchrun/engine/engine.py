@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from batchrun.beam_search import BeamSearchParams
 from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.contract import SamplingRequest, SchedulerOutput, StepExecutor, StepOutput
+from batchrun.engine.contract import GrammarState, SamplingRequest, SchedulerOutput, StepExecutor, StepOutput
 from batchrun.engine.detokenizer import Detokenizer
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
@@ -67,10 +67,14 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                    seed: int, beam: BeamSearchParams | None = None) -> None:
+                    seed: int, beam: BeamSearchParams | None = None, grammar: GrammarState | None = None) -> None:
         """Queue a request. With n > 1 (or a beam search) one sequence prefills the prompt and is
-        forked when it first samples, so the prompt's blocks are computed and stored once."""
+        forked when it first samples, so the prompt's blocks are computed and stored once. `grammar`: the
+        fresh matcher of a structured-output request (batchrun.structured); each sample forks its own."""
+        if grammar is not None and beam is not None:
+            raise ValueError("structured outputs do not combine with beam search")
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
+        seq.grammar = grammar
         width = beam.beam_width if beam else params.n
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
@@ -86,6 +90,8 @@ class Engine:
         child.status = SeqStatus.RUNNING
         child.num_computed = parent.num_computed
         child.cumulative_logprob = parent.cumulative_logprob
+        if parent.grammar is not None:  # the same state so far; each then accepts its own tokens
+            child.grammar = parent.grammar.fork()
         self.block_manager.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         self.groups[child.seq_id] = group
@@ -151,8 +157,12 @@ class Engine:
             seeds = [seq.seed]
             if group.pending_forks:  # the first sample of an n > 1 request: n draws from one logits row
                 seeds += [fork_seed(group.seed, j) for j in range(1, group.pending_forks + 1)]
-            banned = banned_until_min_tokens(p, eos) if seq.num_output < p.min_tokens else []
-            requests.append(SamplingRequest(p, seeds, seq.num_output, seq.token_ids, seq.prompt_len, banned))
+            # a constrained row is not banned its stop tokens: once its grammar is complete they may be all
+            # it allows (and the grammar, not min_tokens, decides when it ends)
+            banned = banned_until_min_tokens(p, eos) if seq.num_output < p.min_tokens and seq.grammar is None \
+                else []
+            requests.append(SamplingRequest(p, seeds, seq.num_output, seq.token_ids, seq.prompt_len, banned,
+                                            grammar=seq.grammar))
         return seqs
 
     def _apply(self, seqs: list[Sequence], requests: list[SamplingRequest], result: StepOutput) -> None:
@@ -190,7 +200,14 @@ class Engine:
             entry = dict(zip(top[0][: p.logprobs], top[1][: p.logprobs])) if top else {}
             entry[token] = logprob
             seq.logprobs.append(entry)
-        decision = stop_decision(seq, p, token, self.eos_token_ids, self.config.max_model_len)
+        ended = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):  # cannot happen when the mask was applied; never hidden
+                log.warning("sequence %d: the grammar rejected token %d; stopping it", seq.seq_id, token)
+                ended = True
+            else:
+                ended = seq.grammar.is_terminated()
+        decision = stop_decision(seq, p, token, self.eos_token_ids, self.config.max_model_len, ended)
         if decision is not None:
             seq.finish_reason, seq.stop_reason = decision
             self.scheduler.finish(seq)

@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)
+    grammar: object | None = None  # structured outputs: its matcher (contract.GrammarState), fed each token
 
     @property
     def output_ids(self) -> list[int]:

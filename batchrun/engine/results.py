@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchrun.engine.request import SequenceGroup
+from batchrun.engine.stops import structured_error
 from batchrun.outputs import CompletionOutput, RequestOutput
 
 
@@ -22,7 +23,7 @@ def request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
             index=s.index, text=s.detok.text, token_ids=s.output_ids,
             cumulative_logprob=s.cumulative_logprob if with_logprobs else None,
             logprobs=s.logprobs if with_logprobs else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=structured_error(s),
         )
         for s in sorted(group.seqs, key=lambda s: s.index)
     ]

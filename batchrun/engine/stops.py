@@ -7,10 +7,11 @@ from batchrun.sampling_params import SamplingParams
 
 
 def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_ids: tuple[int, ...],
-                  max_model_len: int) -> tuple[str, int | str | None] | None:
+                  max_model_len: int, grammar_ended: bool = False) -> tuple[str, int | str | None] | None:
     """(finish_reason, stop_reason) once `token` (already appended) ends the sequence, else None. The
     detokenizer sees every token that is not a stop token, so stop strings spanning tokens are found;
-    nothing stops before min_tokens but the length limits."""
+    nothing stops before min_tokens but the length limits and a structured output's grammar ending
+    (`grammar_ended`: nothing more may follow, so the sequence stops, min_tokens or not)."""
     n = seq.num_output
     can_stop = n >= params.min_tokens
     if can_stop and not params.ignore_eos and token in eos_token_ids:
@@ -20,6 +21,8 @@ def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_i
     hit = seq.detok.add(token)
     if hit is not None and can_stop:
         return "stop", hit
+    if grammar_ended:
+        return "stop", None
     if n >= (params.max_tokens or max_model_len) or len(seq.token_ids) >= max_model_len:
         return "length", None
     return None
@@ -28,3 +31,16 @@ def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_i
 def banned_until_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
     """The ids a sequence may not draw before min_tokens: its stop tokens, and EOS unless ignored."""
     return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+INCOMPLETE_AT_LENGTH = "structured output is incomplete: max_tokens reached before the grammar completed"
+INCOMPLETE_AT_STOP = "structured output is incomplete: generation stopped before the grammar completed"
+
+
+def structured_error(seq: Sequence) -> str | None:
+    """A finished constrained sequence whose text is not a complete match gets this error (so that no row
+    looks valid that is not); None when it is complete or unconstrained."""
+    g = seq.grammar
+    if g is None or g.is_terminated() or g.is_completed():
+        return None
+    return INCOMPLETE_AT_LENGTH if seq.finish_reason == "length" else INCOMPLETE_AT_STOP

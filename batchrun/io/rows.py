@@ -14,7 +14,7 @@ from typing import Any
 
 from batchrun.config import JobConfig, JobError, check_sampling_value, sampling_error
 from batchrun.io.sources import ROW_ERROR, Row
-from batchrun.sampling_params import SamplingParams
+from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,14 @@ class RequestBuilder:
 
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
                  check_prompt: Callable[[list[int]], str | None],
-                 id_column: str | None) -> None:
+                 id_column: str | None,
+                 check_structured: Callable[[SamplingParams], str | None] | None = None) -> None:
         self.cfg = cfg
         self.inp = cfg.input
         self.openai = source_format == "openai-batch"
         self.tokenizer = tokenizer
         self.check_prompt = check_prompt
+        self.check_structured = check_structured  # None: the engine has no structured outputs to check
         self.id_column = id_column
         self.messages_column = self.inp["messages_column"]
         self.prompt_column = self.inp["prompt_column"]
@@ -122,7 +124,14 @@ class RequestBuilder:
         given = set()
         for name, column in self.inp["sampling_columns"].items():
             value = row.get(column)
-            if value is not None:
+            if value is None:
+                continue
+            if name in STRUCTURED_KINDS:  # a row's schema / regex / choices / grammar replaces the job's
+                job_level = self.base.get("structured_outputs") or {}
+                values["structured_outputs"] = {name: value, **{k: v for k, v in job_level.items()
+                                                                if k == "disable_any_whitespace"}}
+                given.add("structured_outputs")
+            else:
                 values[name] = _coerce(name, value)
                 given.add(name)
         if self.openai:
@@ -137,11 +146,17 @@ class RequestBuilder:
                 task.error = f"sampling {name}: {why}"
                 return None
         try:
-            return SamplingParams(**values)
+            params = SamplingParams(**values)
         except (ValueError, TypeError) as e:
             name, msg = sampling_error(e) if isinstance(e, ValueError) else (None, str(e))
             task.error = f"sampling {name}: {msg}" if name else f"sampling: {msg}"
             return None
+        if params.structured_outputs is not None and self.check_structured is not None:
+            why = self.check_structured(params)  # compiled once per distinct spec, under a time limit
+            if why:
+                task.error = f"structured_outputs: {why}"
+                return None
+        return params
 
     # ------------------------------------------------------------ batches
 

@@ -153,8 +153,10 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
         return [rec]
     recs = []
     for j, out in enumerate(outputs):
+        # a structured output cut off before its grammar completed keeps its text, with the error beside it
         rec = {**base, "completion": out.text, "finish_reason": out.finish_reason or "length",
-               "prompt_tokens": task.prompt_tokens, "completion_tokens": len(out.token_ids), "error": None}
+               "prompt_tokens": task.prompt_tokens, "completion_tokens": len(out.token_ids),
+               "error": getattr(out, "error", None)}
         if spec.sample_index:
             rec["sample_index"] = out.index if out.index is not None else j
         if spec.include_token_ids:
@@ -193,7 +195,7 @@ class Sink(ABC):
         """The next input row in order: its outputs (None for an error row). write=False skips it but
         still counts its position (on_error: skip)."""
         self.pending.end = task.pos + 1
-        if task.error is not None:
+        if task.error is not None or any(getattr(o, "error", None) for o in outputs or ()):
             self.pending.errors += 1
         self.pending.prompt_tokens += (task.prompt_tokens or 0) if outputs is not None else 0
         if outputs is not None:
@@ -416,5 +418,6 @@ def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[st
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
-    line["error"] = None
+    errors = [o.error for o in outputs if getattr(o, "error", None)]
+    line["error"] = {"code": "structured_output_incomplete", "message": errors[0]} if errors else None
     return line

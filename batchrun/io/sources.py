@@ -322,6 +322,25 @@ class JsonlSource(Source):
 OPENAI_FIELD_MAP = {"max_completion_tokens": "max_tokens"}
 
 
+def _response_format(value: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """OpenAI's response_format -> (structured_outputs fields, None) or (None, why not). `text` is no
+    constraint; `json_schema` takes its `json_schema.schema`; `json_object` is any JSON object."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        return None, "expected {type: text | json_object | json_schema, ...}"
+    kind = value["type"]
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return {"json_object": True}, None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            return None, "json_schema needs a `schema` object ({type: json_schema, json_schema: {name, schema}})"
+        return {"json": schema}, None
+    return None, f"unsupported type {kind!r} (text, json_object or json_schema)"
+
+
 class OpenAIBatchSource(JsonlSource):
     """OpenAI batch input: {custom_id, method, url, body: {model, messages | prompt, max_tokens, ...}}.
 
@@ -356,6 +375,12 @@ class OpenAIBatchSource(JsonlSource):
         if body.get("logprobs"):
             lp = body.get("logprobs")
             sampling["logprobs"] = (body.get("top_logprobs") or 0) if lp is True else lp
+        if body.get("response_format") is not None:
+            structured, why = _response_format(body["response_format"])
+            if why:
+                return {ROW_ERROR: f"{where}: response_format: {why}", "custom_id": cid}
+            if structured is not None:
+                sampling["structured_outputs"] = structured
         row = {"custom_id": cid, "url": url, "model": body.get("model"), "sampling": sampling}
         if "messages" in body:
             row["messages"] = body["messages"]

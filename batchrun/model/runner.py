@@ -78,6 +78,7 @@ class ModelRunner:
         self._pending_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs = None
         self.model_time_s = 0.0
+        self.grammar_mask = None  # made at the first constrained row (structured outputs import xgrammar)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode graphs (CUDA with a graph-safe backend only); on failure stay eager."""
@@ -205,7 +206,16 @@ class ModelRunner:
         logits = self.compute_logits(out)
         if logits is None or plan is None:
             return StepOutput()
+        if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
+            self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
         return sample_step(logits, plan)
+
+    def _mask_grammar_rows(self, logits: torch.Tensor, rows: list[int], grammars: list) -> None:
+        if self.grammar_mask is None:
+            from batchrun.model.grammar_mask import GrammarMask
+
+            self.grammar_mask = GrammarMask(logits.shape[-1], self.device)
+        self.grammar_mask.apply(logits, rows, grammars)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ to the host with one `.tolist()`: the only device sync of the step (sample_step)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +80,9 @@ class SamplingPlan:
     num_drawn: int
     beam_rows: torch.Tensor | None
     beams: list[SamplingRequest]
+    # structured outputs: the logits rows to mask and their matchers (empty: no row is constrained)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammars: list = field(default_factory=list)
 
 
 def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingPlan:
@@ -89,7 +92,12 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
     seeds: list[int] = []
     beam_rows: list[int] = []
     beams: list[SamplingRequest] = []
+    grammar_rows: list[int] = []
+    grammars: list = []
     for i, r in enumerate(requests):
+        if r.grammar is not None:
+            grammar_rows.append(i)
+            grammars.append(r.grammar)
         if r.num_beam_candidates:
             beam_rows.append(i)
             beams.append(r)
@@ -108,6 +116,8 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
         num_drawn=len(drawn),
         beam_rows=torch.tensor(beam_rows, device=device) if beams else None,
         beams=beams,
+        grammar_rows=grammar_rows,
+        grammars=grammars,
     )
 
 

@@ -39,7 +39,8 @@ class LocalExecutor(Executor):
         log.info("loading model %s", cfg.model["path"])
         self.engine = engine = self.factory(cfg.model["path"], **cfg.llm_kwargs())
         builder = RequestBuilder(cfg, source_format=self.source.format, tokenizer=engine.tokenizer,
-                                 check_prompt=engine.check_prompt, id_column=self.id_column)
+                                 check_prompt=engine.check_prompt, id_column=self.id_column,
+                                 check_structured=getattr(engine, "check_structured", None))
         self.loop = loop = EngineLoop(engine)
         receiver.start()
         for batch in rows.read(self.source, builder.columns()):

@@ -1,0 +1,40 @@
+"""The token bitmask of a step's constrained rows: filled from their matchers, applied to their logits.
+
+One buffer [rows, ceil(vocab / 32)] int32 is kept and grown (never shrunk), so a step allocates nothing;
+xgrammar fills the constrained rows in one multi-threaded call and applies them to those logits rows in
+one call (a C loop on CPU, a kernel on CUDA). Rows without a grammar are neither filled nor touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarMask:
+    def __init__(self, vocab_size: int, device: torch.device, max_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self.host = xgr.allocate_token_bitmask(0, vocab_size)
+        self.on_device: torch.Tensor | None = None
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self.host.shape[0] < rows:
+            cap = max(rows, 2 * self.host.shape[0], 8)
+            self.host = xgr.allocate_token_bitmask(cap, self.vocab_size)
+            if self.device.type == "cuda":
+                self.host = self.host.pin_memory()
+                self.on_device = torch.empty_like(self.host, device=self.device)
+        return self.host
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        """Mask logits[rows[j]] (in place) to what matchers[j] allows next."""
+        host = self._buffer(logits.shape[0])
+        self.batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        mask = host
+        if self.device.type == "cuda":
+            self.on_device[: logits.shape[0]].copy_(host[: logits.shape[0]], non_blocking=True)
+            mask = self.on_device
+        xgr.apply_token_bitmask_inplace(logits, mask[: logits.shape[0]], vocab_size=self.vocab_size,
+                                        indices=rows)

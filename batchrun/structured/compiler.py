@@ -1,0 +1,120 @@
+"""StructuredOutputs: one model's grammar compiler, its cache, and the matchers it hands out.
+
+The tokenizer info is built once from the Hugging Face tokenizer; grammars are compiled once per distinct
+(kind, text) and cached, failures too, so a schema repeated on a million rows compiles once and a bad one
+is refused once. Compilation runs in a worker thread under a time limit (xgrammar releases the GIL while it
+compiles): a pathological schema becomes a one-line error instead of a hung job. A compile that overruns
+cannot be interrupted; it finishes in a daemon thread in the background and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+from batchrun.sampling_params import StructuredOutputsParams
+
+try:
+    import xgrammar as xgr
+except ImportError as _missing:  # an optional extra: say how to get it, in one line
+    raise ImportError("structured outputs need xgrammar: pip install 'batchrun[structured]'") from _missing
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output spec that does not compile: the message is one line."""
+
+
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+
+
+def _one_line(err: BaseException) -> str:
+    """xgrammar's message without its '[time] file.cc:line:' prefix, first line only."""
+    text = _XGR_PREFIX.sub("", str(err).strip())
+    first = text.splitlines()[0] if text else type(err).__name__
+    return first[:300]
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the strings (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputs:
+    """Compile specs for one tokenizer / vocabulary and make matchers for them."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...] | list[int],
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_threads: int = 2) -> None:
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.timeout_s = timeout_s
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        self._cache: dict[tuple[str, str, bool], xgr.CompiledGrammar | StructuredOutputError] = {}
+        self._lock = threading.Lock()
+
+    def _compile_now(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        kind, text, any_whitespace = spec.key
+        if kind == "json":
+            return self.compiler.compile_json_schema(text, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            if any_whitespace:
+                return self.compiler.compile_builtin_json_grammar()
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return self.compiler.compile_regex(text)
+        if kind == "choice":
+            return self.compiler.compile_grammar(choice_grammar(spec.choice))
+        return self.compiler.compile_grammar(text)
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec` (cached); StructuredOutputError if it does not compile in time."""
+        key = spec.key
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is None:
+            hit = self._compile_in_time(spec)
+            with self._lock:
+                self._cache[key] = hit
+        if isinstance(hit, StructuredOutputError):
+            raise hit
+        return hit
+
+    def _compile_in_time(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | StructuredOutputError:
+        """Compile in a daemon thread and wait at most timeout_s: an overrunning compile neither holds the
+        job nor its exit (a thread pool's workers would be joined at exit)."""
+        result: list = []
+
+        def work() -> None:
+            try:
+                result.append(self._compile_now(spec))
+            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for every kind of bad input
+                result.append(StructuredOutputError(f"the {spec.kind} does not compile: {_one_line(e)}"))
+
+        worker = threading.Thread(target=work, name="grammar-compile", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if not result:
+            log.warning("a %s grammar did not compile within %g s", spec.kind, self.timeout_s)
+            return StructuredOutputError(f"the {spec.kind} did not compile within {self.timeout_s:g} s "
+                                         "(engine.grammar_compile_timeout_s)")
+        return result[0]
+
+    def check(self, spec: StructuredOutputsParams) -> str | None:
+        """None when `spec` compiles (and is now cached), else a one-line reason."""
+        try:
+            self.compile(spec)
+        except StructuredOutputError as e:
+            return str(e)
+        return None
+
+    def matcher(self, spec: StructuredOutputsParams) -> xgr.GrammarMatcher:
+        """A fresh matcher at the grammar's start; it ends on the model's own stop tokens."""
+        return xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids or None)
