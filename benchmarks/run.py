@@ -14,6 +14,7 @@ of the demand, n=4 sampling). Writes results.json, report.md and throughput.png 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="all",
                     help=f"comma-separated plans of {','.join(PLANS)}, or 'all' ({','.join(DEFAULT_PLANS)})")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out (no venv is made)")
+    ap.add_argument("--no-hf", action="store_true", help="leave transformers' baselines out")
     ap.add_argument("--scenarios", default="all",
                     help=f"comma-separated subset of {','.join(SCENARIOS)}, or 'all' or 'none'")
     ap.add_argument("--quick", action="store_true", help="a toy workload on the tiny model: checks the harness")
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         if set(keys) - set(PLANS):
             ap.error(f"unknown plans {sorted(set(keys) - set(PLANS))}; choose from {','.join(PLANS)}")
         plans = [PLANS[k] for k in keys]
+    if args.no_hf:
+        plans = [dataclasses.replace(p, static_batches=(), cb_requests_per_step=()) for p in plans]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(out, (args.timeout or (300.0 if args.quick else 1800.0)) * max(1, args.repeat))
