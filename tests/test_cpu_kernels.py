@@ -12,14 +12,16 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C c
 KERNELS, TORCH = ops.CpuKernelOps(), ops.TorchOps()
 
 
-def test_fp32_cpu_models_get_the_kernels_chosen_once():
+def test_fp32_and_bf16_cpu_models_get_the_kernels_chosen_once():
     from batchrun.model.backends import select_backend
 
     cpu = torch.device("cpu")
     assert isinstance(ops.select_ops(cpu, torch.float32), ops.CpuKernelOps)
-    assert type(ops.select_ops(cpu, torch.bfloat16)) is ops.TorchOps
+    assert isinstance(ops.select_ops(cpu, torch.bfloat16), ops.CpuKernelOps)  # issue 15: bf16 is first-class
+    assert type(ops.select_ops(cpu, torch.float16)) is ops.TorchOps
     assert select_backend("auto", cpu, torch.float32).cpu_kernels
-    assert not select_backend("torch", cpu, torch.bfloat16).cpu_kernels
+    assert select_backend("torch", cpu, torch.bfloat16).cpu_kernels
+    assert not select_backend("torch", cpu, torch.float16).cpu_kernels
 
 
 # 64 and 128 take specialised vector code, 48 and 80 the generic vector code, 40 the plain loops

@@ -116,11 +116,15 @@ def test_onednn_choice(make_ckpt, monkeypatch):
     model = load_model(str(make_ckpt("llama")), dtype=torch.float32, device=torch.device("cpu"), max_model_len=None).model
     cpu = torch.device("cpu")
     assert not cpu_linear.use_onednn(model, cpu, torch.float32)  # a small model's weights stay in cache
+    # bf16: oneDNN's reordered weights beat F.linear at every size (issue 15), where the CPU has bf16 kernels
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_linear.use_onednn(model, cpu, torch.bfloat16) == bf16
+    assert not cpu_linear.use_onednn(model, cpu, torch.float16)
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_BYTES", 0)
     assert cpu_linear.use_onednn(model, cpu, torch.float32) == torch.backends.mkldnn.is_available()
-    assert not cpu_linear.use_onednn(model, cpu, torch.bfloat16)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "mkl")
     assert not cpu_linear.use_onednn(model, cpu, torch.float32)
+    assert not cpu_linear.use_onednn(model, cpu, torch.bfloat16)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "fast")
     with pytest.raises(ValueError, match="BATCHRUN_CPU_MATMUL"):
         cpu_linear.use_onednn(model, cpu, torch.float32)

@@ -88,7 +88,7 @@ class TorchBackend(AttentionBackend):
     masked to each sequence's length. Prefill: one SDPA per prefill sequence (few per step); when nothing is
     cached yet the new K/V are used directly instead of being read back from the pool.
 
-    With `cpu_kernels` (fp32 models on a CPU, decided at load by backends.select_backend) the K/V store and
+    With `cpu_kernels` (fp32 and bf16 models on a CPU, decided at load by backends.select_backend) the K/V store and
     decode attention are the C kernels, which read K/V in place through the block tables.
     """
 

@@ -13,7 +13,7 @@ from batchrun.model.ops import uses_cpu_kernels
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """`auto` is Triton on CUDA and torch elsewhere; Triton on CPU only under TRITON_INTERPRET=1 (tests).
-    The torch backend uses the C kernels for fp32 on a CPU when they are built."""
+    The torch backend uses the C kernels for fp32 and bf16 on a CPU when they are built."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":

@@ -8,8 +8,9 @@ second) into the batchrun cache, keyed by source, compiler and CPU. Their OpenMP
 OpenMP runtime (torch ships libgomp.so.1 and has it loaded when the library loads), so the two never fight
 over the cores. Without a compiler, or with BATCHRUN_CPU_KERNELS=0, every op takes its torch path.
 
-Each wrapper takes fp32 CPU tensors whose innermost dimension is contiguous. Whether a model uses them is
-decided once, at load (ops.select_ops, backends.select_backend), not per call.
+Each wrapper takes fp32 or bf16 CPU tensors (all of one dtype, but for the fp32 rotary tables) whose
+innermost dimension is contiguous; bf16 is computed with fp32 arithmetic and accumulation. Whether a model
+uses them is decided once, at load (ops.select_ops, backends.select_backend), not per call.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ _SRC = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # -ffp-contract=fast: fused multiply-adds, as MKL's matmuls use (ISO C mode would turn them off)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F],
-    "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P],
-    "rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
-    "silu_mul": [_P, _P, _I, _I],
-    "rope": [_P, _I, _I, _I, _I, _P, _P, _P],
+_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store_kv: the element size)
+    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B],
+    "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P, _I],
+    "rms_norm": [_P, _P, _P, _P, _I, _I, _F, _B, _B],
+    "silu_mul": [_P, _P, _I, _I, _B],
+    "rope": [_P, _I, _I, _I, _I, _P, _P, _P, _B],
+    "logits_top": [_P, _P, _I, _I, _I, _P],
 }
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
 def _cpu_signature() -> str:
@@ -89,22 +92,28 @@ def available() -> bool:
     return _library() is not None
 
 
+def _bf(x: torch.Tensor) -> int:
+    """The kernels' dtype flag."""
+    return int(x.dtype == torch.bfloat16)
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  max_len: int, scale: float) -> torch.Tensor:
-    """q [S, Hq, D] (rows may be strided) -> [S, Hq, D]; kv_cache [2, NB, BS, Hkv, D] (one layer); one query
-    per sequence; block_tables int32 [S, >= blocks of max_len]; seq_lens int32 [S], each >= 1."""
+    """q [S, Hq, D] (rows may be strided) -> [S, Hq, D]; kv_cache [2, NB, BS, Hkv, D] (one layer, q's dtype);
+    one query per sequence; block_tables int32 [S, >= blocks of max_len]; seq_lens int32 [S], each >= 1."""
     s, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    out = torch.empty(s, hq, d, dtype=torch.float32)
+    out = torch.empty(s, hq, d, dtype=q.dtype)
     k_ptr = kv_cache.data_ptr()  # kv_cache[0] and [1] without two indexing ops per layer
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
     if _library().paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
-                               lens.data_ptr(), out.data_ptr(), max_len, s, hq, hkv, d, bs, scale):
-        raise MemoryError(f"decode attention: no memory for a {max_len}-token score buffer")
+                               lens.data_ptr(), out.data_ptr(), max_len, s, hq, hkv, d, bs, scale,
+                               _bf(q)):
+        raise MemoryError(f"decode attention: no memory for a {max_len}-token score buffer (or head_dim > 1024)")
     return out
 
 
@@ -115,7 +124,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v = k.contiguous(), v.contiguous()
     k_ptr = kv_cache.data_ptr()
     _library().store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv * d,
-                        k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size())
+                        k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(), k.element_size())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -125,7 +134,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     res = residual.data_ptr() if residual is not None else None
     _library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
-                        int(residual is not None))
+                        int(residual is not None), _bf(x))
     return out
 
 
@@ -133,7 +142,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[N, 2I] (gate | up) -> silu(gate) * up [N, I]."""
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(n, inter, dtype=gate_up.dtype)
-    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter)
+    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, _bf(gate_up))
     return out
 
 
@@ -142,4 +151,16 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, c
     """Rotate the first `heads` heads of each row of x [N, >= heads * head_dim] in place; positions int64 [N];
     cos/sin fp32 tables [max_pos, head_dim]."""
     _library().rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(),
-                    cos.data_ptr(), sin.data_ptr())
+                    cos.data_ptr(), sin.data_ptr(), _bf(x))
+
+
+def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 logits [N, V] -> (the same in fp32, int64 [N, k] indices of each row's k largest, in no order);
+    k <= 64."""
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    n, vocab = logits.shape
+    out = torch.empty(n, vocab, dtype=torch.float32)
+    top = torch.empty(n, k, dtype=torch.int64)
+    _library().logits_top(logits.data_ptr(), out.data_ptr(), n, vocab, k, top.data_ptr())
+    return out, top

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from batchrun.model import cpu_kernels
 from batchrun.model.context import ForwardContext
 from batchrun.model.ops import Rotary, TorchOps
 
@@ -138,6 +139,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def lm_weight(self) -> torch.Tensor | None:
+        """The lm_head's plain weight: the embedding's when tied (a oneDNN lm_head keeps only its reordered
+        copy, cpu_linear.py), else the module's own if it still has one."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return getattr(self.lm_head, "weight", None)
+
     def init_rope(self, max_pos: int) -> None:
         """cos/sin tables for positions < max_pos, on the model's device, in fp32."""
         cos, sin = rope_tables(self.config, self.layers[0].self_attn.head_dim, max_pos)
@@ -157,4 +166,31 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in fp32; from a bf16 model with its top candidates recomputed in fp32 (refine_top_logits)."""
+        logits = self.lm_head(hidden)
+        weight = self.lm_weight
+        if logits.dtype != torch.bfloat16 or weight is None:
+            return logits.float()
+        if logits.device.type == "cpu" and cpu_kernels.available():
+            logits, top = cpu_kernels.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
+        else:
+            logits = logits.float()
+            top = logits.topk(REFINE_TOP, dim=-1).indices
+        refine_top_logits(logits, hidden, weight, top)
+        return logits
+
+
+REFINE_TOP = 8
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> None:
+    """Recompute the logits at `top` ([rows, k]: each row's k largest of the bf16 logits) in fp32, in place.
+
+    A bf16 matmul accumulates in fp32 but stores its result in bf16, 8 significant bits: a logit near 20 is
+    stored to 1/16, so the top candidates of a step often tie or swap after rounding, and greedy decoding
+    picks between them by rounding alone. The same dot products (bf16 hidden state and weight rows, so the
+    products are exact) summed and kept in fp32 decide them as an fp32 accumulation would. On SmolLM2-135M
+    this lifts teacher-forced top-1 agreement with the fp32 model from 97.6% (transformers' own bf16 forward
+    scores the same) to above 98% (tests/test_bf16_accuracy.py), for [rows, k, hidden] of work."""
+    exact = torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)
+    logits.scatter_(1, top, exact)

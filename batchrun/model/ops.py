@@ -1,8 +1,8 @@
-"""The element-wise ops of a decoder layer: a torch implementation, and fused CPU kernels for fp32 CPU models.
+"""The element-wise ops of a decoder layer: a torch implementation, and fused CPU kernels for fp32 and bf16 CPU models.
 
 Which one a model uses is decided once, at load (`select_ops(device, dtype)`), and travels to the layers in
 the step's ForwardContext: no op re-decides per call. The torch ops follow transformers' modules op for op
-(they run on CUDA, in other dtypes, and are the reference the kernels are tested against). On fp32 CPU
+(they run on CUDA, in other dtypes, and are the reference the kernels are tested against). On fp32 and bf16 CPU
 tensors the C kernels in cpu_kernels.py do the same arithmetic in one pass and one call each: at decode
 batch sizes a layer is a few dozen small ops, and on a CPU their dispatch and memory passes cost as much as
 the matmuls.
@@ -72,7 +72,7 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    """The C kernels, for fp32 models on a CPU with the kernels built. A tensor laid out in a way the kernel
+    """The C kernels, for fp32 and bf16 models on a CPU with the kernels built. A tensor laid out in a way the kernel
     does not take (never the case in our layers, but cheap to check) goes to the torch op."""
 
     name = "cpu_kernels"
@@ -97,8 +97,8 @@ class CpuKernelOps(TorchOps):
 
 
 def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32 on the CPU with the kernels built (they take fp32 only)."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+    """fp32 or bf16 on the CPU with the kernels built."""
+    return device.type == "cpu" and dtype in cpu_kernels.DTYPES and cpu_kernels.available()
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

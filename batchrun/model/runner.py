@@ -166,9 +166,15 @@ class ModelRunner:
         qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         torch.cumsum(qlen_t, 0, out=qsl[1:])
         num_tokens = len(input_ids)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), qlen_t)
-        positions = torch.tensor(starts)[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
-        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        if out.num_decodes == len(seqs):
+            # one token per sequence, at its start: its slot is one lookup in its own table (a list read per
+            # sequence, where the general case below costs half a dozen tensor ops)
+            positions = torch.tensor(starts)
+            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, starts)])
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), qlen_t, output_size=num_tokens)
+            positions = torch.tensor(starts)[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
+            slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
         sample_rows = [i for i, s in enumerate(seqs) if s.sample]
         logits_idx = qsl[1:].long()[sample_rows] - 1
 

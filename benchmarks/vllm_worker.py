@@ -1,0 +1,84 @@
+"""vLLM's CPU build as a system under test, in vLLM's own venv: `python -m benchmarks.vllm_worker SPEC RESULT`.
+
+It imports nothing of batchrun (vLLM's venv does not have batchrun's dependencies), only the standard-library
+clock and the workload format, so it times and reports exactly as `benchmarks.worker` does: the model loads
+untimed, a short warm-up request runs, then one `generate` of the whole workload is timed. Requests are token
+ids with exact output lengths (greedy, EOS ignored, min_tokens = max_tokens), like every other system's.
+The environment (tcmalloc and Intel OpenMP preloaded, thread binding, KV space, the engine in-process) is
+set by `benchmarks.vllm_env.environment` before this process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks.clock import Clock, Result, best_of, peak_rss_mb, rss_mb
+from benchmarks.workload import Workload
+
+WARMUP_PROMPT = list(range(10, 42))  # the same as benchmarks.worker's
+WARMUP_TOKENS = 4
+
+
+def _params(o: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True)
+
+
+def _prompts(prompts: list[list[int]]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+
+def task_vllm(spec: dict[str, Any]) -> Result:
+    import torch
+    from vllm import LLM
+
+    wl = Workload.from_json(spec["workload"])
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        t = time.perf_counter()
+        llm = LLM(model=spec["model_path"], dtype=spec.get("dtype", "float32"), seed=0,
+                  max_model_len=spec["max_model_len"], **spec.get("vllm_kwargs", {}))
+        load_s, load_rss = time.perf_counter() - t, rss_mb()
+        llm.generate(_prompts([WARMUP_PROMPT]), _params(WARMUP_TOKENS), use_tqdm=False)
+        params = [_params(o) for o in wl.output_lens]
+        prompts = _prompts(wl.prompts)
+        with Clock(torch.get_num_threads()) as clock:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        runs.append({**clock.as_dict(), "outputs": outputs, "gen_tokens": sum(len(o) for o in outputs),
+                     "load_s": load_s, "load_rss_mb": load_rss,
+                     "config": {"dtype": spec.get("dtype", "float32"), **spec.get("vllm_kwargs", {}),
+}})
+        del llm
+    res = best_of(runs)
+    import vllm
+
+    res["vllm_version"] = vllm.__version__
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore")
+    t = time.perf_counter()
+    result = task_vllm(spec)
+    result.update(task="vllm", threads=result.get("torch_threads"), peak_rss_mb=peak_rss_mb(),
+                  process_s=time.perf_counter() - t)
+    out_path.write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
