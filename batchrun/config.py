@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import functools
+import json
 import os
 import re
 import types

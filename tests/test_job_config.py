@@ -47,7 +47,8 @@ def test_every_sampling_field_is_accepted():
     cfg = parse("sampling: {n: 2, temperature: 0.7, top_p: 0.9, top_k: 5, min_p: 0.1, repetition_penalty: 1.1,"
                 " presence_penalty: 0.5, frequency_penalty: 0.5, max_tokens: 10, min_tokens: 1, stop: ['\\n'],"
                 " stop_token_ids: [2], ignore_eos: true, seed: 3, logprobs: 2,"
-                " include_stop_str_in_output: true, skip_special_tokens: false}")
+                " include_stop_str_in_output: true, skip_special_tokens: false,"
+                " structured_outputs: {choice: [a, b]}}")
     assert set(cfg.sampling) == set(SamplingParams.field_names())
     assert cfg.sampling_params().n == 2
 
@@ -161,7 +162,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
     assert cfg.engine == {"block_size": 32, "kv_cache_memory": None, "num_kv_blocks": None,
                           "gpu_memory_utilization": 0.9, "swap_space": "1GiB", "max_num_seqs": 256,
                           "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
-                          "attention_backend": "auto", "enforce_eager": False}
+                          "attention_backend": "auto", "enforce_eager": False, "grammar_compile_timeout_s": 30.0}
     assert parse("sampling: {seed: null}").llm_kwargs()["seed"] == 0
 
 

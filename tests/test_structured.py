@@ -15,7 +15,6 @@ from batchrun.engine.request import Sequence
 from batchrun.engine.stops import INCOMPLETE_AT_LENGTH, INCOMPLETE_AT_STOP, stop_decision, structured_error
 from batchrun.io.sources import ROW_ERROR, OpenAIBatchSource
 
-
 # ---------------------------------------------------------------- parameters
 
 
