@@ -72,6 +72,7 @@ class Plan:
     note: str = ""
     dtype: str = "float32"  # batchrun's and vLLM's; transformers' baselines run only in fp32 plans
     vllm: bool = True
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
 
 
 # Medians and spreads like ShareGPT's, scaled so that the whole tiny-model run (where transformers' static
@@ -105,6 +106,7 @@ DEFAULT_PLANS = ("tiny", "small", "small-bf16", "smollm2", "smollm2-bf16")
 QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
              prefix_len=48, suffix=LengthDist(12, 0.5, 4, 24), prefix_output=LengthDist(6, 0.3, 4, 8), n4_requests=3,
+             vllm_kwargs={"enforce_eager": True},  # no torch.compile: the check stays seconds long
              note="Quick mode: a harness check on a toy workload, not a measurement.")
 
 
@@ -200,7 +202,8 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
     if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
-        runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm", base, plan.dtype, vllm_kv, wl.max_len))
+        runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm", base, plan.dtype, vllm_kv, wl.max_len,
+                                     plan.vllm_kwargs))
     for bs in plan.static_batches:
         r = runner(f"{plan.key}-hf_static-b{bs}", {**base, "task": "hf_static", "batch_size": bs})
         runs["hf_static"].append(r if "error" not in r else {**r, "config": {"batch_size": bs}})

@@ -191,12 +191,13 @@ class VllmSetup:
         except RuntimeError as e:
             self.error = str(e)
 
-    def run(self, runner, name: str, base: dict, dtype: str, kv_bytes: int, max_len: int) -> dict:
+    def run(self, runner, name: str, base: dict, dtype: str, kv_bytes: int, max_len: int,
+            vllm_kwargs: dict | None = None) -> dict:
         """One vLLM worker on the plan's workload; {"error": ...} (a failed row in the report) without a venv."""
         if self.python is None:
             return {"error": f"vLLM not run: {self.error}", "config": {"dtype": dtype}}
         spec = {**base, "dtype": dtype, "max_model_len": -(-max_len // 16) * 16,  # the longest request
-                "vllm_kwargs": {"kv_cache_memory_bytes": kv_bytes}}
+                "vllm_kwargs": {"kv_cache_memory_bytes": kv_bytes, **(vllm_kwargs or {})}}
         res = runner(name, spec, python=str(self.python), env=environment(self.python, self.threads),
                      module="benchmarks.vllm_worker")
         if "error" in res:
