@@ -153,3 +153,21 @@ def test_chunked_prefill_respects_the_token_budget():
     while e.sched.has_unfinished():
         out = e.step()
         assert out.num_tokens <= 10
+
+
+def test_a_group_swapped_before_its_forks_counts_them_when_it_comes_back():
+    """Found by the state machine: an n=2 group swapped out while prefilling still owes one fork, and
+    swapping it back in must count it against max_num_seqs (it ran 4 sequences with max_num_seqs=3)."""
+    machine = SchedulerMachine()
+    machine.setup(num_blocks=8, num_host=6, mode="swap", max_seqs=3, max_tokens=9, caching=False)
+    for _ in range(5):
+        machine.admit(max_out=1, n=1, prompt_len=1)
+    machine.admit(max_out=3, n=1, prompt_len=15)
+    for steps, admit in ((3, dict(max_out=2, n=2, prompt_len=13)), (2, dict(max_out=2, n=2, prompt_len=1)),
+                         (1, None)):
+        machine.run_steps(steps=steps)
+        machine.consistent()
+        if admit:
+            machine.admit(**admit)
+            machine.consistent()
+    machine.teardown()

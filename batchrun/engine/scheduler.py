@@ -116,7 +116,9 @@ class Scheduler:
             while self.swapped and budget[0] > 0:
                 group = self.swapped[0]
                 ids = [s.seq_id for s in group.live() if self.bm.is_swapped(s.seq_id)]
-                if held + len(group.live()) > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
+                # a group swapped out before its first sample still owes its n - 1 forks: they count too
+                wants = len(group.live()) + group.pending_forks
+                if held + wants > cfg.max_num_seqs or not self.bm.can_swap_in(ids):
                     break
                 self.swapped.popleft()
                 pairs = self.bm.swap_in(ids)
@@ -126,7 +128,7 @@ class Scheduler:
                     if s.status is SeqStatus.SWAPPED:
                         s.status = SeqStatus.RUNNING
                 self._insert_running(group)
-                held += len(group.live())
+                held += wants
                 if not self._schedule_group(group, out, budget):
                     break  # stays running with nothing scheduled this step; it goes first next step
 
