@@ -11,19 +11,8 @@ import jsonschema
 import pytest
 
 from batchrun import LLM, SamplingParams, StructuredOutputsParams
+from benchmarks.structured import SCHEMA as PERSON  # nested object, enum, integer, array
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "mood": {"enum": ["happy", "sad", "neutral"]},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                    "required": ["city"]},
-    },
-    "required": ["name", "age", "mood", "hobbies", "address"],
-}
 NAMES = ["Alice", "Bob", "Carla", "Dan", "Eve", "Farid", "Gina", "Hugo"]
 CITIES = ["Paris", "Lima", "Oslo", "Cairo"]
 HOBBIES = ["chess and hiking", "painting", "football, cooking and jazz", "reading"]

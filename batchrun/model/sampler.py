@@ -46,13 +46,14 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 class SamplingBatch:
     """Per-row sampling parameters for one step, as tensors on the logits' device."""
 
-    greedy: torch.Tensor  # bool [B]
-    temperature: torch.Tensor  # float [B] (1.0 on greedy rows)
+    # greedy, temperature, seeds and counters are None when every row is greedy (argmax needs none of them)
+    greedy: torch.Tensor | None  # bool [B]
+    temperature: torch.Tensor | None  # float [B] (1.0 on greedy rows)
     top_k: torch.Tensor | None  # int [B], 0 = off; None when no row uses it
     top_p: torch.Tensor | None  # float [B]
     min_p: torch.Tensor | None  # float [B]
-    seeds: torch.Tensor  # int64 [B]
-    counters: torch.Tensor  # int64 [B]: output position of the token being drawn
+    seeds: torch.Tensor | None  # int64 [B]
+    counters: torch.Tensor | None  # int64 [B]: output position of the token being drawn
     all_greedy: bool
     # penalties (None when no row uses any)
     repetition: torch.Tensor | None = None  # float [B]

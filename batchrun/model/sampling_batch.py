@@ -23,14 +23,17 @@ def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: i
     params = [r.params for r in rows]
     greedy = [p.temperature == 0.0 for p in params]
     all_greedy = all(greedy)
+    # a greedy step (a batch job's default) is an argmax: none of the draw's tensors are built for it
+    drawing = not all_greedy
     b = SamplingBatch(
-        greedy=torch.tensor(greedy, device=dev),
-        temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev),
+        greedy=torch.tensor(greedy, device=dev) if drawing else None,
+        temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        if drawing else None,
         top_k=torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k for p in params) else None,
         top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None,
         min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in params) else None,
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-        counters=torch.tensor([r.num_output for r in rows], dtype=torch.int64, device=dev),
+        seeds=torch.tensor(seeds, dtype=torch.int64, device=dev) if drawing else None,
+        counters=torch.tensor([r.num_output for r in rows], dtype=torch.int64, device=dev) if drawing else None,
         all_greedy=all_greedy,
     )
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
