@@ -216,3 +216,32 @@ def test_compilation_has_a_time_limit(tiny):
     why = slow.check(spec)
     assert why == "the json did not compile within 0.001 s (engine.grammar_compile_timeout_s)"
     assert slow.check(spec) == why  # the failure is cached: it is not compiled again
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_the_cpu_bitmask_kernel_bans_exactly_the_tokens_whose_bit_is_off(vocab):
+    """batchrun's C kernel against the bits unpacked by torch, bitwise, on random masks (all-ones words, a
+    vocabulary that is not a multiple of 32) and a subset of the rows. (xgrammar's own CPU kernel is not the
+    reference: on this case at vocab 37 it bans token 2 of row 3, whose bit is on, after a row of all-ones
+    words; xgrammar 0.2.9.)"""
+    import torch
+
+    from batchrun.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    g = torch.Generator().manual_seed(vocab)
+    rows, words = 6, (vocab + 31) // 32
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[1] = -1  # every token allowed
+    bits[2, : words // 2] = -1
+    logits = torch.randn(rows, vocab, generator=g)
+    got = logits.clone()
+    chosen = [0, 2, 3, 5]
+    cpu_kernels.apply_token_bitmask(got, bits, chosen, vocab)
+    off = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab] == 0
+    want = logits.clone()
+    want[chosen] = logits[chosen].masked_fill(off[chosen], float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 4]], logits[[1, 4]])  # rows not listed are untouched
+    assert bool(torch.isinf(got[0]).any()) and not bool(torch.isinf(got[1]).any())

@@ -42,6 +42,7 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "silu_mul": [_P, _P, _I, _I, _B],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, _B],
     "logits_top": [_P, _P, _I, _I, _I, _P],
+    "apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
 }
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
@@ -164,3 +165,13 @@ def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     top = torch.empty(n, k, dtype=torch.int64)
     _library().logits_top(logits.data_ptr(), out.data_ptr(), n, vocab, k, top.data_ptr())
     return out, top
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """logits fp32 [N, >= vocab] (rows contiguous), in place: -inf where the int32 bitmask [>= N, words]
+    (xgrammar's layout: bit t % 32 of word t // 32) has token t off, for the listed rows only."""
+    if logits.stride(-1) != 1 or bitmask.stride(-1) != 1 or logits.dtype != torch.float32:
+        raise ValueError("apply_token_bitmask takes fp32 logits and an int32 bitmask with contiguous rows")
+    index = torch.tensor(rows, dtype=torch.int64)
+    _library().apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                                   index.data_ptr(), len(rows), min(vocab, logits.shape[-1], 32 * bitmask.shape[-1]))

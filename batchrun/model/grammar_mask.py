@@ -1,14 +1,19 @@
 """The token bitmask of a step's constrained rows: filled from their matchers, applied to their logits.
 
 One buffer [rows, ceil(vocab / 32)] int32 is kept and grown (never shrunk), so a step allocates nothing;
-xgrammar fills the constrained rows in one multi-threaded call and applies them to those logits rows in
-one call (a C loop on CPU, a kernel on CUDA). Rows without a grammar are neither filled nor touched.
+xgrammar fills the constrained rows in one multi-threaded call, and the mask is applied to those logits rows
+in one call: xgrammar's kernel on CUDA, batchrun's C kernel on a CPU (cpu_kernels.apply_token_bitmask).
+xgrammar's CPU loop tests one bit per token: on SmolLM2's 49152-token vocabulary it took ~8 ms a step for 32
+rows, ten times the fill, and most of what a constrained step cost beyond an unconstrained one. Rows without
+a grammar are neither filled nor touched.
 """
 
 from __future__ import annotations
 
 import torch
 import xgrammar as xgr
+
+from batchrun.model import cpu_kernels
 
 
 class GrammarMask:
@@ -32,6 +37,9 @@ class GrammarMask:
         """Mask logits[rows[j]] (in place) to what matchers[j] allows next."""
         host = self._buffer(logits.shape[0])
         self.batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        if self.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
+            cpu_kernels.apply_token_bitmask(logits, host, rows, self.vocab_size)
+            return
         mask = host
         if self.device.type == "cuda":
             self.on_device[: logits.shape[0]].copy_(host[: logits.shape[0]], non_blocking=True)

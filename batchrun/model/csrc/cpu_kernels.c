@@ -539,3 +539,32 @@ void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t
         for (int64_t j = kk; j < k; j++) idx[j] = idx[0]; /* vocab < k: repeat a kept index */
     }
 }
+
+/* ---- structured outputs' token mask ----------------------------------------------------------------- */
+
+/* logits[r, t] = -inf where bit t % 32 of bitmask[r, t / 32] is 0, for each row r in rows and t < vocab
+ * (fp32 logits, rows `stride` floats apart; bitmask rows `words` int32 apart, xgrammar's layout). The same
+ * result as xgrammar's CPU kernel, which tests one bit per token: here one 32-bit word covers two vectors,
+ * and a word with every bit set (most of a JSON grammar's allowed tokens) is skipped. */
+void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t words, const int64_t *rows,
+                         int64_t num_rows, int64_t vocab) {
+    const vf neg_inf = vsplat(-INFINITY);
+    vu lane;
+    for (int j = 0; j < VW; j++) lane[j] = (uint32_t)j;
+#pragma omp parallel for if (num_rows * vocab > 16 * PAR_MIN_WORK)
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *x = logits + rows[i] * stride;
+        const uint32_t *m = (const uint32_t *)bitmask + rows[i] * words;
+        int64_t t = 0;
+        for (; t + 32 <= vocab; t += 32) {
+            const uint32_t bits = m[t / 32];
+            if (bits == 0xffffffffu) continue;
+            for (int h = 0; h < 2; h++) {
+                const vi off = (vi)((((vu){0} + (bits >> (16 * h))) >> lane) & 1u) == 0;
+                vstore(x + t + 16 * h, vselect(off, neg_inf, vload(x + t + 16 * h)));
+            }
+        }
+        for (; t < vocab; t++)
+            if (!((m[t / 32] >> (t % 32)) & 1u)) x[t] = -INFINITY;
+    }
+}
