@@ -1,5 +1,5 @@
-/* CPU kernels for fp32 and bf16 inference: paged decode attention and the fused element-wise ops of a
- * decoder layer. On a CPU these ops are bound by memory traffic and by per-op dispatch, not by arithmetic: torch
+/* CPU kernels for fp32 and bf16 inference: paged attention (decode and prefill rows in one call) and the fused
+ * element-wise ops of a decoder layer. On a CPU these ops are bound by memory traffic and by per-op dispatch, not by arithmetic: torch
  * runs an RMSNorm as five passes over the activations and a decode attention as a gather, a copy and
  * SDPA. Each function here makes one pass, reads K/V in place through the block tables, and parallelises
  * with OpenMP. Loaded after torch, the library binds to torch's own OpenMP runtime (the same libgomp.so.1),
@@ -9,7 +9,9 @@
  * loops for whatever -march=native offers. Every kernel takes fp32 or bf16 tensors (a flag, `bf`): bf16
  * values are widened to fp32 on load, all arithmetic and accumulation is fp32, and results are rounded to
  * nearest-even bf16 on store. Each kernel body is one always-inlined function with the flag a constant, so
- * the compiler emits a separate loop for each dtype. On CPUs with AVX512_BF16 (the library is built with
+ * the compiler emits a separate loop for each dtype (but an OpenMP region is outlined before inlining: what
+ * runs inside one must be entered through a function per dtype, as paged_attention does, for the flag to be
+ * a constant there). On CPUs with AVX512_BF16 (the library is built with
  * -march=native for the CPU it runs on, keyed by its flags) the q.K dot products of bf16 attention use
  * vdpbf16ps and the stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. Layouts:
  *   KV pool of one layer: K [num_blocks, block_size, num_kv_heads, head_dim], V the same.
@@ -549,14 +551,21 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
 
 /* ---- element-wise ops of a decoder layer ------------------------------------------------------------ */
 
+/* This thread's share [r0, r1) of `rows` rows, contiguous (OpenMP's static schedule). The parallel regions
+ * below call the per-dtype bodies from inside, so that the dtype flag is a constant in their loops. */
+static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
+    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num(), per = rows / n, extra = rows % n;
+    *r0 = i * per + (i < extra ? i : extra);
+    *r1 = *r0 + per + (i < extra);
+}
+
 /* out = weight * rmsnorm(h), with h = x + residual written back to residual when add is set (the
  * residual stream of the next op), else h = x. Rows of `dim` contiguous elements. In bf16 the
  * intermediate roundings are torch's (and transformers'): h is stored in bf16 and the norm is taken of
  * the stored h, the normalised row is rounded to bf16 before the weight multiplies it. */
-ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
                           int64_t dim, float eps, int add, const int bf) {
-#pragma omp parallel for if (rows * dim > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const void *xr = at(x, r * dim, bf);
         void *hr = add ? (void *)at(residual, r * dim, bf) : (void *)xr, *orow = (void *)at(out, r * dim, bf);
         float ss = 0.0f;
@@ -589,17 +598,21 @@ ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, voi
 
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
               int add, int bf) {
-    if (bf)
-        rms_norm_impl(x, residual, weight, out, rows, dim, eps, add, 1);
-    else
-        rms_norm_impl(x, residual, weight, out, rows, dim, eps, add, 0);
+#pragma omp parallel if (rows * dim > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        if (bf)
+            rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 1);
+        else
+            rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 0);
+    }
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: the gate and up halves of the fused projection. In bf16,
  * silu's result is rounded before the product, as torch's two ops do. */
-ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t rows, int64_t inter, const int bf) {
-#pragma omp parallel for if (rows * inter > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) {
+ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int64_t inter, const int bf) {
+    for (int64_t r = r0; r < r1; r++) {
         const void *g = at(gu, r * 2 * inter, bf), *u = at(g, inter, bf);
         void *o = (void *)at(out, r * inter, bf);
         int64_t i = 0;
@@ -618,21 +631,25 @@ ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t rows, int64_t inter
 }
 
 void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
-    if (bf)
-        silu_mul_impl(gu, out, rows, inter, 1);
-    else
-        silu_mul_impl(gu, out, rows, inter, 0);
+#pragma omp parallel if (rows * inter > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        if (bf)
+            silu_mul_impl(gu, out, r0, r1, inter, 1);
+        else
+            silu_mul_impl(gu, out, r0, r1, inter, 0);
+    }
 }
 
 /* Rotary embedding in place on the first `heads` heads of each row (the q and k heads of the fused qkv
  * projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head, with the
  * cos/sin rows of the token's position (fp32 tables [max_pos, d], both halves equal, as transformers
  * builds). Rows are `stride` elements apart; in bf16 the rotation is computed in fp32 and rounded once. */
-ALWAYS void rope_impl(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const int64_t *positions,
+ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t heads, int64_t d, const int64_t *positions,
                       const float *cos_t, const float *sin_t, const int bf) {
     const int64_t half = d / 2;
-#pragma omp parallel for if (rows * heads * d > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *c = cos_t + positions[r] * d, *s = sin_t + positions[r] * d;
         for (int64_t h = 0; h < heads; h++) {
             void *x1 = (void *)at(x, r * stride + h * d, bf), *x2 = (void *)at(x1, half, bf);
@@ -653,10 +670,15 @@ ALWAYS void rope_impl(void *x, int64_t stride, int64_t rows, int64_t heads, int6
 
 void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const int64_t *positions,
           const float *cos_t, const float *sin_t, int bf) {
-    if (bf)
-        rope_impl(x, stride, rows, heads, d, positions, cos_t, sin_t, 1);
-    else
-        rope_impl(x, stride, rows, heads, d, positions, cos_t, sin_t, 0);
+#pragma omp parallel if (rows * heads * d > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        if (bf)
+            rope_impl(x, stride, r0, r1, heads, d, positions, cos_t, sin_t, 1);
+        else
+            rope_impl(x, stride, r0, r1, heads, d, positions, cos_t, sin_t, 0);
+    }
 }
 
 /* ---- bf16 logits ------------------------------------------------------------------------------------ */
