@@ -322,6 +322,22 @@ static float softmax_numerators(float *x, int64_t n) {
 /* acc[h] += sum_{t in [t0, t1)} p[h][t] V[t] for nh heads (p rows `cap` apart, acc rows d apart), key by
  * key in order. With d and nh constants the accumulators and the V row live in registers; one V row load
  * serves the nh heads. */
+/* Whether chunk_pv keeps a row's accumulators with the dims permuted: bf16 V rows are widened by interleaving
+ * with zeros (vpunpck{l,h}wd: two instructions per 32 values instead of four), which leaves dims
+ * {0-3, 8-11, 16-19, 24-27} of each 32 in the first vector and the others in the second. Only the lanes move:
+ * each dim's sum is the same. `unpermute` puts them back when the row is written out. */
+#if defined(__AVX512BW__)
+#define PV_PERMUTED(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 16 * VW)
+#else
+#define PV_PERMUTED(d, bf) 0
+#endif
+static inline void unpermute(const float *a, float *dst) { /* 32 accumulated dims */
+    for (int m = 0; m < VW; m++) {
+        dst[m / 4 * 8 + m % 4] = a[m];
+        dst[m / 4 * 8 + 4 + m % 4] = a[VW + m];
+    }
+}
+
 ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
                      float *acc, const int64_t nh, const int64_t d, const int bf) {
     if (d % VW == 0 && nh * d <= 16 * VW) {
@@ -331,7 +347,16 @@ ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t 
             for (int64_t c = 0; c < nv; c++) a[h * nv + c] = vload(acc + h * d + c * VW);
         for (int64_t t = t0; t < t1; t++) {
             const void *vt = at(vh, off[t], bf);
-            for (int64_t c = 0; c < nv; c++) x[c] = ldv(vt, c * VW, bf);
+#if defined(__AVX512BW__)
+            if (PV_PERMUTED(d, bf)) {
+                for (int64_t c = 0; c < nv; c += 2) {
+                    const __m512i raw = _mm512_loadu_si512((const bf16 *)vt + c * VW);
+                    x[c] = (vf)_mm512_unpacklo_epi16(_mm512_setzero_si512(), raw);
+                    x[c + 1] = (vf)_mm512_unpackhi_epi16(_mm512_setzero_si512(), raw);
+                }
+            } else
+#endif
+                for (int64_t c = 0; c < nv; c++) x[c] = ldv(vt, c * VW, bf);
             for (int64_t h = 0; h < nh; h++) {
                 const float w = p[h * cap + t];
                 for (int64_t c = 0; c < nv; c++) a[h * nv + c] += w * x[c];
@@ -440,6 +465,14 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
             const float *a = s.acc + (r * hq + j) * d, inv = s.inv[r * hq + j];
             void *o = (void *)at(out, ((first + r) * hq + j) * d, bf);
             int64_t i = 0;
+            if (PV_PERMUTED(d, bf)) {
+                for (; i < d; i += 2 * VW) {
+                    float natural[2 * VW];
+                    unpermute(a + i, natural);
+                    stv(o, i, vload(natural) * inv, bf);
+                    stv(o, i + VW, vload(natural + VW) * inv, bf);
+                }
+            }
             for (; i + VW <= d; i += VW) stv(o, i, vload(a + i) * inv, bf);
             for (; i < d; i++) st1(o, i, a[i] * inv, bf);
         }
