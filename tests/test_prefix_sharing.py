@@ -92,3 +92,22 @@ def test_n_greater_than_one_and_beam_search(tiny_llama_path, prompts):
         results[caching] = [[s.tokens for s in r.sequences] for r in out]
         llm.engine.check_idle()
     assert results[True] == results[False]
+
+
+def test_triton_backend_shares_in_the_same_step_like_the_torch_backend(tiny_llama_path):
+    """The Triton kernels (interpreted on a CPU) store the step's K/V before attending too: a prompt that maps
+    a prefix another computes in the same step gets the torch backend's greedy tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 2000, (19,), generator=g).tolist()  # 2 full blocks of 8, then 3 tokens
+    prompts = [{"prompt_token_ids": prefix + [40 + i, 50 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens, hits = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_path), device=device, dtype="float32", block_size=8, num_kv_blocks=32,
+                  attention_backend=backend)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        hits[backend] = llm.metrics()["prefix_cache_hit_tokens"]
+        llm.engine.check_idle()
+    assert tokens["triton"] == tokens["torch"]
+    assert hits["triton"] == hits["torch"] == 2 * 16
