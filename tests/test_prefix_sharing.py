@@ -111,3 +111,19 @@ def test_triton_backend_shares_in_the_same_step_like_the_torch_backend(tiny_llam
         llm.engine.check_idle()
     assert tokens["triton"] == tokens["torch"]
     assert hits["triton"] == hits["torch"] == 2 * 16
+
+
+def test_shared_prefix_benchmark_smoke(tmp_path):
+    """The benchmark runs end to end (no timing is asserted: the machine may be loaded)."""
+    import json
+
+    from benchmarks.shared_prefix import main
+
+    out = tmp_path / "r.json"
+    assert main(["--rows", "6", "--prefix-len", "48", "--suffix-len", "3", "--output-len", "2", "--json",
+                 str(out)]) == 0
+    r = json.loads(out.read_text())
+    off, on = r["rows"]
+    assert r["identical_outputs"] == 6
+    assert off["prefix_cache_hit_tokens"] == 0 and on["prefix_cache_hit_tokens"] == 5 * 48
+    assert on["prompt_tokens_computed"] == 48 + 6 * 3
