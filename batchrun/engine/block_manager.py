@@ -166,6 +166,7 @@ class BlockManager:
         return published
 
     def _unpublish(self, b: int) -> None:
+        """Take a block out of the prefix cache (its K/V were never computed)."""
         key = self.block_key[b]
         if key is not None:
             if self.cached.get(key[0]) == b:
@@ -175,8 +176,11 @@ class BlockManager:
     # ---- allocation ------------------------------------------------------------------------------
     def _take_free(self) -> int:
         b, _ = self.free.popitem(last=False)
-        if self.block_key[b] is not None:  # evict its prefix-cache entry: the block is about to be overwritten
-            self._unpublish(b)
+        key = self.block_key[b]
+        if key is not None:  # evict its prefix-cache entry: the block is about to be overwritten
+            if self.cached.get(key[0]) == b:
+                del self.cached[key[0]]
+            self.block_key[b] = None
         self.ref[b] = 1
         return b
 
