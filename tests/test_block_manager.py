@@ -67,6 +67,41 @@ class BlockMachine(RuleBasedStateMachine):
         self.computed[seq] = len(prompt)
         self.bm.commit(seq, self.tokens[seq], len(prompt))
 
+    @rule(prefix=st.lists(st.integers(0, 2), min_size=1, max_size=10),
+          suffixes=st.lists(st.lists(st.integers(0, 2), max_size=5), min_size=2, max_size=4),
+          first_chunk=st.integers(1, 16), abandon=st.booleans())
+    def admit_together(self, prefix, suffixes, first_chunk, abandon):
+        """Several requests sharing a prefix admitted in one step, the way the scheduler does it: each maps
+        what the earlier ones publish ahead (the first may schedule only `first_chunk` tokens), then the
+        step writes everything before anyone reads. An abandoned step (then aborted) writes nothing."""
+        admitted = []  # (seq, prompt, chunk end)
+        for i, suffix in enumerate(suffixes):
+            prompt = prefix + suffix
+            seq = self.next_id
+            self.next_id += 1
+            blocks, keys = self.bm.lookup(prompt)
+            start = len(blocks) * BS
+            end = max(start + 1, min(len(prompt), first_chunk)) if i == 0 else len(prompt)
+            if self.bm.allocate(seq, end, start, prefix=blocks, prefix_keys=keys) is None:
+                continue
+            self.bm.publish_ahead(seq, prompt, end)
+            self.tokens[seq] = list(prompt)
+            self.computed[seq] = 0  # nothing readable until the step runs
+            admitted.append((seq, prompt, start, end))
+        if abandon:
+            for seq, *_ in admitted:
+                self.bm.free_seq(seq)
+                del self.tokens[seq], self.computed[seq]
+            assert not self.bm.pending
+            return
+        for seq, prompt, start, end in admitted:
+            self._write(seq, start, end)
+        for seq, prompt, start, end in admitted:
+            self.tokens[seq] = prompt[:end]
+            self.computed[seq] = end
+            self.bm.commit(seq, prompt, end)
+        assert not self.bm.pending
+
     def _resident(self):
         return sorted(s for s in self.tokens if s not in self.swapped)
 
@@ -151,6 +186,43 @@ def test_prefix_hit_reuses_freed_blocks_and_verifies_tokens():
     h, toks = bm.block_key[blocks[0]]
     bm.block_key[blocks[0]] = (h, (7, 7, 7, 7))
     assert bm.lookup(prompt)[0] == []
+
+
+def test_blocks_published_ahead_are_shared_in_the_same_step_and_confirmed_by_commit():
+    bm = BlockManager(16, BS, watermark=0.0)
+    prefix = list(range(12))  # 3 full blocks
+    assert bm.allocate(1, 14, 0) == []
+    assert bm.publish_ahead(1, prefix + [50, 51], 14) == 3
+    blocks, keys = bm.lookup(prefix + [60, 61])
+    assert blocks == bm.block_table(1)[:3]  # the pending blocks of seq 1, before any was computed
+    assert bm.allocate(2, 14, 12, prefix=blocks, prefix_keys=keys) == []
+    assert [bm.ref[b] for b in blocks] == [2, 2, 2]
+    bm.check()
+    bm.commit(1, prefix + [50, 51], 14)
+    bm.commit(2, prefix + [60, 61], 14)
+    assert not bm.pending
+    bm.free_seq(1)
+    bm.free_seq(2)
+    assert len(bm.lookup(prefix + [70])[0]) == 3  # confirmed: they stay in the cache
+    bm.check()
+    assert bm.num_used == 0
+
+
+def test_blocks_published_ahead_of_a_step_that_never_ran_leave_the_cache():
+    bm = BlockManager(16, BS, watermark=0.0)
+    prompt = list(range(9))
+    assert bm.allocate(1, 9, 0) == []
+    assert bm.publish_ahead(1, prompt, 9) == 2
+    bm.free_seq(1)  # aborted before the step's forward
+    assert bm.lookup(prompt)[0] == [] and not bm.cached and not bm.pending
+    bm.check()
+
+
+def test_publish_ahead_is_off_without_prefix_caching():
+    bm = BlockManager(16, BS, watermark=0.0, enable_prefix_caching=False)
+    assert bm.allocate(1, 9, 0) == []
+    assert bm.publish_ahead(1, list(range(9)), 9) == 0
+    assert bm.lookup(list(range(9)) + [1])[0] == []
 
 
 def test_copy_on_write_on_shared_partial_block():

@@ -2,7 +2,10 @@
 
 A fake engine samples random tokens; the state machine checks after every step that the block accounting
 holds, that every scheduled sequence has blocks covering what it will write, that queues agree with
-statuses, and that everything drains to zero blocks in use.
+statuses, and that everything drains to zero blocks in use. A fake runner keeps a simulated KV memory (the
+token each slot holds): it applies the step's swaps and copies, writes every scheduled token, and only then
+checks that each scheduled sequence reads back its own tokens through its block table, the order every
+attention backend follows. That catches a prefix block shared before anyone computes it in the step.
 """
 
 import random
@@ -31,9 +34,13 @@ class FakeEngine:
         self.arrivals = 0
         self.rng = random.Random(0)
         self.max_len = num_blocks * BS
+        self.mem = {b: [None] * BS for b in range(num_blocks)}
+        self.host = {h: [None] * BS for h in range(num_host)}
+        self.prefixes = [[self.rng.randrange(3) for _ in range(24)] for _ in range(2)]
 
-    def add(self, prompt_len, n, max_out):
-        seq = Sequence(self.next_id, [self.rng.randrange(3) for _ in range(prompt_len)], prompt_len, 0)
+    def add(self, prompt_len, n, max_out, prefix=()):
+        prompt = list(prefix) + [self.rng.randrange(3) for _ in range(prompt_len)]
+        seq = Sequence(self.next_id, prompt, len(prompt), 0)
         self.next_id += 1
         g = SequenceGroup(str(self.arrivals), self.arrivals, None, seq.token_ids[:], SamplingParams(n=n, max_tokens=max_out),
                           [seq], pending_forks=n - 1)
@@ -48,7 +55,9 @@ class FakeEngine:
             table = self.bm.block_table(s.seq_id)
             assert len(table) * BS >= s.start + len(s.token_ids)
         assert [len(s.token_ids) == 1 for s in out.seqs] == sorted((len(s.token_ids) == 1 for s in out.seqs), reverse=True)
+        self.run_forward(out)
         self.sched.update(out, self.seqs)
+        assert not self.bm.pending  # the step ran: everything published ahead of it is confirmed
         for s in out.seqs:
             if not s.sample:
                 continue
@@ -75,6 +84,23 @@ class FakeEngine:
                 del self.seqs[s.seq_id]
         return out
 
+    def run_forward(self, out):
+        """The runner's order: swap out, swap in, copy on write, store every token of the step, attend."""
+        for dev, host in out.swap_out:
+            self.host[host] = list(self.mem[dev])
+        for host, dev in out.swap_in:
+            self.mem[dev] = list(self.host[host])
+        for src, dst in out.copies:
+            self.mem[dst] = list(self.mem[src])
+        for s in out.seqs:
+            for j, tok in enumerate(s.token_ids):
+                p = s.start + j
+                self.mem[s.block_table[p // BS]][p % BS] = tok
+        for s in out.seqs:
+            end = s.start + len(s.token_ids)
+            got = [self.mem[s.block_table[p // BS]][p % BS] for p in range(end)]
+            assert got == self.seqs[s.seq_id].token_ids[:end], f"seq {s.seq_id} attends to the wrong K/V"
+
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 40), num_host=st.sampled_from([0, 6, 40]),
@@ -90,6 +116,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             n = 1
         self.e.add(prompt_len, n, max_out)
 
+    @rule(count=st.integers(2, 5), which=st.integers(0, 1), prefix_len=st.integers(1, 24),
+          suffix_len=st.integers(0, 6), n=st.integers(1, 2), max_out=st.integers(1, 8))
+    def admit_sharing(self, count, which, prefix_len, suffix_len, n, max_out):
+        """Requests that arrive together and share a prefix (admitted in one step when the budget allows)."""
+        if n > self.e.sched.config.max_num_seqs:
+            n = 1
+        for _ in range(count):
+            self.e.add(suffix_len, n, max_out, prefix=self.e.prefixes[which][:prefix_len])
+
     @rule(steps=st.integers(1, 5))
     def run_steps(self, steps):
         for _ in range(steps):
@@ -103,6 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm, sch = self.e.bm, self.e.sched
         bm.check()
         assert bm.num_free + bm.num_used == bm.num_blocks
+        assert not bm.pending
         for g in sch.waiting:
             for s in g.live():
                 assert s.status is SeqStatus.WAITING and not bm.is_resident(s.seq_id) and s.num_computed == 0
@@ -171,3 +207,63 @@ def test_a_group_swapped_before_its_forks_counts_them_when_it_comes_back():
             machine.admit(**admit)
             machine.consistent()
     machine.teardown()
+
+
+def _sharing_engine(max_tokens, caching=True, mode="recompute", num_blocks=64, num_host=0):
+    e = FakeEngine(num_blocks=num_blocks, num_host=num_host, mode=mode, max_seqs=8, max_tokens=max_tokens,
+                   caching=caching)
+    prefix = [e.rng.randrange(3) for _ in range(5 * BS)]
+    for _ in range(4):
+        e.add(3, 1, 4, prefix=prefix)
+    return e
+
+
+def test_requests_admitted_together_compute_their_common_prefix_once():
+    e = _sharing_engine(max_tokens=64)
+    out = e.step()
+    assert len(out.seqs) == 4  # all admitted in the first step
+    assert out.num_tokens == 5 * BS + 4 * 3  # the prefix once, then each one's own suffix
+    assert e.sched.stats.prefix_hit_tokens == 3 * 5 * BS
+    first = e.bm.block_table(out.seqs[0].seq_id)[:5]
+    assert all(e.bm.block_table(s.seq_id)[:5] == first for s in out.seqs)
+    while e.sched.has_unfinished():
+        e.step()
+    assert e.bm.num_used == 0
+
+
+def test_without_prefix_caching_nothing_is_shared_in_the_step():
+    e = _sharing_engine(max_tokens=128, caching=False)
+    out = e.step()
+    assert out.num_tokens == 4 * (5 * BS + 3) and e.sched.stats.prefix_hit_tokens == 0
+    assert not e.bm.cached
+
+
+def test_a_prefix_chunked_over_two_steps_is_shared_in_the_step_that_finishes_it():
+    """A budget of 14 tokens: the first request's prompt (23 tokens) takes two steps. Its second chunk fills
+    the rest of the prefix in the step where the others are admitted: they map all five blocks."""
+    e = _sharing_engine(max_tokens=14)
+    first = e.step()
+    assert [len(s.token_ids) for s in first.seqs] == [14]
+    second = e.step()
+    assert second.seqs[0].start == 14 and len(second.seqs) > 1
+    assert all(s.start == 5 * BS for s in second.seqs[1:])  # the later ones start after the whole prefix
+    assert e.sched.stats.prefix_hit_tokens == (len(second.seqs) - 1) * 5 * BS
+    while e.sched.has_unfinished():
+        e.step()
+    assert e.sched.stats.prefix_hit_tokens == 3 * 5 * BS
+    assert e.bm.num_used == 0
+
+
+def test_sharers_preempted_after_sharing_stay_correct():
+    """Shared prefix blocks, then too little memory: swap and recompute preemptions of the sharers (and of
+    the group that computed the prefix); the fake runner checks every read."""
+    for mode, host in (("recompute", 0), ("swap", 40)):
+        e = _sharing_engine(max_tokens=64, mode=mode, num_blocks=14, num_host=host)
+        for _ in range(4):
+            e.add(5, 2, 10, prefix=e.prefixes[0][:10])
+        while e.sched.has_unfinished():
+            e.step()
+        st_ = e.sched.stats
+        assert st_.prefix_hit_tokens > 0
+        assert (st_.preempted_swap if mode == "swap" else st_.preempted_recompute) > 0
+        assert e.bm.num_used == 0 and e.bm.num_host_used == 0

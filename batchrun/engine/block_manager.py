@@ -8,6 +8,13 @@ Prefix cache: a full block is keyed by a hash chained over (parent key, its toke
 their key and wait in an LRU free queue, so a later request with the same prefix still finds them; a
 block's key is dropped only when the block is taken for something else. A hit is checked against the
 stored token ids, so a hash collision costs a miss, never a wrong answer.
+
+Same-step sharing: the scheduler publishes the full blocks a step's chunk will fill *before* the step runs
+(`publish_ahead`), so requests admitted later in that step map them instead of computing their common prefix
+again. That is sound because every attention backend stores all of a step's K/V before it attends (per
+layer), and no block of a step's chunks is freed or moved between scheduling and the forward. Such a block
+is pending until `commit` (the step ran) confirms it; `free_seq` of a sequence whose pending blocks were
+never confirmed (a step abandoned half way, then aborted) takes them out of the cache again.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> device block holding that prefix block
         self.tables: dict[int, list[int]] = {}  # seq_id -> device block ids
         self.hashes: dict[int, list[int]] = {}  # seq_id -> chain hash of each of its full blocks
+        # seq_id -> blocks it published ahead of the step that computes them, not yet confirmed by `commit`
+        self.pending: dict[int, list[int]] = {}
 
         self.num_host_blocks = num_host_blocks
         self.host_ref = [0] * num_host_blocks
@@ -118,12 +127,34 @@ class BlockManager:
         """Register the sequence's blocks that `num_computed` tokens have filled, so others can reuse them."""
         if not self.enable_prefix_caching:
             return
+        if self.pending:  # the step ran: what the sequence published ahead of it is computed now
+            self.pending.pop(seq_id, None)
+        keys = self.hashes.get(seq_id)
+        if keys is not None and len(keys) >= num_computed // self.block_size:
+            return  # the common decode step: no block filled (checked here, without a call)
+        self._publish(seq_id, token_ids, num_computed)
+
+    def publish_ahead(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int:
+        """Publish now the full blocks that this step fills, up to `num_tokens` (the end of the sequence's
+        scheduled chunk), before the forward computes them, so a request admitted later in the same step maps
+        them (see the module docstring for why that is sound). Call it only once nothing more of the step can
+        be preempted. Returns how many blocks were published."""
+        if not self.enable_prefix_caching:
+            return 0
+        published = self._publish(seq_id, token_ids, num_tokens)
+        if published:
+            self.pending.setdefault(seq_id, []).extend(published)
+        return len(published)
+
+    def _publish(self, seq_id: int, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Key the sequence's blocks that `num_tokens` tokens fill; the ones that entered the cache."""
         keys = self.hashes.setdefault(seq_id, [])
         bs = self.block_size
-        if len(keys) >= num_computed // bs:
-            return
+        if len(keys) >= num_tokens // bs:
+            return []
         table = self.tables[seq_id]
-        for i in range(len(keys), num_computed // bs):
+        published: list[int] = []
+        for i in range(len(keys), num_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self._chain(keys[-1] if keys else None, toks)
             keys.append(h)
@@ -131,6 +162,16 @@ class BlockManager:
             if self.block_key[b] is None and h not in self.cached:
                 self.block_key[b] = (h, toks)
                 self.cached[h] = b
+                published.append(b)
+        return published
+
+    def _unpublish(self, b: int) -> None:
+        """Take a block out of the prefix cache (its K/V were never computed)."""
+        key = self.block_key[b]
+        if key is not None:
+            if self.cached.get(key[0]) == b:
+                del self.cached[key[0]]
+            self.block_key[b] = None
 
     # ---- allocation ------------------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -203,6 +244,9 @@ class BlockManager:
 
     def free_seq(self, seq_id: int) -> None:
         """Give back a sequence's blocks (device or host). Tail blocks are queued for eviction first."""
+        if self.pending:
+            for b in self.pending.pop(seq_id, ()):  # published ahead of a step that never ran: never computed
+                self._unpublish(b)
         for b in reversed(self.tables.pop(seq_id, [])):
             self._release(b)
         for h in self.host_tables.pop(seq_id, []):
@@ -263,6 +307,11 @@ class BlockManager:
         assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}
         for h, b in self.cached.items():
             assert self.block_key[b] is not None and self.block_key[b][0] == h
+        for seq_id, blocks in self.pending.items():  # pending blocks are held, keyed, by their publisher
+            table = self.tables.get(seq_id)
+            assert table is not None, "a sequence that is not resident has pending blocks"
+            for b in blocks:
+                assert b in table and self.block_key[b] is not None and self.cached.get(self.block_key[b][0]) == b
         host_holders = [0] * self.num_host_blocks
         for table in self.host_tables.values():
             for h in table:

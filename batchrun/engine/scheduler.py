@@ -53,6 +53,9 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # in arrival order
         self.swapped: deque[SequenceGroup] = deque()
         self.stats = StepStats()
+        # sequences admitted with only part of their prompt scheduled: their next chunks (scheduled with the
+        # running groups) are published ahead too, so a prefix split over steps is still shared in its step
+        self._prefilling: dict[int, Sequence] = {}
 
     # ---- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -132,14 +135,19 @@ class Scheduler:
                 if not self._schedule_group(group, out, budget):
                     break  # stays running with nothing scheduled this step; it goes first next step
 
-        # 3. admit new work
+        # 3. admit new work. Nothing is preempted from here on, so the blocks this step's chunks fill can be
+        # published before the step runs: a group admitted below maps the full blocks of a common prefix that
+        # an earlier group computes in this very step, instead of computing them again (block_manager.py).
         if not preempted and not self.swapped:
+            if self._prefilling:
+                self._publish_continuations(out)
             while self.waiting and budget[0] > 0:
                 pick = self._pick_waiting()
                 group = self.waiting[pick]
                 wants = len(group.live()) + group.pending_forks
                 if held + wants > cfg.max_num_seqs:
                     break
+                first = len(out.seqs)
                 self._schedule_group(group, out, budget)  # nothing resident yet: it cannot fail
                 if not any(self.bm.is_resident(s.seq_id) for s in group.live()):
                     break  # no room: admitted later
@@ -148,6 +156,8 @@ class Scheduler:
                     g.bypassed += 1
                 self._insert_running(group)
                 held += wants
+                if self.bm.enable_prefix_caching:
+                    self._publish_admitted(group, out.seqs[first:])
 
         out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
         out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
@@ -218,11 +228,15 @@ class Scheduler:
         """Which waiting group to admit: among the first PREFIX_WINDOW, the one with the most prompt blocks
         already in the prefix cache (an offline job knows its prompts, so serving the ones that share what
         is cached first saves recomputing it after eviction). No group is passed over more than
-        PREFIX_WINDOW times, so none starves."""
+        PREFIX_WINDOW times, so none starves. A head whose every full prompt block is cached (or published
+        by a group admitted this step) is taken at once: it recomputes nothing, and the scan is skipped in
+        the common case of many rows sharing one system prompt."""
         head = self.waiting[0]
         if not self.bm.enable_prefix_caching or len(self.waiting) == 1 or head.bypassed >= PREFIX_WINDOW:
             return 0
         best, best_hits = 0, self._cached_blocks(head)
+        if best_hits and best_hits == len(head.block_keys):
+            return 0
         for i, g in enumerate(itertools.islice(self.waiting, 1, PREFIX_WINDOW), start=1):
             hits = self._cached_blocks(g)
             if hits > best_hits:
@@ -233,6 +247,31 @@ class Scheduler:
         if group.block_keys is None:  # computed once per request
             group.block_keys = self.bm.chain_keys(group.prompt_ids)
         return self.bm.num_cached_blocks(group.block_keys)
+
+    def _publish_admitted(self, group: SequenceGroup, chunks: list[ScheduledSeq]) -> None:
+        """Publish the full blocks the just-admitted group's chunks fill, for the groups admitted after it."""
+        for chunk in chunks:
+            seq = next(s for s in group.seqs if s.seq_id == chunk.seq_id)
+            end = chunk.start + len(chunk.token_ids)
+            self.bm.publish_ahead(seq.seq_id, seq.token_ids, end)
+            if end < len(seq.token_ids):
+                self._prefilling[seq.seq_id] = seq
+
+    def _publish_continuations(self, out: SchedulerOutput) -> None:
+        """Publish the blocks that this step's later chunks of partly admitted prompts fill; forget the
+        sequences whose prompt this step completes, or that are no longer resident (preempted, finished,
+        aborted: a recomputed one is tracked again when it is admitted again)."""
+        prefilling, bm = self._prefilling, self.bm
+        for chunk in out.seqs:
+            seq = prefilling.get(chunk.seq_id)
+            if seq is None:
+                continue
+            end = chunk.start + len(chunk.token_ids)
+            bm.publish_ahead(seq.seq_id, seq.token_ids, end)
+            if end >= len(seq.token_ids):
+                del prefilling[seq.seq_id]
+        for seq_id in [i for i, seq in prefilling.items() if seq.is_finished or not bm.is_resident(i)]:
+            del prefilling[seq_id]
 
     def _insert_running(self, group: SequenceGroup) -> None:
         i = len(self.running)
