@@ -68,6 +68,16 @@ class BlockManager:
         """The sequence's device block ids, logical order. The live list: callers only read it."""
         return self.tables[seq_id]
 
+    def decode_table(self, seq_id: int, position: int) -> list[int] | None:
+        """The decode fast path: the sequence's live table when the token at `position` lands in a block
+        it already holds alone (nothing to allocate or copy, so `allocate` would change nothing); None
+        otherwise (then `allocate` does the work)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return None
+        i = position // self.block_size
+        return table if i < len(table) and self.ref[table[i]] == 1 else None
+
     def num_distinct_blocks(self, seq_ids: list[int]) -> int:
         """Device blocks held by any of the sequences, shared ones counted once."""
         return len({b for s in seq_ids for b in self.tables.get(s, ())})

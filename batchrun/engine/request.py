@@ -32,6 +32,10 @@ class Sequence:
     stop_reason: int | str | None = None
     detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)
     grammar: object | None = None  # structured outputs: its matcher (contract.GrammarState), fed each token
+    # kept across steps so a decode step creates no per-sequence objects (vLLM v1's persistent batch idea):
+    stop_rule: object | None = None  # its stop conditions (stops.StopRule), from its params at creation
+    sampling: object | None = None  # the engine's SamplingRequest of a plain row, updated in place each step
+    scheduled: object | None = None  # the scheduler's ScheduledSeq of its decode step, updated in place
 
     @property
     def output_ids(self) -> list[int]:
