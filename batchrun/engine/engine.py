@@ -311,9 +311,10 @@ class Engine:
         m = self.metrics
         m.num_steps += 1
         live = running = 0
+        status_running = SeqStatus.RUNNING
         for g in self.scheduler.running:
             for s in g.seqs:
-                if s.status is SeqStatus.RUNNING:
+                if s.status is status_running:
                     live += s.num_computed
                     running += 1
         m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)

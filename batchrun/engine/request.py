@@ -15,7 +15,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)  # slots: compact, and quick to read in the per-sequence loops of a step
 class Sequence:
     """One token stream. `num_computed` counts the tokens whose K/V are in the cache."""
 
@@ -50,7 +50,7 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceGroup:
     """A request: the sequences sampled from one prompt. Scheduling and preemption act on whole groups."""
 

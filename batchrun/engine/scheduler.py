@@ -102,18 +102,18 @@ class Scheduler:
         # 1. running groups, oldest first; the newest are the preemption victims. `held` counts the
         # sequences of the groups that stay running (kept current as groups join below).
         self._mixed = False  # (set by _schedule_group)
-        running, decode_table, seqs_out = self.running, self.bm.decode_table, out.seqs
+        running, decode_slot, seqs_out = self.running, self.bm.decode_slot, out.seqs
         held = 0
         i = 0
         while i < len(running):
             group = running[i]
             if len(group.seqs) == 1 and budget[0] > 0:
-                # the decode fast path: one sequence, one token, into a block it holds alone. The same
-                # ScheduledSeq as _schedule_group would make, without the allocation call (and reused)
+                # the decode fast path: one sequence, one token, no copy-on-write. The same blocks and
+                # ScheduledSeq as _schedule_group would make, in fewer steps (and the ScheduledSeq reused)
                 seq = group.seqs[0]
                 start = seq.num_computed
                 if seq.status is SeqStatus.RUNNING and len(seq.token_ids) - start == 1:
-                    table = decode_table(seq.seq_id, start)
+                    table = decode_slot(seq.seq_id, start)
                     if table is not None:
                         planned = seq.scheduled
                         if planned is None:

@@ -8,6 +8,7 @@ to the host with one `.tolist()`: the only device sync of the step (sample_step)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -15,19 +16,25 @@ from batchrun.engine.contract import SamplingRequest, StepOutput
 from batchrun.model.sampler import SamplingBatch, sample
 
 
-def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: int, device: torch.device,
+_params_of = attrgetter("params")
+
+
+def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int] | None, vocab: int, device: torch.device,
                          banned: tuple[list[int], list[int]] | None = None) -> SamplingBatch:
     """Per-row parameters as tensors; row i draws with seeds[i] from the request rows[i] (a request drawing
-    several samples appears once per seed). `banned`: (row, token id) pairs that may not be drawn. What
+    several samples appears once per seed; None: each row's one seed). `banned`: (row, token id) pairs that
+    may not be drawn (None: from the rows' banned_token_ids). What
     holds for the whole step is decided on the distinct parameter objects (a job's rows usually share one),
     so a greedy step costs one pass over the rows; O(tokens) only for rows with penalties."""
     dev = device
-    params = [r.params for r in rows]
-    distinct = list({id(p): p for p in params}.values())
+    params = list(map(_params_of, rows))
+    distinct = list(dict(zip(map(id, params), params)).values())
     all_greedy = all(p.temperature == 0.0 for p in distinct)
     # a greedy step (a batch job's default) is an argmax: none of the draw's tensors are built for it
     drawing = not all_greedy
     greedy = [p.temperature == 0.0 for p in params] if drawing else None
+    if drawing and seeds is None:
+        seeds = [r.seeds[0] for r in rows]
     b = SamplingBatch(
         greedy=torch.tensor(greedy, device=dev) if drawing else None,
         temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
@@ -50,14 +57,7 @@ def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: i
             if r.num_output:
                 out = torch.tensor(r.token_ids[r.prompt_len :], device=dev)
                 b.output_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-    if banned is None:
-        banned_rows, banned_ids = [], []
-        for i, r in enumerate(rows):
-            if r.banned_token_ids:
-                banned_rows += [i] * len(r.banned_token_ids)
-                banned_ids += r.banned_token_ids
-    else:
-        banned_rows, banned_ids = banned
+    banned_rows, banned_ids = _banned_pairs(rows) if banned is None else banned
     if banned_rows:
         b.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
     asked = [p.logprobs for p in distinct if p.logprobs is not None]
@@ -94,9 +94,22 @@ class SamplingPlan:
     grammars: list = field(default_factory=list)
 
 
+_grammar_of = attrgetter("grammar")
+_beam_candidates_of = attrgetter("num_beam_candidates")
+_banned_of = attrgetter("banned_token_ids")
+_seeds_of = attrgetter("seeds")
+
+
 def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingPlan:
-    """requests[i] samples from logits row i. One pass over the requests; the common step (every row a
-    plain one-draw row) keeps the requests themselves as the drawn rows."""
+    """requests[i] samples from logits row i. The common step (every row a plain, unconstrained one-draw
+    row) is recognised with a few C-level passes and keeps the requests themselves as the drawn rows;
+    otherwise one Python pass sorts the rows out."""
+    n = len(requests)
+    if (n and not any(map(_beam_candidates_of, requests)) and set(map(len, map(_seeds_of, requests))) == {1}
+            and list(map(_grammar_of, requests)).count(None) == n):
+        banned = _banned_pairs(requests) if any(map(_banned_of, requests)) else ([], [])
+        return SamplingPlan(rows=None, batch=build_sampling_batch(requests, None, vocab, device, banned),
+                            num_drawn=n, beam_rows=None, beams=[])
     drawn: list[SamplingRequest] = []
     seeds: list[int] = []
     rows: list[int] = []  # logits row of each drawn sample, when some row draws other than once
@@ -141,6 +154,16 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
         grammar_rows=grammar_rows,
         grammars=grammars,
     )
+
+
+def _banned_pairs(drawn: list[SamplingRequest]) -> tuple[list[int], list[int]]:
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, r in enumerate(drawn):
+        if r.banned_token_ids:
+            rows += [i] * len(r.banned_token_ids)
+            ids += r.banned_token_ids
+    return rows, ids
 
 
 def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
