@@ -69,8 +69,13 @@ class SequenceGroup:
     bypassed: int = 0  # times a later request was admitted first (bounded: no starvation)
 
     def live(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:
-        return self.pending_forks == 0 and all(s.is_finished for s in self.seqs)
+        if self.pending_forks:
+            return False
+        for s in self.seqs:  # (a loop, not all(): asked of every running group when any sequence ends)
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return True

@@ -87,9 +87,12 @@ class Scheduler:
         if not self._finished_since_drop:
             return []
         self._finished_since_drop = False
-        done = [g for g in self.running if g.is_finished]
+        done: list[SequenceGroup] = []
+        keep: list[SequenceGroup] = []
+        for g in self.running:
+            (done if g.is_finished else keep).append(g)
         if done:
-            self.running = [g for g in self.running if not g.is_finished]
+            self.running = keep
         return done
 
     # ---- one step --------------------------------------------------------------------------------
@@ -103,24 +106,26 @@ class Scheduler:
         # sequences of the groups that stay running (kept current as groups join below).
         self._mixed = False  # (set by _schedule_group)
         running, decode_slot, seqs_out = self.running, self.bm.decode_slot, out.seqs
+        status_running = SeqStatus.RUNNING
         held = 0
         i = 0
         while i < len(running):
             group = running[i]
-            if len(group.seqs) == 1 and budget[0] > 0:
+            seqs = group.seqs
+            if len(seqs) == 1 and budget[0] > 0:
                 # the decode fast path: one sequence, one token, no copy-on-write. The same blocks and
                 # ScheduledSeq as _schedule_group would make, in fewer steps (and the ScheduledSeq reused)
-                seq = group.seqs[0]
+                seq = seqs[0]
                 start = seq.num_computed
-                if seq.status is SeqStatus.RUNNING and len(seq.token_ids) - start == 1:
+                tokens = seq.token_ids
+                if len(tokens) - start == 1 and seq.status is status_running:
                     table = decode_slot(seq.seq_id, start)
                     if table is not None:
                         planned = seq.scheduled
                         if planned is None:
-                            planned = seq.scheduled = ScheduledSeq(seq.seq_id, [seq.token_ids[start]], start,
-                                                                   table, True)
+                            planned = seq.scheduled = ScheduledSeq(seq.seq_id, [tokens[start]], start, table, True)
                         else:
-                            planned.token_ids = [seq.token_ids[start]]
+                            planned.token_ids = [tokens[start]]
                             planned.start = start
                             planned.block_table = table
                         seqs_out.append(planned)

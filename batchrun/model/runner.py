@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -28,6 +29,8 @@ from batchrun.model.ops import select_ops
 from batchrun.model.sampling_batch import plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
+
+_samples = attrgetter("sample")
 
 
 @dataclass
@@ -165,7 +168,9 @@ class ModelRunner:
             slens = [p + 1 for p in starts]
             num_tokens = num_seqs
         else:
-            input_ids = [t for s in seqs for t in s.token_ids]
+            input_ids = []
+            for s in seqs:
+                input_ids.extend(s.token_ids)
             qlens = [len(s.token_ids) for s in seqs]
             slens = [p + q for p, q in zip(starts, qlens)]
             num_tokens = len(input_ids)
@@ -187,7 +192,7 @@ class ModelRunner:
             slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
         else:
             slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        if decode_only and all(s.sample for s in seqs):
+        if decode_only and all(map(_samples, seqs)):
             logits_idx = None  # every row samples: the hidden states are the logits' rows
         else:
             sample_rows = [i for i, s in enumerate(seqs) if s.sample]
