@@ -177,20 +177,17 @@ class ModelRunner:
         max_seq_len = max(slens)
         block_tables = self.block_rows.gather(seqs, (max_seq_len + bs - 1) // bs)
         start_t = int64_tensor(starts)
-        if decode_only:
+        seq_lens = int32_tensor(slens)
+        if decode_only:  # a token's slot: its block (one gather from its row) and the offset in it
             positions = start_t
             qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-            seq_lens = (start_t + 1).to(torch.int32)
+            slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
         else:
             qlen_t = int64_tensor(qlens)
             qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
             torch.cumsum(qlen_t, 0, out=qsl[1:])
             seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlen_t, output_size=num_tokens)
             positions = start_t[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
-            seq_lens = int32_tensor(slens)
-        if decode_only:
-            slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
-        else:
             slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
         if decode_only and all(map(_samples, seqs)):
             logits_idx = None  # every row samples: the hidden states are the logits' rows
