@@ -77,6 +77,22 @@ class BlockManager:
         """The sequence's device block ids, logical order. The live list: callers only read it."""
         return self.tables[seq_id]
 
+    def decode_slot(self, seq_id: int, position: int) -> list[int] | None:
+        """The decode fast path: make room for the sequence's token at `position` and return its live
+        table, when that needs no more than `allocate` does in the common case: nothing (the token lands
+        in a block the sequence holds alone) or one free block (it starts a new block). None when
+        `allocate` must decide (a shared block to copy, no free block, a table that does not reach)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return None
+        i = position // self.block_size
+        if i < len(table):
+            return table if self.ref[table[i]] == 1 else None
+        if i == len(table) and self.free:
+            table.append(self._take_free())
+            return table
+        return None
+
     def num_distinct_blocks(self, seq_ids: list[int]) -> int:
         """Device blocks held by any of the sequences, shared ones counted once."""
         return len({b for s in seq_ids for b in self.tables.get(s, ())})

@@ -41,7 +41,7 @@ class GrammarState(Protocol):
     def fork(self) -> GrammarState: ...
 
 
-@dataclass
+@dataclass(slots=True)  # slots: compact, and quick to read in the per-sequence loops of a step
 class ScheduledSeq:
     seq_id: int
     token_ids: list[int]  # the tokens computed this step
@@ -50,13 +50,17 @@ class ScheduledSeq:
     sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRequest:
     """What to draw from the logits row of one sequence that samples this step.
 
     A plain row draws one token per seed: len(seeds) > 1 is the first sample of an n > 1 request, whose
     children are forked from this sequence after the step, all drawn from its one logits row. A beam row
     (num_beam_candidates > 0) draws nothing: the runner returns its top candidates instead.
+
+    The engine keeps a plain row's request across steps and updates it in place (num_output, and
+    banned_token_ids once min_tokens is reached); the scheduler does the same with a decoding sequence's
+    ScheduledSeq. The runner reads both during `execute` only and keeps no reference to them.
     """
 
     params: SamplingOptions

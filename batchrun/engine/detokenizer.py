@@ -1,9 +1,16 @@
 """Incremental detokenization and stop strings.
 
-Text is decoded one token at a time with `tokenizers`' DecodeStream (which holds back partial UTF-8
-sequences), seeded with the end of the prompt so word-boundary spaces come out as in a full decode.
-A stop string is looked for only in the window the new text can complete, so it is found even when it
-spans several tokens, at a cost independent of the text's length.
+Text is decoded with `tokenizers`' DecodeStream (which holds back partial UTF-8 sequences), seeded with
+the end of the prompt so word-boundary spaces come out as in a full decode. A stop string is looked for
+only in the window the new text can complete, so it is found even when it spans several tokens, at a
+cost independent of the text's length.
+
+Only stop strings need the text while a sequence runs (outputs are published when a request finishes).
+So a sequence without stop strings is `deferred`: its tokens are not decoded one step at a time (about
+2 us of tokenizer call per token per step) but once, when it ends (`finish`), by one DecodeStream step
+over all of them, which yields the same text as stepping token by token. When that single step has no
+text to give (the output ends inside a character), the tokens are stepped one at a time instead, exactly
+as the incremental path would have.
 """
 
 from __future__ import annotations
@@ -17,16 +24,20 @@ class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, stop: list[str],
                  include_stop: bool) -> None:
         self._tok = tokenizer._tokenizer  # the Rust tokenizer behind the HF fast tokenizer
-        self._stream = DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
+        self._context = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._skip_special = skip_special_tokens
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
         self._vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.stop = stop
         self.include_stop = include_stop
         self._longest_stop = max((len(s) for s in stop), default=0)
+        self.deferred = not stop  # nothing needs the text before the sequence ends
         self.text = ""
 
     def add(self, token_id: int) -> str | None:
-        """Append a token's text; return the stop string it completed, if any (text is then truncated)."""
-        if token_id >= self._vocab:  # a padded vocabulary row the tokenizer has no text for
+        """Append a token's text; return the stop string it completed, if any (text is then truncated).
+        A deferred detokenizer does nothing here: `finish` decodes its tokens."""
+        if self.deferred or token_id >= self._vocab:  # (a padded vocabulary row has no text)
             return None
         chunk = self._stream.step(self._tok, token_id)
         if not chunk:
@@ -43,3 +54,18 @@ class Detokenizer:
         if best is not None:
             self.text = self.text[: where + (len(best) if self.include_stop else 0)]
         return best
+
+    def finish(self, text_ids: list[int]) -> None:
+        """The sequence ended; `text_ids` are its output tokens that are text (all but a final stop token).
+        A deferred detokenizer decodes them now; an incremental one has its text already."""
+        if not self.deferred:
+            return
+        ids = [t for t in text_ids if t < self._vocab]
+        if not ids:
+            return
+        chunk = self._stream.step(self._tok, ids)
+        if chunk is None:  # ends inside a character: what stepping one token at a time emits, exactly
+            stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+            chunk = "".join(c for c in (stream.step(self._tok, t) for t in ids) if c)
+        self.text = chunk
+        self.deferred = False

@@ -20,7 +20,7 @@ from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.results import request_output
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
-from batchrun.engine.stops import banned_until_min_tokens, stop_decision
+from batchrun.engine.stops import StopRule, banned_until_min_tokens, stop_decision, stop_rule
 from batchrun.outputs import RequestOutput
 from batchrun.sampling_params import SamplingParams
 
@@ -102,6 +102,7 @@ class Engine:
         seq = Sequence(self._next_seq, token_ids, prompt_len, seed, index)
         seq.detok = Detokenizer(self.tokenizer, token_ids[:prompt_len], params.skip_special_tokens,
                                 params.stop, params.include_stop_str_in_output)
+        seq.stop_rule = stop_rule(params, self.eos_token_ids, prompt_len, self.config.max_model_len)
         self._next_seq += 1
         self.seqs[seq.seq_id] = seq
         return seq
@@ -128,7 +129,7 @@ class Engine:
         finished: list[RequestOutput] = []
         if sampling:
             self._apply(sampling, out.sampling, result)
-            for group in self.scheduler.drop_finished_groups():
+            for group in self.scheduler.drop_finished_groups():  # (none unless a sequence finished)
                 finished.append(request_output(group, self.tokenizer))
                 self.metrics.num_requests_finished += 1
                 for s in group.seqs:
@@ -138,40 +139,83 @@ class Engine:
         return finished
 
     def _sampling_requests(self, out: SchedulerOutput) -> list[Sequence]:
-        """Fill out.sampling: what the runner draws for each sequence that samples. Returns those sequences."""
+        """Fill out.sampling: what the runner draws for each sequence that samples. Returns those sequences.
+        A plain row (one draw, not a beam) keeps its SamplingRequest across steps: only its RNG counter,
+        and its banned ids once min_tokens is reached, change."""
         seqs: list[Sequence] = []
         requests = out.sampling
-        eos = self.eos_token_ids
+        by_id = self.seqs
         for s in out.seqs:
             if not s.sample:
                 continue
-            seq = self.seqs[s.seq_id]
-            group = self.groups[s.seq_id]
-            p = group.params
+            seq = by_id[s.seq_id]
             seqs.append(seq)
-            if group.beam is not None:
-                requests.append(SamplingRequest(p, [seq.seed], seq.num_output, seq.token_ids, seq.prompt_len,
-                                                num_beam_candidates=2 * group.beam.beam_width,
-                                                beam_temperature=group.beam.temperature))
-                continue
-            seeds = [seq.seed]
-            if group.pending_forks:  # the first sample of an n > 1 request: n draws from one logits row
-                seeds += [fork_seed(group.seed, j) for j in range(1, group.pending_forks + 1)]
-            # a constrained row is not banned its stop tokens: once its grammar is complete they may be all
-            # it allows (and the grammar, not min_tokens, decides when it ends)
-            banned = banned_until_min_tokens(p, eos) if seq.num_output < p.min_tokens and seq.grammar is None \
-                else []
-            requests.append(SamplingRequest(p, seeds, seq.num_output, seq.token_ids, seq.prompt_len, banned,
-                                            grammar=seq.grammar))
+            req = seq.sampling
+            if req is not None:
+                n = len(seq.token_ids) - seq.prompt_len
+                req.num_output = n
+                if req.banned_token_ids and n >= req.params.min_tokens:
+                    req.banned_token_ids = []
+                requests.append(req)
+            else:
+                requests.append(self._new_sampling_request(seq))
         return seqs
 
+    def _new_sampling_request(self, seq: Sequence) -> SamplingRequest:
+        group = self.groups[seq.seq_id]
+        p = group.params
+        if group.beam is not None:
+            return SamplingRequest(p, [seq.seed], seq.num_output, seq.token_ids, seq.prompt_len,
+                                   num_beam_candidates=2 * group.beam.beam_width,
+                                   beam_temperature=group.beam.temperature)
+        seeds = [seq.seed]
+        if group.pending_forks:  # the first sample of an n > 1 request: n draws from one logits row
+            seeds += [fork_seed(group.seed, j) for j in range(1, group.pending_forks + 1)]
+        # a constrained row is not banned its stop tokens: once its grammar is complete they may be all it
+        # allows (and the grammar, not min_tokens, decides when it ends)
+        banned = banned_until_min_tokens(p, self.eos_token_ids) \
+            if seq.num_output < p.min_tokens and seq.grammar is None else []
+        req = SamplingRequest(p, seeds, seq.num_output, seq.token_ids, seq.prompt_len, banned, grammar=seq.grammar)
+        if len(seeds) == 1:  # a plain row from now on: reused by later steps
+            seq.sampling = req
+        return req
+
     def _apply(self, seqs: list[Sequence], requests: list[SamplingRequest], result: StepOutput) -> None:
-        """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs."""
+        """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs.
+        A plain row (one token, no logprobs, no grammar) takes the fast path: append, then its StopRule."""
         tokens, lps = result.token_ids, result.logprobs
         top_ids, top_lps = result.top_token_ids, result.top_logprobs
         row = beam_row = 0
         beam_groups: dict[str, SequenceGroup] = {}
+        finish = self.scheduler.finish
+        plain = 0
         for seq, req in zip(seqs, requests):
+            if len(req.seeds) == 1 and req.grammar is None and not req.num_beam_candidates and (
+                    lps is None or req.params.logprobs is None):
+                token = tokens[row]
+                row += 1
+                plain += 1
+                ids = seq.token_ids
+                ids.append(token)
+                rule: StopRule = seq.stop_rule
+                length = len(ids)
+                if length >= rule.min_len and token in rule.stop_reasons:  # EOS or a stop token
+                    seq.finish_reason, seq.stop_reason = "stop", rule.stop_reasons[token]
+                    seq.detok.finish(ids[seq.prompt_len : -1])  # the stop token is not text
+                    finish(seq)
+                    continue
+                detok = seq.detok
+                if not detok.deferred:  # stop strings: the text is needed now
+                    hit = detok.add(token)
+                    if hit is not None and length >= rule.min_len:
+                        seq.finish_reason, seq.stop_reason = "stop", hit
+                        finish(seq)
+                        continue
+                if length >= rule.max_len:
+                    seq.finish_reason, seq.stop_reason = "length", None
+                    detok.finish(ids[seq.prompt_len :])
+                    finish(seq)
+                continue
             group = self.groups[seq.seq_id]
             if req.num_beam_candidates:
                 self._beam_candidates[seq.seq_id] = (result.beam_token_ids[beam_row], result.beam_logprobs[beam_row])
@@ -186,13 +230,14 @@ class Engine:
                 top = (top_ids[row], top_lps[row]) if top_ids is not None else None
                 self._append(member, group.params, tokens[row], lps[row] if lps is not None else None, top)
                 row += 1
+        self.metrics.generation_tokens += plain
         for group in beam_groups.values():
             if all(s.seq_id in self._beam_candidates for s in group.live()):
                 self._beam_step(group)
 
     def _append(self, seq: Sequence, p: SamplingParams, token: int, logprob: float | None,
                 top: tuple[list[int], list[float]] | None) -> None:
-        """Record a sampled token and decide whether the sequence is done."""
+        """Record a sampled token and decide whether the sequence is done (the general path)."""
         seq.token_ids.append(token)
         self.metrics.generation_tokens += 1
         if logprob is not None and p.logprobs is not None:
@@ -266,9 +311,10 @@ class Engine:
         m = self.metrics
         m.num_steps += 1
         live = running = 0
+        status_running = SeqStatus.RUNNING
         for g in self.scheduler.running:
             for s in g.seqs:
-                if s.status is SeqStatus.RUNNING:
+                if s.status is status_running:
                     live += s.num_computed
                     running += 1
         m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)

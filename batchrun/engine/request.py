@@ -15,7 +15,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)  # slots: compact, and quick to read in the per-sequence loops of a step
 class Sequence:
     """One token stream. `num_computed` counts the tokens whose K/V are in the cache."""
 
@@ -32,6 +32,10 @@ class Sequence:
     stop_reason: int | str | None = None
     detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)
     grammar: object | None = None  # structured outputs: its matcher (contract.GrammarState), fed each token
+    # kept across steps so a decode step creates no per-sequence objects (vLLM v1's persistent batch idea):
+    stop_rule: object | None = None  # its stop conditions (stops.StopRule), from its params at creation
+    sampling: object | None = None  # the engine's SamplingRequest of a plain row, updated in place each step
+    scheduled: object | None = None  # the scheduler's ScheduledSeq of its decode step, updated in place
 
     @property
     def output_ids(self) -> list[int]:
@@ -46,7 +50,7 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceGroup:
     """A request: the sequences sampled from one prompt. Scheduling and preemption act on whole groups."""
 
@@ -65,8 +69,13 @@ class SequenceGroup:
     bypassed: int = 0  # times a later request was admitted first (bounded: no starvation)
 
     def live(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:
-        return self.pending_forks == 0 and all(s.is_finished for s in self.seqs)
+        if self.pending_forks:
+            return False
+        for s in self.seqs:  # (a loop, not all(): asked of every running group when any sequence ends)
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return True

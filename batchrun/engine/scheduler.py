@@ -56,6 +56,8 @@ class Scheduler:
         # sequences admitted with only part of their prompt scheduled: their next chunks (scheduled with the
         # running groups) are published ahead too, so a prefix split over steps is still shared in its step
         self._prefilling: dict[int, Sequence] = {}
+        self._finished_since_drop = False  # a sequence finished since drop_finished_groups last looked
+        self._mixed = False  # this step schedules some chunk that is not a single token
 
     # ---- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -71,6 +73,7 @@ class Scheduler:
         """A sequence ended: its blocks go back at once (its full blocks stay in the prefix cache)."""
         seq.status = SeqStatus.FINISHED
         self.bm.free_seq(seq.seq_id)
+        self._finished_since_drop = True
 
     def clear(self) -> list[SequenceGroup]:
         """Empty every queue (an abort); returns the groups that were in them. Their blocks are the caller's
@@ -82,9 +85,17 @@ class Scheduler:
         return groups
 
     def drop_finished_groups(self) -> list[SequenceGroup]:
-        done = [g for g in self.running if g.is_finished]
+        """Take the finished groups out of the running queue (a group finishes only when one of its
+        sequences does, so a step where none did looks at nothing)."""
+        if not self._finished_since_drop:
+            return []
+        self._finished_since_drop = False
+        done: list[SequenceGroup] = []
+        keep: list[SequenceGroup] = []
+        for g in self.running:
+            (done if g.is_finished else keep).append(g)
         if done:
-            self.running = [g for g in self.running if not g.is_finished]
+            self.running = keep
         return done
 
     # ---- one step --------------------------------------------------------------------------------
@@ -94,25 +105,50 @@ class Scheduler:
         budget = [cfg.max_num_batched_tokens]
         preempted = False
 
-        # 1. running groups, oldest first; the newest are the preemption victims
+        # 1. running groups, oldest first; the newest are the preemption victims. `held` counts the
+        # sequences of the groups that stay running (kept current as groups join below).
+        self._mixed = False  # (set by _schedule_group)
+        running, decode_slot, seqs_out = self.running, self.bm.decode_slot, out.seqs
+        status_running = SeqStatus.RUNNING
+        held = 0
         i = 0
-        while i < len(self.running):
-            group = self.running[i]
+        while i < len(running):
+            group = running[i]
+            seqs = group.seqs
+            if len(seqs) == 1 and budget[0] > 0:
+                # the decode fast path: one sequence, one token, no copy-on-write. The same blocks and
+                # ScheduledSeq as _schedule_group would make, in fewer steps (and the ScheduledSeq reused)
+                seq = seqs[0]
+                start = seq.num_computed
+                tokens = seq.token_ids
+                if len(tokens) - start == 1 and seq.status is status_running:
+                    table = decode_slot(seq.seq_id, start)
+                    if table is not None:
+                        planned = seq.scheduled
+                        if planned is None:
+                            planned = seq.scheduled = ScheduledSeq(seq.seq_id, [tokens[start]], start, table, True)
+                        else:
+                            planned.token_ids = [tokens[start]]
+                            planned.start = start
+                            planned.block_table = table
+                        seqs_out.append(planned)
+                        budget[0] -= 1
+                        held += 1 + group.pending_forks
+                        i += 1
+                        continue
             while not self._schedule_group(group, out, budget):
-                if len(self.running) == 1 and self._preempt_sibling(group, out):
+                if len(running) == 1 and self._preempt_sibling(group, out):
                     continue
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim, out)
                 preempted = True
                 if victim is group:
                     break
             else:
+                held += len(group.live()) + group.pending_forks
                 i += 1
                 continue
             break  # the group itself was preempted: it was the newest, nothing after it
-
-        # sequences held by running groups (counted once; kept current as groups join below)
-        held = self.num_running_seqs()
 
         # 2. swapped groups come back before anything new is admitted
         if not preempted:
@@ -159,8 +195,11 @@ class Scheduler:
                 if self.bm.enable_prefix_caching:
                     self._publish_admitted(group, out.seqs[first:])
 
-        out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
-        out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
+        if self._mixed:
+            out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
+            out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
+        else:  # every chunk is one token: already in order
+            out.num_decodes = len(out.seqs)
         return out
 
     def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int]) -> bool:
@@ -205,6 +244,8 @@ class Scheduler:
             start = seq.num_computed
             planned.append(ScheduledSeq(seq.seq_id, seq.token_ids[start : start + n], start,
                                         bm.block_table(seq.seq_id), start + n == len(seq.token_ids)))
+            if n != 1:
+                self._mixed = True
             budget[0] -= n
         out.seqs.extend(planned)
         out.copies.extend(copies)
@@ -324,7 +365,12 @@ class Scheduler:
         """The step ran: its tokens are in the cache now. Advance the counters and publish full blocks to
         the prefix cache (before the engine appends the sampled tokens and decides stops)."""
         commit = self.bm.commit
+        bs = self.bm.block_size
+        caching = self.bm.enable_prefix_caching
         for s in out.seqs:
             seq = seqs[s.seq_id]
-            seq.num_computed = s.start + len(s.token_ids)
-            commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            num_tokens = len(s.token_ids)
+            seq.num_computed = computed = s.start + num_tokens
+            # a decode token fills a block only at a block boundary; commit has nothing to do otherwise
+            if caching and (num_tokens != 1 or computed % bs == 0):
+                commit(seq.seq_id, seq.token_ids, computed)

@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from batchrun.engine.request import Sequence
 from batchrun.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class StopRule:
+    """A sequence's stop conditions, worked out once, so that the check after each token is a length
+    comparison and one dict lookup (engine fast path); the same decisions as stop_decision."""
+
+    stop_reasons: dict[int, int | None]  # a token that stops it -> stop_reason (EOS: None, a stop token: itself)
+    min_len: int  # len(token_ids) from which it may stop (prompt + min_tokens)
+    max_len: int  # len(token_ids) at which it stops for length
+
+
+def stop_rule(params: SamplingParams, eos_token_ids: tuple[int, ...], prompt_len: int,
+              max_model_len: int) -> StopRule:
+    reasons: dict[int, int | None] = {t: t for t in params.stop_token_ids}
+    if not params.ignore_eos:
+        reasons.update((t, None) for t in eos_token_ids)  # EOS first: its stop_reason is None
+    max_len = min(prompt_len + (params.max_tokens or max_model_len), max_model_len)
+    return StopRule(reasons, prompt_len + params.min_tokens, max_len)
 
 
 def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_ids: tuple[int, ...],
@@ -11,21 +32,24 @@ def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_i
     """(finish_reason, stop_reason) once `token` (already appended) ends the sequence, else None. The
     detokenizer sees every token that is not a stop token, so stop strings spanning tokens are found;
     nothing stops before min_tokens but the length limits and a structured output's grammar ending
-    (`grammar_ended`: nothing more may follow, so the sequence stops, min_tokens or not)."""
+    (`grammar_ended`: nothing more may follow, so the sequence stops, min_tokens or not). On a decision
+    the detokenizer is told the sequence ended (a deferred one decodes its text then)."""
     n = seq.num_output
     can_stop = n >= params.min_tokens
-    if can_stop and not params.ignore_eos and token in eos_token_ids:
-        return "stop", None
-    if can_stop and token in params.stop_token_ids:
-        return "stop", token
+    if can_stop and ((not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids):
+        seq.detok.finish(seq.token_ids[seq.prompt_len : -1])  # the stop token is not text
+        return "stop", None if not params.ignore_eos and token in eos_token_ids else token
     hit = seq.detok.add(token)
+    decision: tuple[str, int | str | None] | None = None
     if hit is not None and can_stop:
-        return "stop", hit
-    if grammar_ended:
-        return "stop", None
-    if n >= (params.max_tokens or max_model_len) or len(seq.token_ids) >= max_model_len:
-        return "length", None
-    return None
+        decision = "stop", hit
+    elif grammar_ended:
+        decision = "stop", None
+    elif n >= (params.max_tokens or max_model_len) or len(seq.token_ids) >= max_model_len:
+        decision = "length", None
+    if decision is not None:
+        seq.detok.finish(seq.token_ids[seq.prompt_len :])
+    return decision
 
 
 def banned_until_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:

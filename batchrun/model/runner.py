@@ -15,18 +15,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput, StepOutput
 from batchrun.model.attention import AttentionMetadata
 from batchrun.model.backends import select_backend
+from batchrun.model.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.context import ForwardContext
 from batchrun.model.llama import LlamaForCausalLM
 from batchrun.model.ops import select_ops
 from batchrun.model.sampling_batch import plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
+
+_samples = attrgetter("sample")
 
 
 @dataclass
@@ -79,6 +83,8 @@ class ModelRunner:
         self.graphs = None
         self.model_time_s = 0.0
         self.grammar_mask = None  # made at the first constrained row (structured outputs import xgrammar)
+        # the step's block tables, kept across steps (rows as wide as the longest sequence the model takes)
+        self.block_rows = BlockTableRows(-(-model.cos.shape[0] // shape.block_size))
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode graphs (CUDA with a graph-safe backend only); on failure stay eager."""
@@ -146,55 +152,66 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     # ---- one step ------------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor]:
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
         """Flat inputs for the step: token ids, the forward's context, and the rows of the hidden states
-        that sample. Per-token work (positions, slots) is done with tensor ops."""
+        that sample (None: every row, in order, as in a decode-only step). Per-token work (positions,
+        slots) is done with tensor ops; per sequence there is one pass reading its fields, and the block
+        tables come from persistent rows (block_tables.py) that only change when a table does."""
         bs = self.block_size
         seqs = out.seqs
-        input_ids: list[int] = []
-        starts, qlens, slens, tables = [], [], [], []
-        for s in seqs:
-            input_ids.extend(s.token_ids)
-            starts.append(s.start)
-            qlens.append(len(s.token_ids))
-            slens.append(s.start + len(s.token_ids))
-            tables.append(s.block_table)
-        width = max((n + bs - 1) // bs for n in slens)
-        block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in tables],
-                                    dtype=torch.int32)
-        qlen_t = torch.tensor(qlens)
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(qlen_t, 0, out=qsl[1:])
-        num_tokens = len(input_ids)
-        if out.num_decodes == len(seqs):
-            # one token per sequence, at its start: its slot is one lookup in its own table (a list read per
-            # sequence, where the general case below costs half a dozen tensor ops)
-            positions = torch.tensor(starts)
-            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, starts)])
+        num_seqs = len(seqs)
+        starts = [s.start for s in seqs]
+        decode_only = out.num_decodes == num_seqs
+        if decode_only:  # one token per sequence, at its start
+            input_ids = [s.token_ids[0] for s in seqs]
+            qlens = [1] * num_seqs
+            slens = [p + 1 for p in starts]
+            num_tokens = num_seqs
         else:
-            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), qlen_t, output_size=num_tokens)
-            positions = torch.tensor(starts)[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
+            input_ids = []
+            for s in seqs:
+                input_ids.extend(s.token_ids)
+            qlens = [len(s.token_ids) for s in seqs]
+            slens = [p + q for p, q in zip(starts, qlens)]
+            num_tokens = len(input_ids)
+        max_seq_len = max(slens)
+        block_tables = self.block_rows.gather(seqs, (max_seq_len + bs - 1) // bs)
+        start_t = int64_tensor(starts)
+        seq_lens = int32_tensor(slens)
+        if decode_only:  # a token's slot: its block (one gather from its row) and the offset in it
+            positions = start_t
+            qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+            slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
+        else:
+            qlen_t = int64_tensor(qlens)
+            qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
+            torch.cumsum(qlen_t, 0, out=qsl[1:])
+            seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlen_t, output_size=num_tokens)
+            positions = start_t[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
             slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        sample_rows = [i for i, s in enumerate(seqs) if s.sample]
-        logits_idx = qsl[1:].long()[sample_rows] - 1
+        if decode_only and all(map(_samples, seqs)):
+            logits_idx = None  # every row samples: the hidden states are the logits' rows
+        else:
+            sample_rows = [i for i, s in enumerate(seqs) if s.sample]
+            logits_idx = qsl[1:].long()[int64_tensor(sample_rows)] - 1
 
         dev = self.device
         nb = dev.type == "cuda"
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=nb),
             block_tables=block_tables.to(dev, non_blocking=nb),
-            seq_lens=torch.tensor(slens, dtype=torch.int32).to(dev, non_blocking=nb),
+            seq_lens=seq_lens.to(dev, non_blocking=nb),
             query_start_loc=qsl.to(dev, non_blocking=nb),
             num_decodes=out.num_decodes,
-            max_query_len=max(qlens),
-            max_seq_len=max(slens),
+            max_query_len=1 if decode_only else max(qlens),
+            max_seq_len=max_seq_len,
             seq_lens_host=slens,
             query_lens_host=qlens,
         )
-        ids = torch.tensor(input_ids).to(dev, non_blocking=nb)
+        ids = int64_tensor(input_ids).to(dev, non_blocking=nb)
         ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions.to(dev, non_blocking=nb)), self.backend,
                              self.ops)
-        return ids, ctx, logits_idx.to(dev, non_blocking=nb)
+        return ids, ctx, None if logits_idx is None else logits_idx.to(dev, non_blocking=nb)
 
     def profile_forward(self, num_tokens: int) -> None:
         """One forward at the step-token budget, into a throw-away pool (CUDA memory profiling)."""
@@ -243,7 +260,7 @@ class ModelRunner:
             hidden = self.graphs.run(ids, ctx.positions, meta)
         else:
             hidden = self.model(ids, ctx)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        logits = self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])
         self.model_time_s += time.perf_counter() - t0
         return logits
 

@@ -101,6 +101,30 @@ def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
 
+_CHUNK = 64  # columns per chunk in argmax_rows (a vocabulary padded to a multiple of 64 divides)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for a 2-D tensor, the same indices (the first maximum; NaN counts as the maximum).
+
+    On CPU torch's index-returning reductions run a scalar loop (about 5 ns an element: 2 ms for 256 rows
+    of a 2k vocabulary, most of a greedy decode step's time outside the model), while amax is vectorized.
+    So: the max of each chunk of _CHUNK columns with amax, the first chunk holding the row's maximum (or
+    a NaN; found the same way, over the chunks), and argmax only inside that chunk. On CUDA, or for a
+    width that does not divide, plain argmax."""
+    rows, width = x.shape
+    if x.device.type != "cpu" or width % _CHUNK or width <= _CHUNK or rows == 0:
+        return x.argmax(dim=-1)
+    chunks = x.reshape(rows, width // _CHUNK, _CHUNK)
+    chunk_max = chunks.amax(dim=-1)  # [rows, num chunks]
+    row_max = chunk_max.amax(dim=-1, keepdim=True)  # NaN where the row has one
+    holds = (chunk_max == row_max) | chunk_max.isnan()
+    first = argmax_rows(holds.to(torch.float32))  # the first chunk that holds it
+    num_chunks = width // _CHUNK
+    picked = chunks.reshape(rows * num_chunks, _CHUNK).index_select(0, torch.arange(rows) * num_chunks + first)
+    return first * _CHUNK + picked.argmax(dim=-1)  # argmax over [rows, _CHUNK]
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerResult:
     """logits: float32 [B, V]. One pass: penalties, bans, greedy argmax, and for the other rows
     temperature, top-k / top-p / min-p and an inverse-CDF draw."""
@@ -110,7 +134,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerResult:
     if b.banned is not None:
         rows, ids = b.banned
         logits = logits.index_put((rows, ids), torch.tensor(float("-inf"), device=logits.device))
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     if not b.all_greedy:
         x = logits / b.temperature[:, None]
         if b.top_k is not None or b.top_p is not None:

@@ -8,6 +8,7 @@ to the host with one `.tolist()`: the only device sync of the step (sample_step)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -15,28 +16,37 @@ from batchrun.engine.contract import SamplingRequest, StepOutput
 from batchrun.model.sampler import SamplingBatch, sample
 
 
-def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: int,
-                         device: torch.device) -> SamplingBatch:
+_params_of = attrgetter("params")
+
+
+def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int] | None, vocab: int, device: torch.device,
+                         banned: tuple[list[int], list[int]] | None = None) -> SamplingBatch:
     """Per-row parameters as tensors; row i draws with seeds[i] from the request rows[i] (a request drawing
-    several samples appears once per seed). O(rows) Python, plus O(tokens) only for rows with penalties."""
+    several samples appears once per seed; None: each row's one seed). `banned`: (row, token id) pairs that
+    may not be drawn (None: from the rows' banned_token_ids). What
+    holds for the whole step is decided on the distinct parameter objects (a job's rows usually share one),
+    so a greedy step costs one pass over the rows; O(tokens) only for rows with penalties."""
     dev = device
-    params = [r.params for r in rows]
-    greedy = [p.temperature == 0.0 for p in params]
-    all_greedy = all(greedy)
+    params = list(map(_params_of, rows))
+    distinct = list(dict(zip(map(id, params), params)).values())
+    all_greedy = all(p.temperature == 0.0 for p in distinct)
     # a greedy step (a batch job's default) is an argmax: none of the draw's tensors are built for it
     drawing = not all_greedy
+    greedy = [p.temperature == 0.0 for p in params] if drawing else None
+    if drawing and seeds is None:
+        seeds = [r.seeds[0] for r in rows]
     b = SamplingBatch(
         greedy=torch.tensor(greedy, device=dev) if drawing else None,
         temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
         if drawing else None,
-        top_k=torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k for p in params) else None,
-        top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None,
-        min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in params) else None,
+        top_k=torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k for p in distinct) else None,
+        top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in distinct) else None,
+        min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in distinct) else None,
         seeds=torch.tensor(seeds, dtype=torch.int64, device=dev) if drawing else None,
         counters=torch.tensor([r.num_output for r in rows], dtype=torch.int64, device=dev) if drawing else None,
         all_greedy=all_greedy,
     )
-    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in distinct):
         b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
         b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
         b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
@@ -47,14 +57,10 @@ def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int], vocab: i
             if r.num_output:
                 out = torch.tensor(r.token_ids[r.prompt_len :], device=dev)
                 b.output_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-    banned_rows, banned_ids = [], []
-    for i, r in enumerate(rows):
-        if r.banned_token_ids:
-            banned_rows += [i] * len(r.banned_token_ids)
-            banned_ids += r.banned_token_ids
+    banned_rows, banned_ids = _banned_pairs(rows) if banned is None else banned
     if banned_rows:
         b.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
-    asked = [p.logprobs for p in params if p.logprobs is not None]
+    asked = [p.logprobs for p in distinct if p.logprobs is not None]
     b.want_logprobs = bool(asked)
     b.max_logprobs = max(asked, default=0)
     return b
@@ -88,40 +94,76 @@ class SamplingPlan:
     grammars: list = field(default_factory=list)
 
 
+_grammar_of = attrgetter("grammar")
+_beam_candidates_of = attrgetter("num_beam_candidates")
+_banned_of = attrgetter("banned_token_ids")
+_seeds_of = attrgetter("seeds")
+
+
 def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingPlan:
-    """requests[i] samples from logits row i."""
-    rows: list[int] = []  # logits row of each drawn sample
+    """requests[i] samples from logits row i. The common step (every row a plain, unconstrained one-draw
+    row) is recognised with a few C-level passes and keeps the requests themselves as the drawn rows;
+    otherwise one Python pass sorts the rows out."""
+    n = len(requests)
+    if (n and not any(map(_beam_candidates_of, requests)) and set(map(len, map(_seeds_of, requests))) == {1}
+            and list(map(_grammar_of, requests)).count(None) == n):
+        banned = _banned_pairs(requests) if any(map(_banned_of, requests)) else ([], [])
+        return SamplingPlan(rows=None, batch=build_sampling_batch(requests, None, vocab, device, banned),
+                            num_drawn=n, beam_rows=None, beams=[])
     drawn: list[SamplingRequest] = []
     seeds: list[int] = []
+    rows: list[int] = []  # logits row of each drawn sample, when some row draws other than once
     beam_rows: list[int] = []
     beams: list[SamplingRequest] = []
     grammar_rows: list[int] = []
     grammars: list = []
+    banned_rows: list[int] = []  # (drawn row, token id) pairs that may not be drawn yet
+    banned_ids: list[int] = []
+    plain = True  # so far every request draws exactly once
     for i, r in enumerate(requests):
         if r.grammar is not None:
             grammar_rows.append(i)
             grammars.append(r.grammar)
         if r.num_beam_candidates:
+            if plain:
+                rows, plain = list(range(i)), False
             beam_rows.append(i)
             beams.append(r)
             continue
+        if r.banned_token_ids:
+            for j in range(len(drawn), len(drawn) + len(r.seeds)):
+                banned_rows += [j] * len(r.banned_token_ids)
+                banned_ids += r.banned_token_ids
         if len(r.seeds) == 1:
-            rows.append(i)
+            if not plain:
+                rows.append(i)
             drawn.append(r)
             seeds.append(r.seeds[0])
         else:
+            if plain:
+                rows, plain = list(range(i)), False
             rows += [i] * len(r.seeds)
             drawn += [r] * len(r.seeds)
             seeds += r.seeds
     return SamplingPlan(
-        rows=None if len(rows) == len(requests) else torch.tensor(rows, device=device),
-        batch=build_sampling_batch(drawn, seeds, vocab, device) if drawn else None,
+        rows=None if plain else torch.tensor(rows, device=device),
+        batch=build_sampling_batch(drawn, seeds, vocab, device, (banned_rows, banned_ids)) if drawn else None,
         num_drawn=len(drawn),
         beam_rows=torch.tensor(beam_rows, device=device) if beams else None,
         beams=beams,
         grammar_rows=grammar_rows,
         grammars=grammars,
     )
+
+
+def _banned_pairs(drawn: list[SamplingRequest]) -> tuple[list[int], list[int]]:
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, r in enumerate(drawn):
+        if r.banned_token_ids:
+            rows += [i] * len(r.banned_token_ids)
+            ids += r.banned_token_ids
+    return rows, ids
 
 
 def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
