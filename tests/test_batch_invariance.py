@@ -211,3 +211,55 @@ def test_sampler_rows_do_not_depend_on_the_batch():
                 assert alone.logprobs == batch.logprobs[i : i + 1]
                 assert alone.top_token_ids == [batch.top_token_ids[i]]
                 assert alone.top_logprobs == [batch.top_logprobs[i]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
+def test_norm_silu_rope_rows_do_not_depend_on_the_row_count(dtype, kernels):
+    """RMSNorm (with its residual add), SiLU-and-multiply and RoPE give each row the bits it gets alone."""
+    from batchrun.model import cpu_kernels
+    from batchrun.model.ops import CpuKernelOps, Rotary, TorchOps
+
+    if kernels and not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    ops = CpuKernelOps() if kernels else TorchOps()
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, heads, head_dim = 67, 576, 3, 64
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
+    qk = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 500, (rows,), generator=gen)
+    angles = torch.arange(512)[:, None] * torch.rand(head_dim // 2, generator=gen)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def run(lo: int, hi: int) -> list[torch.Tensor]:
+        res = residual[lo:hi].clone()
+        normed, added = ops.rms_norm(x[lo:hi].clone(), weight, 1e-5, res)
+        q, k = qk[lo:hi].clone(), qk[lo:hi].clone()[:, :1].contiguous()
+        q, k = ops.apply_rope(q, k, Rotary(positions[lo:hi], cos, sin, dtype))
+        return [ops.rms_norm(x[lo:hi].clone(), weight, 1e-5), normed, added, ops.silu_mul(gate_up[lo:hi].clone()), q, k]
+
+    whole = run(0, rows)
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (33, 67)):
+        for got, ref in zip(run(lo, hi), whole):
+            assert torch.equal(got, ref[lo:hi]), (lo, hi)
+
+
+def test_c_decode_attention_rows_do_not_depend_on_the_batch():
+    """The C decode kernel gives a sequence the same bits alone and beside longer and shorter contexts."""
+    from batchrun.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_blocks, kv_heads, heads, head_dim = 16, 40, 2, 6, 64
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(4, 10)
+    lens = torch.tensor([150, 3, 77, 160], dtype=torch.int32)
+    q = torch.randn(4, heads, head_dim, generator=gen)
+    whole = cpu_kernels.paged_decode(q, cache, tables, lens, 160, 0.125)
+    for i in range(4):
+        alone = cpu_kernels.paged_decode(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], int(lens[i]), 0.125)
+        assert torch.equal(alone, whole[i : i + 1]), i
