@@ -263,3 +263,25 @@ def test_c_decode_attention_rows_do_not_depend_on_the_batch():
     for i in range(4):
         alone = cpu_kernels.paged_decode(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], int(lens[i]), 0.125)
         assert torch.equal(alone, whole[i : i + 1]), i
+
+
+def test_the_mode_defaults_on_in_float32_on_a_cpu(make_ckpt, caplog):
+    from batchrun.model.backends import resolve_batch_invariant
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_batch_invariant(None, cpu, torch.float32) is True
+    assert resolve_batch_invariant(None, cpu, torch.bfloat16) is False
+    assert resolve_batch_invariant(None, cuda, torch.float32) is False
+    assert resolve_batch_invariant(False, cpu, torch.float32) is False
+    assert resolve_batch_invariant(True, cuda, torch.bfloat16) is True
+    assert "linears are cuBLAS's" in caplog.text
+
+    path = str(make_ckpt("llama"))
+    llm = LLM(path, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    assert llm.batch_invariant
+    if torch.backends.mkldnn.is_available():
+        for layer in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj, model.lm_head):
+            assert isinstance(layer, OneDNNLinear) and (layer.min_rows, layer.max_rows) == (2, None)
+    off = LLM(path, num_kv_blocks=16, batch_invariant=False)
+    assert not off.batch_invariant and type(off.engine.runner.model.lm_head) is nn.Linear  # small: MKL

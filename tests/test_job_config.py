@@ -178,6 +178,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
     ("engine: {swap_space: -1}", "engine.swap_space: must be >= 0, got -1"),
     ("engine: {swap_space: null}", "engine.swap_space: must not be null"),
     ("engine: {enforce_eager: 1}", "engine.enforce_eager: expected true or false, got 1 (int)"),
+    ("engine: {batch_invariant: yes please}", "engine.batch_invariant: expected true or false, got 'yes please' (str)"),
 ])
 def test_engine_rules_name_the_key(extra, expect):
     assert expect in error_of(extra)
