@@ -43,12 +43,13 @@ def _q(seq_len: int, num_rows: int, num_heads: int = 4, head_dim: int = 32, dtyp
     return torch.randn(num_rows, num_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
 
 
-@pytest.mark.parametrize("partition_size", [PARTITION, None], ids=["split", "unsplit"])
+@pytest.mark.parametrize(("partition_size", "ours"), [(PARTITION, 70), (PARTITION, 20), (None, 70)],
+                         ids=["split", "one-partition", "unsplit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_row_does_not_depend_on_the_batch(partition_size, dtype) -> None:
+def test_decode_row_does_not_depend_on_the_batch(partition_size, ours, dtype) -> None:
     """A sequence's decode output alone, and beside longer and shorter ones (the grid and the split flag then
-    change), is the same bits: the partitions are a function of the sequence's own length."""
-    ours = 70
+    change), is the same bits: the partitions are a function of the sequence's own length, and a sequence of
+    one partition gets the same bits through the merge (beside a longer one) as stored directly (alone)."""
     alone_cache, alone_table, alone_lens = _pool([ours], dtype=dtype)
     q = _q(ours, 1, dtype=dtype)
     alone = paged_decode_attention(q, alone_cache, alone_table, alone_lens, 0.2, ours,
