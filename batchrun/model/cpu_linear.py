@@ -20,12 +20,12 @@ stay those transformers computes (the greedy parity tests).
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
 Batch invariance (EngineArgs.batch_invariant): a row's product must not depend on how many rows share the call,
-or a sequence's logits depend on its batch (issue 14). Measured with torch 2.x on an AVX512-BF16/AMX Xeon, 1
+or a sequence's logits depend on its batch (issue 14). Measured with torch 2.13 on an AVX512-BF16/AMX Xeon, 1
 and 2 threads, on every shape of the built-in models and SmolLM2-135M and M in 1..4096, bitwise against the
 same rows computed in 2-row calls (tests/test_batch_invariance.py holds these facts):
 - fp32 MKL (F.linear) gives different bits at almost every row count: it is never used in that mode;
-- fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K >= 1536 (a matrix-vector kernel),
-  so a 1-row call is padded to 2 rows (min_rows);
+- fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K = 1536 and 2048 (a matrix-vector
+  kernel for long rows), so a 1-row call is padded to 2 rows (min_rows);
 - bf16 oneDNN gives the same bits for M in 1..32 and different ones for most M >= 33 (AMX tiles), so the
   rows go through in tiles of at most 32 (max_rows); prefill linears then run at 32-row speed.
 So in that mode every linear is reordered, whatever the weights' size, and the tied lm_head too (a reordered
@@ -130,7 +130,11 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         return False
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, _, m in linears)
     wanted = choice == "onednn" or dtype == torch.bfloat16 or weight_bytes >= ONEDNN_MIN_BYTES
-    return wanted and _works(linears[0][2])
+    works = wanted and _works(linears[0][2])
+    if batch_invariant and not works:
+        log.warning("batch_invariant: oneDNN's linears do not work here, so MKL's are used, whose kernels change "
+                    "with the number of rows: a row's logits can depend on its batch")
+    return works
 
 
 def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
