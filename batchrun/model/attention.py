@@ -50,6 +50,21 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
+    @cached_property
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each query row (new token) of the step, int32 on the host: its sequence index, and how many keys
+        it attends to (its position + 1: the whole context for a decode row). The CPU kernel takes every row
+        of the step in one call with these; built once per step, shared by every layer."""
+        num_rows = sum(self.query_lens_host)
+        if num_rows == self.num_seqs:  # decode only: one row per sequence
+            return torch.arange(num_rows, dtype=torch.int32), torch.tensor(self.seq_lens_host, dtype=torch.int32)
+        qlens = torch.tensor(self.query_lens_host)
+        row_seq = torch.repeat_interleave(torch.arange(self.num_seqs), qlens)
+        first = torch.cumsum(qlens, 0) - qlens  # the first row of each sequence
+        first_len = torch.tensor(self.seq_lens_host) - qlens + 1  # keys seen by that row
+        row_len = torch.arange(num_rows) - first[row_seq] + first_len[row_seq]
+        return row_seq.to(torch.int32), row_len.to(torch.int32)
+
 
 class AttentionBackend(ABC):
     """One forward of attention for one layer. Implementations must not allocate persistent state."""
@@ -89,7 +104,10 @@ class TorchBackend(AttentionBackend):
     cached yet the new K/V are used directly instead of being read back from the pool.
 
     With `cpu_kernels` (fp32 and bf16 models on a CPU, decided at load by backends.select_backend) the K/V store and
-    decode attention are the C kernels, which read K/V in place through the block tables.
+    the attention of every query row of the step, decode and prefill alike, are C kernels (one call each per
+    layer) that read K/V in place through the block tables. A prefill row at position p is a decode over keys
+    [0, p] (its K/V were stored first), so one row's result is the same whether it comes in a full prefill,
+    a chunk of one, after a prefix-cache hit or as a decode, next to any other rows (issue 14).
     """
 
     name = "torch"
@@ -100,8 +118,14 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale):
         if self.cpu_kernels:
             cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
-        else:
-            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+            row_seq, row_len = meta.query_rows
+            if q.shape[0] == row_seq.shape[0]:
+                return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
+            out = torch.zeros(q.shape, dtype=q.dtype)  # padded rows (none on the CPU paths today) stay zero
+            cpu_kernels.paged_attention(q[: row_seq.shape[0]], kv_cache, meta.block_tables, row_seq, row_len,
+                                        scale, out=out[: row_seq.shape[0]])
+            return out
+        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale)
@@ -128,8 +152,6 @@ class TorchBackend(AttentionBackend):
     def _decode(self, q, kv_cache, meta, scale):
         nd = q.shape[0]
         ctx = meta.max_decode_len
-        if self.cpu_kernels:
-            return cpu_kernels.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], ctx, scale)
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
         if min(meta.seq_lens_host[:nd]) != ctx:

@@ -36,7 +36,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fop
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store_kv: the element size)
-    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B],
+    "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B],
     "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P, _I],
     "rms_norm": [_P, _P, _P, _P, _I, _I, _F, _B, _B],
     "silu_mul": [_P, _P, _I, _I, _B],
@@ -58,21 +58,29 @@ def _cpu_signature() -> str:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("BATCHRUN_CPU_KERNELS", "1") == "0":
         return None
+    return build(_SRC.read_bytes(), _SIGNATURES)
+
+
+def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """Compile C source `src` (cached by its hash, the compiler and the CPU) and declare `signatures`;
+    None without a compiler or if the build fails. The benchmarks also build an older source with it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler: CPU ops use their torch paths")
         return None
     from batchrun.model.paths import cache_dir
 
-    src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     lib = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
+        c_file = Path(tmp).with_suffix(".c")
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], check=True, capture_output=True, timeout=120)
+            c_file.write_bytes(src)
+            subprocess.run([cc, *_FLAGS, "-o", tmp, str(c_file), "-lm"], check=True, capture_output=True,
+                           timeout=120)
             os.replace(tmp, lib)
         except (OSError, subprocess.SubprocessError) as e:
             err = getattr(e, "stderr", b"") or b""
@@ -80,11 +88,15 @@ def _library() -> ctypes.CDLL | None:
                         err.decode(errors="replace")[:200])
             Path(tmp).unlink(missing_ok=True)
             return None
+        finally:
+            c_file.unlink(missing_ok=True)
     so = ctypes.CDLL(str(lib))
-    for name, args in _SIGNATURES.items():
+    for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    so.paged_decode.restype = ctypes.c_int
+    for name in ("paged_attention", "paged_decode"):  # these report a failed allocation
+        if name in signatures:
+            getattr(so, name).restype = ctypes.c_int
     return so
 
 
@@ -97,24 +109,38 @@ def _bf(x: torch.Tensor) -> int:
     return int(x.dtype == torch.bfloat16)
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 max_len: int, scale: float) -> torch.Tensor:
-    """q [S, Hq, D] (rows may be strided) -> [S, Hq, D]; kv_cache [2, NB, BS, Hkv, D] (one layer, q's dtype);
-    one query per sequence; block_tables int32 [S, >= blocks of max_len]; seq_lens int32 [S], each >= 1."""
-    s, hq, d = q.shape
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                    row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention for any mix of decode and prefill / extend query rows, in one call.
+
+    q [N, Hq, D] (rows may be strided, e.g. a view of the fused qkv projection); kv_cache [2, NB, BS, Hkv, D]
+    (one layer, q's dtype) already holding the step's K/V; block_tables int32 [S, >= blocks of the longest
+    row]; row_seq int32 [N]: each row's sequence (its block-table row); row_len int32 [N]: each row attends to
+    keys [0, row_len) of its sequence (a decode row: the context length; a prefill row at position p: p + 1).
+    Rows of one sequence should be consecutive (they share K/V loads). Returns out [N, Hq, D].
+    A row's result depends on that row's query, keys and values only, bit for bit (batch invariance)."""
+    n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    out = torch.empty(s, hq, d, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=q.dtype)
     k_ptr = kv_cache.data_ptr()  # kv_cache[0] and [1] without two indexing ops per layer
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
-    if _library().paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
-                               lens.data_ptr(), out.data_ptr(), max_len, s, hq, hkv, d, bs, scale,
-                               _bf(q)):
-        raise MemoryError(f"decode attention: no memory for a {max_len}-token score buffer (or head_dim > 1024)")
+    if _library().paged_attention(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
+                                  row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
+                                  _bf(q)):
+        raise MemoryError("paged attention: no memory for the score buffers")
     return out
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 max_len: int, scale: float) -> torch.Tensor:
+    """One query per sequence: q [S, Hq, D] -> [S, Hq, D]; seq_lens int32 [S], each >= 1 (max_len: unused,
+    kept for callers of the decode-only form)."""
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    return paged_attention(q, kv_cache, block_tables, torch.arange(q.shape[0], dtype=torch.int32), lens, scale)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

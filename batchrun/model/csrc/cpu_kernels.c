@@ -15,11 +15,14 @@
  *   KV pool of one layer: K [num_blocks, block_size, num_kv_heads, head_dim], V the same.
  *   q / k / v rows: token-major with a row stride (they are views into the fused qkv projection). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
@@ -44,9 +47,13 @@ static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 /* bf16 <-> fp32: a bf16 is the top half of an fp32, so widening is a shift; narrowing rounds to nearest
  * even (NaNs are not special-cased: the models' activations are finite). */
 static inline vf vload_bf16(const bf16 *p) {
+#if defined(__AVX512F__) /* one vpmovzxwd (GCC splits the generic conversion into 256-bit halves) */
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     vh h;
     memcpy(&h, p, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 static inline void vstore_bf16(bf16 *p, vf v) {
 #if HAVE_DPBF16
@@ -173,15 +180,134 @@ static inline void exp_tail(const float *x, float *out, int64_t k, float shift) 
     memcpy(out, buf, sizeof(float) * k);
 }
 
-/* ---- paged decode attention ------------------------------------------------------------------------- */
+/* ---- paged attention (decode, prefill and extend rows alike) ----------------------------------------- */
 
-/* x[t] = exp(x[t] - max x) in place; returns the sum. */
-static float exp_shifted(float *x, int64_t n) {
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) m = x[t] > m ? x[t] : m;
-    vf acc = {0};
+/* Every query row of a step, decode or prefill, is the same problem: one query attends to keys [0, n) of
+ * its sequence, read in place through the block table (the step's own K/V are stored before attention, so a
+ * prefill token at position p is a decode over keys [0, p]). One kernel does all rows, and the arithmetic of
+ * a row is a function of that row alone: its scores, its softmax and its weighted sum of V are always taken
+ * key by key in the same order, whatever else the step holds, however the rows are tiled and on whatever
+ * thread (issue 14: a row's output never depends on its batch). The context is never split.
+ *
+ * A task is (tile, kv head): a tile is up to TILE_ROWS consecutive rows of one sequence (the rows of a
+ * prefill chunk; a decode row is a tile of one). Its K and V are walked in chunks of KEY_CHUNK keys, and
+ * each chunk, while in L1, serves every row of the tile and every query head of the GQA group. The block
+ * table is resolved once per tile into row offsets, not per key. */
+#define TILE_ROWS 16
+#define KEY_CHUNK 64
+
+ALWAYS const void *at(const void *p, int64_t i, const int bf) { return (const char *)p + i * (bf ? 2 : 4); }
+
+/* off[t] = where key t's row starts in the pool (in elements; add h * d for kv head h), for t < n. */
+static void key_offsets(const int32_t *table, int64_t n, int64_t bs, int64_t row, int64_t *off) {
+    for (int64_t b = 0, t = 0; t < n; b++) {
+        const int64_t base = (int64_t)table[b] * bs * row;
+        for (int64_t o = 0; o < bs && t < n; o++, t++) off[t] = base + o * row;
+    }
+}
+
+/* a[j] = the partial sums (one vector) of q.K[j] for the m keys at off[0..m): fp32 FMAs, or vdpbf16ps on bf16
+ * pairs (exact products, fp32 sums) when qb is set. Each key also prefetches the K and V rows of the key
+ * PREFETCH_KEYS further on (if that is below `ahead`): the rows of a paged context are scattered, and the
+ * hardware prefetchers do not follow a block table. */
+#define PREFETCH_KEYS 32
+ALWAYS void prefetch_row(const void *p, const int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+}
+#if HAVE_DPBF16
+#define QB_PARAM , const __m512bh *qb
+#else
+#define QB_PARAM , const void *qb
+#endif
+ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const void *k0, const void *v0,
+                       int64_t width, const int64_t *off, const int64_t m, int64_t ahead, const int64_t d,
+                       const int bf) {
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < m; j++) {
+        if (j + PREFETCH_KEYS < ahead) {
+            prefetch_row(at(k0, off[j + PREFETCH_KEYS], bf), width);
+            prefetch_row(at(v0, off[j + PREFETCH_KEYS], bf), width);
+        }
+        const void *kt = at(kh, off[j], bf);
+#if HAVE_DPBF16
+        if (qb != NULL) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d / 32; c++) {
+                __m512bh kv;
+                memcpy(&kv, (const bf16 *)kt + c * 32, 64);
+                acc = _mm512_dpbf16_ps(acc, qb[c], kv);
+            }
+            a[j] = (vf)acc;
+            continue;
+        }
+#endif
+        vf acc = qv[0] * ldv(kt, 0, bf);
+        for (int64_t c = 1; c < d / VW; c++) acc += qv[c] * ldv(kt, c * VW, bf);
+        a[j] = acc;
+    }
+}
+
+/* sc[t] = scale * q.K[t] for t in [t0, t1), t0 a multiple of VW. A key's score depends on q and K[t] only:
+ * with sums16 each lane of the result is the tree sum of its own key's partial sums, so which keys share
+ * a group (or sit in a group's padded tail) never changes a score. sc has room up to t1 rounded up to VW. */
+ALWAYS void chunk_scores(const void *qj, const void *kh, const void *k0, const void *v0, int64_t width,
+                         const int64_t *off, int64_t t0, int64_t t1, int64_t prefetch_to, float *sc, const int64_t d,
+                         float scale, const int bf) {
+#if HAVE_SHUFFLE
+    if (d % VW == 0 && d <= 16 * VW) {
+#if HAVE_DPBF16
+        __m512bh qb[8];
+        const int use_dp = bf && d % 32 == 0 && d <= 8 * 32;
+        if (use_dp)
+            for (int64_t c = 0; c < d / 32; c++) memcpy(&qb[c], (const bf16 *)qj + c * 32, 64);
+        const __m512bh *qbp = use_dp ? qb : NULL;
+#else
+        const int use_dp = 0;
+        const void *qbp = NULL;
+#endif
+        vf qv[16];
+        if (!use_dp)
+            for (int64_t c = 0; c < d / VW; c++) qv[c] = ldv(qj, c * VW, bf);
+        for (int64_t g0 = t0; g0 < t1; g0 += VW) {
+            const int64_t m = t1 - g0 < VW ? t1 - g0 : VW;
+            vf a[VW];
+            if (m == VW) /* a constant trip count: unrolled, a[] stays in registers */
+                group_dots(a, qv, qbp, kh, k0, v0, width, off + g0, VW, prefetch_to - g0, d, bf);
+            else
+                group_dots(a, qv, qbp, kh, k0, v0, width, off + g0, m, prefetch_to - g0, d, bf);
+            for (int64_t j = m; j < VW; j++) a[j] = (vf){0};
+            vstore(sc + g0, sums16(a) * scale);
+        }
+        return;
+    }
+#endif
+    for (int64_t t = t0; t < t1; t++) {
+        const void *kt = at(kh, off[t], bf);
+        if (d % VW == 0 && d <= 16 * VW) {
+            vf a = ldv(qj, 0, bf) * ldv(kt, 0, bf);
+            for (int64_t c = 1; c < d / VW; c++) a += ldv(qj, c * VW, bf) * ldv(kt, c * VW, bf);
+            sc[t] = hsum(a) * scale;
+        } else {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) dot += ld1(qj, i, bf) * ld1(kt, i, bf);
+            sc[t] = dot * scale;
+        }
+    }
+}
+
+/* x[t] = exp(x[t] - max x) in place for t < n (n >= 1); returns their sum, taken in a fixed order. */
+static float softmax_numerators(float *x, int64_t n) {
+    vf mv = vsplat(-INFINITY);
     int64_t t = 0;
     for (; t + VW <= n; t += VW) {
+        const vf v = vload(x + t);
+        mv = vselect(v > mv, v, mv);
+    }
+    float m = -INFINITY, sum = 0.0f;
+    for (int i = 0; i < VW; i++) m = mv[i] > m ? mv[i] : m;
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    vf acc = {0};
+    for (t = 0; t + VW <= n; t += VW) {
         const vf e = exp_v(vload(x + t) - m);
         vstore(x + t, e);
         acc += e;
@@ -191,175 +317,219 @@ static float exp_shifted(float *x, int64_t n) {
     return sum + hsum(acc);
 }
 
-ALWAYS const void *at(const void *p, int64_t i, const int bf) { return (const char *)p + i * (bf ? 2 : 4); }
-
-/* scores[t] = exp(scale q.K[t] - max) for the n cached tokens, returns their sum. The tokens' dot products
- * are independent, so the out-of-order core overlaps them; q stays in registers (as fp32, or for bf16 on
- * AVX512_BF16 as bf16 pairs for vdpbf16ps, whose products are exact and whose sums are fp32), and the
- * horizontal sums of 16 tokens are taken together (sums16). */
-ALWAYS float head_scores(const void *qj, const void *k, const int32_t *table, int64_t n, float *sc, int64_t row,
-                         const int64_t d, int64_t bs, float scale, const int bf) {
-#if HAVE_SHUFFLE
-    /* 16 tokens at a time: their dot products as 16 vectors of partial sums, reduced together */
-    if (d % VW == 0 && d <= 16 * VW) {
-#if HAVE_DPBF16
-        __m512bh qb[8];
-        const int use_dp = bf && d % 32 == 0 && d <= 8 * 32;
-        if (use_dp)
-            for (int64_t c = 0; c < d / 32; c++) memcpy(&qb[c], (const bf16 *)qj + c * 32, 64);
-#else
-        const int use_dp = 0;
-#endif
-        vf qv[16];
-        if (!use_dp)
-            for (int64_t c = 0; c < d / VW; c++) qv[c] = ldv(qj, c * VW, bf);
-        for (int64_t t0 = 0; t0 < n; t0 += VW) {
-            const int64_t m = n - t0 < VW ? n - t0 : VW;
-            vf a[VW];
-            for (int64_t j = 0; j < m; j++) {
-                const int64_t t = t0 + j;
-                const void *kt = at(k, ((int64_t)table[t / bs] * bs + t % bs) * row, bf);
-#if HAVE_DPBF16
-                if (use_dp) {
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < d / 32; c++) {
-                        __m512bh kv;
-                        memcpy(&kv, (const bf16 *)kt + c * 32, 64);
-                        acc = _mm512_dpbf16_ps(acc, qb[c], kv);
-                    }
-                    a[j] = (vf)acc;
-                    continue;
-                }
-#endif
-                vf acc = qv[0] * ldv(kt, 0, bf);
-                for (int64_t c = 1; c < d / VW; c++) acc += qv[c] * ldv(kt, c * VW, bf);
-                a[j] = acc;
-            }
-            for (int64_t j = m; j < VW; j++) a[j] = (vf){0};
-            const vf dots = sums16(a) * scale;
-            if (m == VW)
-                vstore(sc + t0, dots);
-            else
-                memcpy(sc + t0, &dots, sizeof(float) * m);
-        }
-        return exp_shifted(sc, n);
-    }
-#endif
-    if (d % VW == 0 && d <= 16 * VW) {
-        vf qv[16];
-        for (int64_t c = 0; c < d / VW; c++) qv[c] = ldv(qj, c * VW, bf);
-        for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += bs) {
-            const void *kb = at(k, (int64_t)table[b] * bs * row, bf);
-            const int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t t = 0; t < tn; t++) {
-                const void *kt = at(kb, t * row, bf);
-                vf a = qv[0] * ldv(kt, 0, bf);
-                for (int64_t c = 1; c < d / VW; c++) a += qv[c] * ldv(kt, c * VW, bf);
-                sc[t0 + t] = hsum(a) * scale;
+/* acc[h] += sum_{t in [t0, t1)} p[h][t] V[t] for nh heads (p rows `cap` apart, acc rows d apart), key by
+ * key in order. With d and nh constants the accumulators and the V row live in registers; one V row load
+ * serves the nh heads. */
+ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
+                     float *acc, const int64_t nh, const int64_t d, const int bf) {
+    if (d % VW == 0 && nh * d <= 16 * VW) {
+        const int64_t nv = d / VW;
+        vf a[16], x[16];
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t c = 0; c < nv; c++) a[h * nv + c] = vload(acc + h * d + c * VW);
+        for (int64_t t = t0; t < t1; t++) {
+            const void *vt = at(vh, off[t], bf);
+            for (int64_t c = 0; c < nv; c++) x[c] = ldv(vt, c * VW, bf);
+            for (int64_t h = 0; h < nh; h++) {
+                const float w = p[h * cap + t];
+                for (int64_t c = 0; c < nv; c++) a[h * nv + c] += w * x[c];
             }
         }
-    } else {
-        for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += bs) {
-            const void *kb = at(k, (int64_t)table[b] * bs * row, bf);
-            const int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t t = 0; t < tn; t++) {
-                const void *kt = at(kb, t * row, bf);
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < d; i++) dot += ld1(qj, i, bf) * ld1(kt, i, bf);
-                sc[t0 + t] = dot * scale;
-            }
-        }
-    }
-    return exp_shifted(sc, n);
-}
-
-/* o = (sum_t p[t] V[t]) / sum: the accumulator stays in registers, in fp32. */
-ALWAYS void head_output(const float *p, float sum, const void *v, const int32_t *table, int64_t n, void *o,
-                        int64_t row, const int64_t d, int64_t bs, const int bf) {
-    const float inv = 1.0f / sum;
-    if (d % VW == 0 && d <= 16 * VW) {
-        vf acc[16];
-        for (int64_t c = 0; c < d / VW; c++) acc[c] = (vf){0};
-        for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += bs) {
-            const void *vb = at(v, (int64_t)table[b] * bs * row, bf);
-            const int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t t = 0; t < tn; t++) {
-                const float w = p[t0 + t];
-                const void *vt = at(vb, t * row, bf);
-                for (int64_t c = 0; c < d / VW; c++) acc[c] += w * ldv(vt, c * VW, bf);
-            }
-        }
-        for (int64_t c = 0; c < d / VW; c++) stv(o, c * VW, acc[c] * inv, bf);
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t c = 0; c < nv; c++) vstore(acc + h * d + c * VW, a[h * nv + c]);
         return;
     }
-    float acc[1024]; /* head_dim <= 1024 (checked by the caller) */
-    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-    for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += bs) {
-        const void *vb = at(v, (int64_t)table[b] * bs * row, bf);
-        const int64_t tn = n - t0 < bs ? n - t0 : bs;
-        for (int64_t t = 0; t < tn; t++) {
-            const float w = p[t0 + t];
-            const void *vt = at(vb, t * row, bf);
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) acc[i] += w * ld1(vt, i, bf);
+    for (int64_t h = 0; h < nh; h++) {
+        float *ah = acc + h * d;
+        for (int64_t t = t0; t < t1; t++) {
+            const void *vt = at(vh, off[t], bf);
+            const float w = p[h * cap + t];
+            for (int64_t i = 0; i < d; i++) ah[i] += w * ld1(vt, i, bf);
         }
     }
-    for (int64_t i = 0; i < d; i++) st1(o, i, acc[i] * inv, bf);
 }
 
-ALWAYS void attend(const void *qj, const void *k, const void *v, const int32_t *table, int64_t n, float *sc,
-                   void *oj, int64_t row, const int64_t d, int64_t bs, float scale, const int bf) {
-    const float sum = head_scores(qj, k, table, n, sc, row, d, bs, scale, bf);
-    head_output(sc, sum, v, table, n, oj, row, d, bs, bf);
+/* The g heads of one row's GQA group, in register-sized runs of heads (a run's heads are independent:
+ * the split never changes a head's sums). */
+ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
+                     float *acc, int64_t g, const int64_t d, const int bf) {
+    if (d == 64) {
+        for (int64_t j = 0; j < g; j += 4) {
+            const float *pj = p + j * cap;
+            float *aj = acc + j * d;
+            switch (g - j < 4 ? g - j : 4) {
+                case 1: chunk_pv(pj, cap, vh, off, t0, t1, aj, 1, 64, bf); break;
+                case 2: chunk_pv(pj, cap, vh, off, t0, t1, aj, 2, 64, bf); break;
+                case 3: chunk_pv(pj, cap, vh, off, t0, t1, aj, 3, 64, bf); break;
+                default: chunk_pv(pj, cap, vh, off, t0, t1, aj, 4, 64, bf); break;
+            }
+        }
+    } else if (d == 128) {
+        for (int64_t j = 0; j < g; j += 2) {
+            if (g - j == 1)
+                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 1, 128, bf);
+            else
+                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 2, 128, bf);
+        }
+    } else {
+        for (int64_t j = 0; j < g; j++) chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 1, d, bf);
+    }
 }
 
-ALWAYS int paged_decode_impl(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
-                             int64_t bt_stride, const int32_t *lens, void *out, int64_t max_len, int64_t num_seqs,
-                             int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, const int bf) {
-    const int64_t g = hq / hkv, row = hkv * d;
-    int failed = d > 1024;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *sc = malloc(sizeof(float) * max_len);  /* one per thread, reused by its tasks */
-        failed = sc == NULL || d > 1024;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
-            for (int64_t h = 0; h < hkv; h++) {
-                if (failed) continue;
-                const void *kh = at(k, h * d, bf), *vh = at(v, h * d, bf);
-                const int32_t *table = bt + s * bt_stride;
-                for (int64_t j = h * g; j < (h + 1) * g; j++) {
-                    const void *qj = at(q, s * q_stride + j * d, bf);
-                    void *oj = (void *)at(out, (s * hq + j) * d, bf);
-                    if (d == 64)
-                        attend(qj, kh, vh, table, lens[s], sc, oj, row, 64, bs, scale, bf);
-                    else if (d == 128)
-                        attend(qj, kh, vh, table, lens[s], sc, oj, row, 128, bs, scale, bf);
-                    else
-                        attend(qj, kh, vh, table, lens[s], sc, oj, row, d, bs, scale, bf);
+typedef struct {
+    int64_t seq, first, rows, max_len, cost; /* cost: the tile's keys summed over its rows */
+} Tile;
+
+static int by_cost_descending(const void *a, const void *b) {
+    const int64_t x = ((const Tile *)a)->cost, y = ((const Tile *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* Scratch of one thread: scores [TILE_ROWS * g][cap], accumulators [TILE_ROWS * g][d], sums, key offsets. */
+typedef struct {
+    float *sc, *acc, *inv;
+    int64_t *off;
+} Scratch;
+
+/* Rows [first, first + rows) of one sequence, kv heads [h0, h1). Scratch lanes are (row, query head). */
+ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q, int64_t q_stride, const void *k,
+                        const void *v, const int32_t *bt, int64_t bt_stride, const int32_t *row_len, void *out,
+                        int64_t hq, int64_t g, int64_t row, int64_t bs, int64_t cap, float scale, Scratch s,
+                        const int64_t d, const int bf) {
+    const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len;
+    const int64_t width = (h1 - h0) * d * (bf ? 2 : 4); /* bytes of a key's K (or V) row this task reads */
+    key_offsets(bt + tile->seq * bt_stride, max_len, bs, row, s.off);
+    const void *k0 = at(k, h0 * d, bf), *v0 = at(v, h0 * d, bf);
+    for (int64_t t = 0; t < PREFETCH_KEYS && t < max_len; t++) prefetch_row(at(k0, s.off[t], bf), width);
+    for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
+        int64_t prefetch_to = max_len; /* the first row and head to read a chunk fetch the keys after it */
+        for (int64_t h = h0; h < h1; h++) {
+            const void *kh = at(k, h * d, bf);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = row_len[first + r], t1 = c0 + KEY_CHUNK < n ? c0 + KEY_CHUNK : n;
+                if (n <= c0) continue;
+                for (int64_t j = h * g; j < (h + 1) * g; j++, prefetch_to = 0) {
+                    const void *qj = at(q, (first + r) * q_stride + j * d, bf);
+                    chunk_scores(qj, kh, k0, v0, width, s.off, c0, t1, prefetch_to, s.sc + (r * hq + j) * cap, d,
+                                 scale, bf);
                 }
             }
         }
-        free(sc);
     }
-    return failed;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = row_len[first + r];
+        for (int64_t j = h0 * g; j < h1 * g; j++) {
+            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(s.sc + (r * hq + j) * cap, n) : 0.0f;
+            memset(s.acc + (r * hq + j) * d, 0, sizeof(float) * d);
+        }
+    }
+    for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
+        for (int64_t h = h0; h < h1; h++) {
+            const void *vh = at(v, h * d, bf);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = row_len[first + r], t1 = c0 + KEY_CHUNK < n ? c0 + KEY_CHUNK : n;
+                const int64_t lane = r * hq + h * g;
+                if (n > c0) group_pv(s.sc + lane * cap, cap, vh, s.off, c0, t1, s.acc + lane * d, g, d, bf);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = h0 * g; j < h1 * g; j++) {
+            const float *a = s.acc + (r * hq + j) * d, inv = s.inv[r * hq + j];
+            void *o = (void *)at(out, ((first + r) * hq + j) * d, bf);
+            int64_t i = 0;
+            for (; i + VW <= d; i += VW) stv(o, i, vload(a + i) * inv, bf);
+            for (; i < d; i++) st1(o, i, a[i] * inv, bf);
+        }
+    }
 }
 
-/* out[s, hq, d] = softmax(scale * q[s] K_s^T) V_s for every sequence s, one query token each.
- * q rows are q_stride elements apart; lens[s] in [1, max_len]; q, K/V and out are fp32, or bf16 when bf.
- * Returns 0, or 1 if a thread could not allocate its max_len-float score buffer (out is then incomplete)
- * or head_dim exceeds 1024.
- * A task is one (sequence, kv head): the query heads of its GQA group run one after another, so the
- * first brings the K/V rows into this core's cache and the others read them from there. */
-int paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
-                 int64_t bt_stride, const int32_t *lens, void *out, int64_t max_len, int64_t num_seqs,
-                 int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf) {
-    if (bf)
-        return paged_decode_impl(q, q_stride, k, v, bt, bt_stride, lens, out, max_len, num_seqs, hq, hkv, d, bs,
-                                 scale, 1);
-    return paged_decode_impl(q, q_stride, k, v, bt, bt_stride, lens, out, max_len, num_seqs, hq, hkv, d, bs,
-                             scale, 0);
+/* The arguments every task of one call shares. */
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *bt, *row_len;
+    void *out;
+    int64_t q_stride, bt_stride, hq, g, row, bs, cap, d;
+    float scale;
+} AttentionCall;
+
+/* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
+ * passed through it would stay a run-time value in the hot loops; these two functions fix it again. */
+ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, const int bf) {
+    if (c->d == 64)
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
+                    c->row, c->bs, c->cap, c->scale, s, 64, bf);
+    else if (c->d == 128)
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
+                    c->row, c->bs, c->cap, c->scale, s, 128, bf);
+    else
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
+                    c->row, c->bs, c->cap, c->scale, s, c->d, bf);
+}
+static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s) {
+    attend_task(c, tile, h0, h1, s, 0);
+}
+static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s) {
+    attend_task(c, tile, h0, h1, s, 1);
+}
+
+/* out[i, hq, d] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (its block
+ * table is row row_seq[i] of bt, bt_stride apart), for every query row i < num_rows: decode rows (row_len =
+ * the context) and prefill / extend rows (row_len = the row's position + 1) alike. q rows are q_stride
+ * elements apart; out is contiguous [num_rows, hq, d]; q, K/V and out are fp32, or bf16 when bf. The rows of
+ * one sequence should be consecutive (they then share K/V loads). row_len[i] >= 1 (a row with 0 gets zeros).
+ * Returns 0, or 1 if scratch memory could not be allocated (out is then incomplete). */
+int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                    int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf) {
+    const int64_t g = hq / hkv;
+    Tile *tiles = malloc(sizeof(Tile) * (num_rows > 0 ? num_rows : 1));
+    if (tiles == NULL) return 1;
+    int64_t num_tiles = 0, cap = 0, work = 0;
+    for (int64_t i = 0; i < num_rows;) {
+        Tile t = {row_seq[i], i, 0, 0, 0};
+        for (; i < num_rows && row_seq[i] == t.seq && t.rows < TILE_ROWS; i++, t.rows++) {
+            t.max_len = row_len[i] > t.max_len ? row_len[i] : t.max_len;
+            t.cost += row_len[i];
+        }
+        tiles[num_tiles++] = t;
+        cap = t.max_len > cap ? t.max_len : cap;
+        work += t.cost;
+    }
+    /* largest first, so that the dynamic schedule ends on small tasks (the order changes no result) */
+    qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
+    cap = (cap + VW - 1) / VW * VW;
+    const AttentionCall call = {q, k, v, bt, row_len, out, q_stride, bt_stride, hq, g, hkv * d, bs, cap, d, scale};
+    /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
+     * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
+    const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
+    const int64_t tasks_per_tile = hkv / heads_per_task, num_tasks = num_tiles * tasks_per_tile;
+    const int64_t lanes = TILE_ROWS * hq;
+    int failed = 0;
+#pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
+    {
+        Scratch s = {malloc(sizeof(float) * (lanes * cap + lanes * d + lanes)), NULL, NULL,
+                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1))};
+        failed = s.sc == NULL || s.off == NULL;
+        if (!failed) {
+            s.acc = s.sc + lanes * cap;
+            s.inv = s.acc + lanes * d;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (failed) continue;
+            const Tile *tile = &tiles[task / tasks_per_tile];
+            const int64_t h0 = task % tasks_per_tile * heads_per_task, h1 = h0 + heads_per_task;
+            if (bf)
+                attend_task_bf16(&call, tile, h0, h1, s);
+            else
+                attend_task_fp32(&call, tile, h0, h1, s);
+        }
+        free(s.sc);
+        free(s.off);
+    }
+    free(tiles);
+    return failed;
 }
 
 /* ---- KV store --------------------------------------------------------------------------------------- */

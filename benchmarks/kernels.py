@@ -1,0 +1,161 @@
+"""The C attention kernel alone: `python -m benchmarks.kernels [--baseline REF] [--threads N]`.
+
+Prints ms per call and GFLOP/s (4 * heads * head_dim flops per query-key pair: q.K and p.V) for
+  - decode steps: S sequences, one query each, over a context of C keys (fp32 and bf16);
+  - prefill steps: P prompts of L tokens, causal, against what the torch path does instead (one
+    `F.scaled_dot_product_attention` per prompt on its new K/V).
+With --baseline REF the `paged_decode` kernel of cpu_kernels.c as of git REF (e.g. `main`) is built and timed
+beside the current one, in the same process and interleaved, so that a busy machine slows both alike.
+Each figure is the best of --repeats rounds. The shapes default to SmolLM2-135M's (9 query heads, 3 kv
+heads, head_dim 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.model import cpu_kernels
+
+_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_OLD_DECODE = {"paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B]}
+_SRC = "batchrun/model/csrc/cpu_kernels.c"
+
+
+def _seconds(fn: Callable[[], object], budget_s: float = 0.05) -> float:
+    """Seconds per call of fn, averaged over enough calls to fill about budget_s."""
+    fn()
+    t, calls = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - t) < budget_s or calls < 3:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def _baseline(ref: str) -> ctypes.CDLL | None:
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+    if b"int paged_decode(" not in src:
+        print(f"{ref}: its {_SRC} has no paged_decode; no baseline")
+        return None
+    return cpu_kernels.build(src, _OLD_DECODE)
+
+
+def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):
+    width = (ctx + bs - 1) // bs
+    kv = torch.randn(2, num_seqs * width + 1, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(num_seqs * width + 1, generator=g)[: num_seqs * width].view(num_seqs, width)
+    return kv, tables.to(torch.int32).contiguous()
+
+
+def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, args, old: ctypes.CDLL | None) -> str:
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    kv, tables = _pool(num_seqs, ctx, hkv, d, bs, dtype, g)
+    q = torch.randn(num_seqs, hq, d, generator=g).to(dtype)
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32)
+    rows = torch.arange(num_seqs, dtype=torch.int32)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+
+    def new():
+        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out)
+
+    def base():
+        k_ptr = kv.data_ptr()
+        v_ptr = k_ptr + kv.stride(0) * kv.element_size()
+        old.paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr, tables.data_ptr(), tables.stride(0),
+                         lens.data_ptr(), out.data_ptr(), ctx, num_seqs, hq, hkv, d, bs, scale,
+                         int(dtype == torch.bfloat16))
+
+    best = {"new": float("inf"), "old": float("inf")}
+    for _ in range(args.repeats):
+        best["new"] = min(best["new"], _seconds(new))
+        if old is not None:
+            best["old"] = min(best["old"], _seconds(base))
+    flops = 4 * num_seqs * hq * ctx * d
+    line = (f"decode  {str(dtype)[6:]:8s} seqs {num_seqs:4d} ctx {ctx:5d}: new {1e3 * best['new']:7.3f} ms "
+            f"{flops / best['new'] / 1e9:6.1f} GFLOP/s")
+    if old is not None:
+        line += (f" | old {1e3 * best['old']:7.3f} ms {flops / best['old'] / 1e9:6.1f} GFLOP/s"
+                 f" | speed-up {best['old'] / best['new']:.2f}x")
+    return line
+
+
+def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args) -> str:
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    kv, tables = _pool(num_prompts, length, hkv, d, bs, dtype, g)
+    n = num_prompts * length
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    # the prompts' own K/V, as the torch path reads them (the kernel reads the same values from the pool)
+    width = tables.shape[1]
+    k = kv[0][tables.long()].view(num_prompts, width * bs, hkv, d)[:, :length].reshape(n, hkv, d)
+    v = kv[1][tables.long()].view(num_prompts, width * bs, hkv, d)[:, :length].reshape(n, hkv, d)
+    rows = torch.arange(num_prompts, dtype=torch.int32).repeat_interleave(length)
+    lens = torch.arange(1, length + 1, dtype=torch.int32).repeat(num_prompts)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+
+    def new():
+        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out)
+
+    def sdpa():
+        for i in range(num_prompts):
+            s, e = i * length, (i + 1) * length
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), k[s:e].transpose(0, 1).unsqueeze(0),
+                                               v[s:e].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
+
+    best = {"new": float("inf"), "sdpa": float("inf")}
+    for _ in range(args.repeats):
+        best["new"] = min(best["new"], _seconds(new))
+        best["sdpa"] = min(best["sdpa"], _seconds(sdpa))
+    flops = 4 * hq * d * num_prompts * length * (length + 1) // 2
+    return (f"prefill {str(dtype)[6:]:8s} {num_prompts:3d} x {length:5d} tokens: kernel {1e3 * best['new']:8.3f} ms "
+            f"{flops / best['new'] / 1e9:6.1f} GFLOP/s | SDPA per prompt {1e3 * best['sdpa']:8.3f} ms "
+            f"{flops / best['sdpa'] / 1e9:6.1f} GFLOP/s | kernel/SDPA time {best['new'] / best['sdpa']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", metavar="REF", help="also time the paged_decode kernel of git REF (e.g. main)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--decode", default="64x150,64x500,16x150,16x2000", help="SEQSxCTX,... decode cases")
+    ap.add_argument("--prefill", default="4x128,2x512,1x2048", help="PROMPTSxLEN,... prefill cases ('' for none)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args(argv)
+    if not cpu_kernels.available():
+        print("the C kernels are not available (no compiler, or BATCHRUN_CPU_KERNELS=0)")
+        return 1
+    torch.set_num_threads(args.threads)
+    old = _baseline(args.baseline) if args.baseline else None
+    print(f"threads {args.threads}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+          f"block {args.block_size}, best of {args.repeats}")
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    for dtype in dtypes:
+        for case in filter(None, args.decode.split(",")):
+            seqs, ctx = map(int, case.split("x"))
+            print(decode_case(seqs, ctx, dtype, args, old), flush=True)
+    for dtype in dtypes:
+        for case in filter(None, args.prefill.split(",")):
+            prompts, length = map(int, case.split("x"))
+            print(prefill_case(prompts, length, dtype, args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
