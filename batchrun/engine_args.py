@@ -162,6 +162,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _setting(True, "bool", "engine.enable_prefix_caching")
     attention_backend: str = _setting("auto", "str", "engine.attention_backend", choices=("auto", "torch", "triton"))
     enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager")
+    # a row's output a function of its own prompt, parameters and seed only, whatever else shares its batch
+    # (row-invariant linears, attention without a batch-dependent split); None: on where it is nearly free
+    # (float32 on a CPU), off elsewhere. What each mode guarantees: README "Reproducibility".
+    batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True)
     # how long one structured-output grammar may take to compile before it is refused (a row error)
     grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001)
     # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)

@@ -14,6 +14,7 @@ from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
+from batchrun.model.backends import resolve_batch_invariant
 from batchrun.model.cpu_linear import reorder_linears, use_onednn
 from batchrun.model.loader import load_config, load_model, resolve_path
 from batchrun.model.locate import locate_model
@@ -112,11 +113,14 @@ class LLM:
         log.info("KV cache: %d blocks of %d tokens (%d bytes/token), %d host blocks", num_kv_blocks, block_size,
                  shape.bytes_per_token, num_host_blocks)
 
-        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend)
+        self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device, self.dtype)
+        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
+                             batch_invariant=self.batch_invariant)
         n_params = sum(p.numel() for p in loaded.model.parameters())
-        if use_onednn(loaded.model, self.device, self.dtype):
-            log.info("%d linear layers reordered for oneDNN (see batchrun/model/cpu_linear.py)",
-                     reorder_linears(loaded.model))
+        if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant):
+            log.info("%d linear layers reordered for oneDNN%s (see batchrun/model/cpu_linear.py)",
+                     reorder_linears(loaded.model, self.batch_invariant),
+                     ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
         sched_cfg = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -12,6 +12,16 @@ Decode is bound by reading K/V, so the kernel is organised around reading each K
 The grid depends only on shapes and `max_seq_len`, and everything per sequence is read from tensors, so a
 decode step can be captured in a CUDA graph: capture with `max_seq_len` set to the longest context the graph
 will ever see (e.g. max_model_len); partitions past a sequence's length exit at once.
+
+Batch invariance: a sequence's partitions are fixed by its own length (`cdiv(seq_len, partition_size)`, the
+rest exit), and a one-partition sequence gets the same bits from the merge (its weight is exp2(0) = 1) as
+from the direct store, so a row's decode output never depends on the other sequences of the step
+(tests/test_batch_invariance_triton.py). What the split does change is the reduction order against the
+prefill kernel's, which walks the whole context in one pass: the K/V a recomputed (preempted) sequence
+writes, or the logits of a prompt whose last token is decoded rather than prefilled, then differ in the last
+bits. `partition_size=None` never splits (one pass of BLOCK_N tiles from position 0, as prefill does): the
+batch-invariant mode (EngineArgs.batch_invariant) runs so, at the cost of parallelism for long contexts in
+small batches.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ import triton.language as tl
 from kernels._common import check_kv_cache, dot_dtype, dot_precision
 
 LOG2E = 1.4426950408889634
+# partition_size=None: one partition longer than any context (a fixed constexpr, so no recompilation per length)
+WHOLE_CONTEXT = 1 << 30
 
 
 @triton.jit
@@ -130,7 +142,7 @@ def paged_decode_attention(
     max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
-    partition_size: int = 512,
+    partition_size: int | None = 512,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
@@ -138,9 +150,11 @@ def paged_decode_attention(
     q: [num_seqs, num_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], context length
     including the new token (already stored). `max_seq_len` (>= every seq_len) sizes the grid; contexts over
-    `partition_size` tokens take the split path. `out` (may be a row slice of a bigger tensor) receives the
-    result. Never syncs with the device.
+    `partition_size` tokens take the split path (None: never split). `out` (may be a row slice of a bigger
+    tensor) receives the result. Never syncs with the device.
     """
+    if partition_size is None:
+        partition_size = WHOLE_CONTEXT
     check_kv_cache(kv_cache)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]

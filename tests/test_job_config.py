@@ -162,7 +162,8 @@ def test_model_and_engine_sections_are_engine_args_fields():
     assert cfg.engine == {"block_size": 32, "kv_cache_memory": None, "num_kv_blocks": None,
                           "gpu_memory_utilization": 0.9, "swap_space": "1GiB", "max_num_seqs": 256,
                           "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
-                          "attention_backend": "auto", "enforce_eager": False, "grammar_compile_timeout_s": 30.0}
+                          "attention_backend": "auto", "enforce_eager": False, "batch_invariant": None,
+                          "grammar_compile_timeout_s": 30.0}
     assert parse("sampling: {seed: null}").llm_kwargs()["seed"] == 0
 
 
@@ -177,6 +178,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
     ("engine: {swap_space: -1}", "engine.swap_space: must be >= 0, got -1"),
     ("engine: {swap_space: null}", "engine.swap_space: must not be null"),
     ("engine: {enforce_eager: 1}", "engine.enforce_eager: expected true or false, got 1 (int)"),
+    ("engine: {batch_invariant: yes please}", "engine.batch_invariant: expected true or false, got 'yes please' (str)"),
 ])
 def test_engine_rules_name_the_key(extra, expect):
     assert expect in error_of(extra)

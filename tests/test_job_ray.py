@@ -1,6 +1,6 @@
 """The Ray executor on a local Ray (2 CPUs, 2 replicas) and the real engine (builtin:tiny-llama): the same
-rows as the local executor, in order, row errors included; an interrupted run resumed; without Ray, exit 2
-with the install hint before any model is loaded."""
+rows as the local executor, in order, row errors included, sampled rows with the same text and log-probs; an
+interrupted run resumed; without Ray, exit 2 with the install hint before any model is loaded."""
 
 import json
 import logging
@@ -84,11 +84,14 @@ def test_jsonl_on_ray_keeps_bad_lines_and_per_row_seeds(ray_cluster, tmp_path):
     lines.insert(6, "   ")  # blank lines are not rows
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n\n")
     job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.jsonl")}, engine=ENGINE,
-                    sampling={"max_tokens": 5, "temperature": 0.9, "seed": 7}, executor=RAY,
+                    sampling={"max_tokens": 5, "temperature": 0.9, "top_p": 0.9, "seed": 7, "logprobs": 0},
+                    executor=RAY,
                     output={"path": "unused"})
     local, ray_out = run_both(job, tmp_path)
     rows = read_rows(ray_out)
-    assert rows == read_rows(local)  # sampled, so the seeds (7 + row index) are the local ones
+    # sampled, so the seeds (7 + row index) are the local ones; and every log-prob bit, though the replicas
+    # batch the rows otherwise than the local engine (batch invariance)
+    assert rows == read_rows(local) and all(r["logprobs"] for r in rows if r["error"] is None)
     assert [r["id"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, 8] and rows[4]["id"] == 4
     assert rows[4]["error"].startswith("in.jsonl line 5: invalid JSON") and rows[5]["error"] is None
 
@@ -117,7 +120,8 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     pq.write_table(pa.table({"id": list(range(n)), "prompt": [f"The farmer reads letter {i}" for i in range(n)]}),
                    tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
-                    sampling={"max_tokens": 4}, executor=RAY, output={"path": str(tmp_path / "out"), "rows_per_part": 4})
+                    sampling={"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "logprobs": 0}, executor=RAY,
+                    output={"path": str(tmp_path / "out"), "rows_per_part": 4})
     # A subprocess joining the module's Ray by address; each finished request waits 0.4 s (the BATCHRUN_*
     # variables travel to the replicas), so the run is cut half way.
     env = cli_env(fake=False, BATCHRUN_LLM_FACTORY="test_job_fakes:PacedLLM", BATCHRUN_FAKE_DELAY="0.4")
@@ -146,7 +150,7 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     ref = tmp_path / "ref"
     cfg = load_job(job, ["executor.kind=local", f"output.path={ref}"])
     assert run_job(plan_job(cfg), quiet=True).exit_code == 0
-    assert rows == read_rows(ref)
+    assert rows == read_rows(ref) and all(r["logprobs"] for r in rows)  # sampled: text and log-probs exact
 
 
 def test_an_engine_failure_in_a_replica_exits_1_naming_it(ray_cluster, tmp_path, monkeypatch):

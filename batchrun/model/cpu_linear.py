@@ -18,6 +18,18 @@ plain one; vocab x hidden x 2 bytes more). fp32 models keep a tied lm_head on F.
 stay those transformers computes (the greedy parity tests).
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
+
+Batch invariance (EngineArgs.batch_invariant): a row's product must not depend on how many rows share the call,
+or a sequence's logits depend on its batch (issue 14). Measured with torch 2.13 on an AVX512-BF16/AMX Xeon, 1
+and 2 threads, on every shape of the built-in models and SmolLM2-135M and M in 1..4096, bitwise against the
+same rows computed in 2-row calls (tests/test_batch_invariance.py holds these facts):
+- fp32 MKL (F.linear) gives different bits at almost every row count: it is never used in that mode;
+- fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K = 1536 and 2048 (a matrix-vector
+  kernel for long rows), so a 1-row call is padded to 2 rows (min_rows);
+- bf16 oneDNN gives the same bits for M in 1..32 and different ones for most M >= 33 (AMX tiles), so the
+  rows go through in tiles of at most 32 (max_rows); prefill linears then run at 32-row speed.
+So in that mode every linear is reordered, whatever the weights' size, and the tied lm_head too (a reordered
+copy), in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -35,17 +47,43 @@ ONEDNN_MIN_BYTES = 256 * 2**20
 _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count works with it
 
 
-class OneDNNLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+# Row counts between which oneDNN keeps one kernel per dtype (measured, see the module docstring): a call
+# of fewer rows is padded, one of more is cut into tiles.
+INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class OneDNNLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout (an opaque mkldnn tensor).
+
+    Batch-invariant (`invariant=True`): a call of fewer than `min_rows` rows is padded with zero rows, and one
+    of more than `max_rows` is computed `max_rows` rows at a time, so every row goes through the one kernel
+    whatever the call's row count."""
+
+    def __init__(self, linear: nn.Linear, invariant: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
         self.bias = linear.bias
+        self.min_rows, self.max_rows = INVARIANT_ROWS.get(linear.weight.dtype, (1, None)) if invariant \
+            else (1, None)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
+            return self._matmul(x)
+        flat = x.reshape(rows, self.in_features)
+        if rows < self.min_rows:
+            padded = flat.new_zeros(self.min_rows, self.in_features)
+            padded[:rows] = flat
+            out = self._matmul(padded)[:rows]
+        else:
+            out = flat.new_empty(rows, self.out_features)
+            for start in range(0, rows, self.max_rows):
+                out[start : start + self.max_rows] = self._matmul(flat[start : start + self.max_rows])
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -72,10 +110,16 @@ def _works(linear: nn.Linear) -> bool:
         return False
 
 
-def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
+    """Whether to reorder the model's linears for oneDNN. batch_invariant: always where oneDNN works (fp32 and
+    bf16 on a CPU), since MKL's kernels change with the row count; BATCHRUN_CPU_MATMUL=mkl is then ignored."""
     choice = os.environ.get("BATCHRUN_CPU_MATMUL", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ValueError(f"BATCHRUN_CPU_MATMUL must be auto, mkl or onednn, got {choice!r}")
+    if batch_invariant:
+        if choice == "mkl":
+            log.warning("BATCHRUN_CPU_MATMUL=mkl ignored: the batch-invariant mode needs oneDNN's linears")
+        choice = "onednn"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl" or \
             not torch.backends.mkldnn.is_available():
         return False
@@ -86,14 +130,19 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bo
         return False
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, _, m in linears)
     wanted = choice == "onednn" or dtype == torch.bfloat16 or weight_bytes >= ONEDNN_MIN_BYTES
-    return wanted and _works(linears[0][2])
+    works = wanted and _works(linears[0][2])
+    if batch_invariant and not works:
+        log.warning("batch_invariant: oneDNN's linears do not work here, so MKL's are used, whose kernels change "
+                    "with the number of rows: a row's logits can depend on its batch")
+    return works
 
 
-def reorder_linears(model: nn.Module) -> int:
-    """Replace every unshared nn.Linear by a OneDNNLinear (in bf16 models the tied lm_head too); returns how
-    many."""
+def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
+    """Replace every unshared nn.Linear by a OneDNNLinear (in bf16 models, and in batch-invariant mode, the tied
+    lm_head too); returns how many."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    linears = _linears(model, with_tied=weight is not None and weight.dtype == torch.bfloat16)
+    with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
+    linears = _linears(model, with_tied=with_tied)
     for parent, name, linear in linears:
-        setattr(parent, name, OneDNNLinear(linear))
+        setattr(parent, name, OneDNNLinear(linear, invariant=batch_invariant))
     return len(linears)

@@ -65,12 +65,12 @@ def cache_shape(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, shape: CacheShape, num_blocks: int, num_host_blocks: int,
-                 device: torch.device, attention_backend: str = "auto") -> None:
+                 device: torch.device, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
         self.model = model
         self.shape = shape
         self.device = device
         self.block_size = shape.block_size
-        self.backend = select_backend(attention_backend, device, shape.dtype)
+        self.backend = select_backend(attention_backend, device, shape.dtype, batch_invariant)
         self.ops = select_ops(device, shape.dtype)
         self.kv_cache = shape.pool(num_blocks, device)
         self.on_cuda = device.type == "cuda"

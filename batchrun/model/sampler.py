@@ -4,6 +4,11 @@ Randomness is counter-based: the uniform number a sequence draws at output posit
 (its seed, t), computed for all rows in one tensor op. So a request's samples depend only on its own seed,
 never on what else shares the batch, and no per-request generator object is kept or looped over. Tokens
 are drawn by inverse CDF over the processed distribution.
+
+Every op here is per row and exact whatever the batch: torch's CPU softmax, log_softmax, sort, cumsum, argmax
+and topk over a [rows, vocab] tensor give each row the bits it gets alone (measured, and held by
+tests/test_batch_invariance.py), and an option another row turns on (top-k, top-p, min-p, penalties) is the
+identity on a row that leaves it off.
 """
 
 from __future__ import annotations
@@ -96,7 +101,11 @@ def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.top_p is not None:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
-        remove |= before >= b.top_p[:, None]
+        # top_p = 1 is off: its row keeps every token. (`before >= 1` is true at the tail once the fp32
+        # cumsum rounds up to 1, which would drop tokens of a top_p = 1 row only when another row of its
+        # batch uses top_p: its draw would depend on its batch.)
+        limit = b.top_p.masked_fill(b.top_p >= 1, float("inf"))
+        remove |= before >= limit[:, None]
         remove[:, 0] = False
     return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 

@@ -24,14 +24,18 @@ class TritonBackend(AttentionBackend):
 
     `partition_size` is the context length one decode program covers before the split (flash-decoding) path
     kicks in; 512 keeps an H100/H200 busy at small batch without costing much at large batch. Tests lower it
-    to reach the split path with short contexts.
+    to reach the split path with short contexts. `split_context=False` (the batch-invariant mode) never
+    splits: a decode row then reduces over its context in the prefill kernel's order (same BLOCK_N tiles from
+    position 0), so decode, prefill, chunked prefill and prefix-cache hits compute a query row alike.
     """
 
     name = "triton"
 
     def __init__(self, partition_size: int = 512, decode_block_n: int = 64, prefill_block_m: int = 64,
-                 prefill_block_n: int = 64) -> None:
-        self.partition_size = partition_size
+                 prefill_block_n: int = 64, split_context: bool = True) -> None:
+        if not split_context and decode_block_n != prefill_block_n:
+            raise ValueError("an unsplit decode matches prefill only with decode_block_n == prefill_block_n")
+        self.partition_size = partition_size if split_context else None
         self.decode_block_n = decode_block_n
         self.prefill_block_m = prefill_block_m
         self.prefill_block_n = prefill_block_n
