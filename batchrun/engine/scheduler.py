@@ -342,8 +342,18 @@ class Scheduler:
         ids = {s.seq_id for s in live}
         out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]  # forget what it had this step
         resident = [s.seq_id for s in live if self.bm.is_resident(s.seq_id)]
+        # A copy-on-write made earlier in this step for one of its sequences (kept by _schedule_group for the
+        # siblings whose tables had changed) has not run: the runner swaps out before it copies, so swapping the
+        # copy's block out would save a block nothing was written to yet. Such a block is swapped out from the
+        # block it copies instead, and the copy dropped (found by the scheduler state machine's KV check).
+        copy_of = {dst: src for src, dst in out.copies} if out.copies else {}
+        victim_blocks = {b for seq_id in resident for b in self.bm.block_table(seq_id)} if copy_of else set()
+        if victim_blocks:
+            out.copies[:] = [(src, dst) for src, dst in out.copies if dst not in victim_blocks]
         if self._prefer_swap(group) and self.bm.can_swap_out(resident):
             pairs = self.bm.swap_out(resident)
+            if victim_blocks:
+                pairs = [(copy_of.get(dev, dev), host) for dev, host in pairs]
             out.swap_out.extend(pairs)
             for s in live:
                 if self.bm.is_swapped(s.seq_id):

@@ -108,14 +108,30 @@ class TorchBackend(AttentionBackend):
     layer) that read K/V in place through the block tables. A prefill row at position p is a decode over keys
     [0, p] (its K/V were stored first), so one row's result is the same whether it comes in a full prefill,
     a chunk of one, after a prefix-cache hit or as a decode, next to any other rows (issue 14).
+
+    `sdpa_prefill` (bf16 models not run batch invariant, backends.select_backend): the prefill rows go to SDPA
+    and only the decode rows to the C kernel. SDPA's bf16 path is the faster one there (benchmarks.kernels, one
+    thread: the kernel took 1.37x SDPA's time for 64 prompts of 96 tokens, 3.8x for one of 2048), but its
+    result for a row depends on how the prompt is split, so the invariant mode does not use it.
     """
 
     name = "torch"
 
-    def __init__(self, cpu_kernels: bool = False) -> None:
+    def __init__(self, cpu_kernels: bool = False, sdpa_prefill: bool = False) -> None:
         self.cpu_kernels = cpu_kernels
+        self.sdpa_prefill = sdpa_prefill and cpu_kernels
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        if self.sdpa_prefill and meta.num_decodes < meta.num_seqs:
+            cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+            out = torch.empty_like(q)
+            nd = meta.num_decodes
+            if nd:
+                row_seq, row_len = meta.query_rows
+                cpu_kernels.paged_attention(q[:nd], kv_cache, meta.block_tables, row_seq[:nd], row_len[:nd],
+                                            scale, out=out[:nd])
+            self._prefill(q, k, v, kv_cache, meta, scale, out)
+            return out
         if self.cpu_kernels:
             cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
             row_seq, row_len = meta.query_rows

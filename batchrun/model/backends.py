@@ -39,7 +39,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchBackend(cpu_kernels=uses_cpu_kernels(device, dtype))
+        kernels = uses_cpu_kernels(device, dtype)
+        return TorchBackend(cpu_kernels=kernels, sdpa_prefill=dtype == torch.bfloat16 and not batch_invariant)
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
