@@ -28,7 +28,7 @@ def _setup(plan: Plan) -> tuple[Any, Any]:
 
     path, _, _, wl = headline_workload(plan)
     torch.set_num_threads(THREADS)
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=wl.blocks_needed(BLOCK_SIZE),
+    llm = LLM(str(path), dtype=plan.dtype, device="cpu", num_kv_blocks=wl.blocks_needed(BLOCK_SIZE),
               block_size=BLOCK_SIZE)
     _warm(llm)
     for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens)):

@@ -128,3 +128,30 @@ def test_onednn_choice(make_ckpt, monkeypatch):
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "fast")
     with pytest.raises(ValueError, match="BATCHRUN_CPU_MATMUL"):
         cpu_linear.use_onednn(model, cpu, torch.float32)
+
+
+def test_a_long_prefill_mlp_runs_in_row_chunks_with_the_same_bits(make_ckpt, prompts, monkeypatch):
+    """The MLP of a prefill whose gate|up activations pass MLP_CHUNK_BYTES runs in row chunks (llama.py): with
+    batch-invariant linears every row gets the bits of the whole call, and greedy outputs stay transformers'."""
+    from batchrun.model import llama
+
+    assert llama.mlp_chunk_rows(100, 1000) == 100
+    assert llama.mlp_chunk_rows(4096, 3072 * 4) == 1024  # SmolLM2 fp32: 12.5 MB chunks of a 50 MB activation
+    assert llama.mlp_chunk_rows(4096, 3072 * 2) == 4096  # bf16: 25 MB, one call
+    path = make_ckpt("llama")
+    _, refs = hf_reference(path, prompts)
+    llm = LLM(str(path), dtype="float32", device="cpu", batch_invariant=True, num_kv_blocks=600)
+    mlp = llm.engine.runner.model.layers[0].mlp
+    x = torch.randn(37, mlp.gate_up_proj.in_features)
+    ops = llm.engine.runner.ops
+    whole = mlp(x, ops)
+    calls = []
+    gate_up = mlp.gate_up_proj.forward
+    monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda h: calls.append(h.shape[0]) or gate_up(h))
+    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 8 * 2 * mlp.inter * 4)  # 8 rows' activations
+    assert torch.equal(mlp(x, ops), whole)
+    assert calls == [4] * 9 + [1]  # chunks under half the limit, the last one short
+    calls.clear()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert max(calls) == 4 and len(calls) > 2 * len(prompts)  # the prefills were chunked
+    assert [o.outputs[0].token_ids for o in outs] == refs
