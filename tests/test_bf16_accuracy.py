@@ -19,9 +19,9 @@ NEW_TOKENS = 64  # x 16 prompts = 1,024 positions
 BLOCK = 16
 
 
-def _bf16_top1(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+def _bf16_top1(llm: LLM, prompts: list[list[int]], continuations: list[list[int]], group: int) -> list[list[int]]:
     """bf16 argmax at every continuation position: the prompts prefilled in one step, then each
-    continuation token fed back as a decode step of all sequences at once."""
+    continuation token fed back as decode steps of `group` sequences each."""
     runner = llm.engine.runner
     blocks = max(-(-(len(p) + len(c)) // BLOCK) for p, c in zip(prompts, continuations))
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(prompts))]
@@ -31,9 +31,11 @@ def _bf16_top1(llm: LLM, prompts: list[list[int]], continuations: list[list[int]
     for step in range(1, NEW_TOKENS):
         seqs = [ScheduledSeq(i, [c[step - 1]], len(p) + step - 1, tables[i], True)
                 for i, (p, c) in enumerate(zip(prompts, continuations))]
-        for row, t in zip(top1, runner.compute_logits(SchedulerOutput(seqs=seqs, num_decodes=len(seqs)))
-                          .argmax(-1).tolist()):
-            row.append(t)
+        for first in range(0, len(seqs), group):
+            part = seqs[first : first + group]
+            for row, t in zip(top1[first:], runner.compute_logits(SchedulerOutput(seqs=part, num_decodes=len(part)))
+                              .argmax(-1).tolist()):
+                row.append(t)
     return top1
 
 
@@ -61,8 +63,11 @@ def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path):
     runner = bf16.engine.runner
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.ops.name == "cpu_kernels"
     assert runner.backend.cpu_kernels
-    got = _bf16_top1(bf16, prompts, continuations)
     positions = sum(len(r) for r in ref)
-    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
     assert positions >= 1000
-    assert agree / positions >= 0.98, f"bf16 top-1 agreement {agree}/{positions} = {agree / positions:.2%}"
+    # all 16 sequences per decode step (oneDNN's linears), and 4 (the few-row kernel, cpu_kernels.SMALL_ROWS)
+    for group in (len(prompts), 4):
+        got = _bf16_top1(bf16, prompts, continuations, group)
+        agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
+        print(f"bf16 top-1 agreement, {group} sequences per decode step: {agree}/{positions}")
+        assert agree / positions >= 0.98, f"bf16 top-1 agreement {agree}/{positions} = {agree / positions:.2%}"

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.model import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 ONEDNN_MIN_BYTES = 256 * 2**20
@@ -66,12 +68,18 @@ class OneDNNLinear(nn.Module):
         self.bias = linear.bias
         self.min_rows, self.max_rows = INVARIANT_ROWS.get(linear.weight.dtype, (1, None)) if invariant \
             else (1, None)
+        # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
+        # (cpu_kernels.linear_bf16_small): a second copy of the weights. Not in the batch-invariant mode, whose
+        # rows must all go through one kernel.
+        self.small = cpu_kernels.pack_bf16_linear(linear.weight) if not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        if self.small is not None and rows <= cpu_kernels.SMALL_ROWS and x.dim() == 2:
+            return cpu_kernels.linear_bf16_small(x, self.small, self.out_features, self.bias)
         if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
             return self._matmul(x)
         flat = x.reshape(rows, self.in_features)
@@ -84,6 +92,14 @@ class OneDNNLinear(nn.Module):
             for start in range(0, rows, self.max_rows):
                 out[start : start + self.max_rows] = self._matmul(flat[start : start + self.max_rows])
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _takes_small(linear: nn.Linear) -> bool:
+    """Whether linear_bf16_small can stand in for this linear at a few rows (bf16, an even input width, a CPU
+    with AVX512_BF16; BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
+    return (linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
+            and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
+            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_small_bf16_linear())
 
 
 def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -101,7 +117,7 @@ def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module,
 def _works(linear: nn.Linear) -> bool:
     """One reordered forward agrees with F.linear (the ops are private to torch: check before relying on them)."""
     try:
-        x = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
+        x = torch.randn(cpu_kernels.SMALL_ROWS + 3, linear.in_features, dtype=linear.weight.dtype)  # oneDNN's rows
         tol = 1e-4 if linear.weight.dtype == torch.float32 else 3e-2  # bf16: a few roundings of the sum apart
         got, ref = OneDNNLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float()
         return torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)

@@ -793,3 +793,104 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
             if (!((m[t / 32] >> (t % 32)) & 1u)) x[t] = -INFINITY;
     }
 }
+
+/* ---- bf16 linear for a few rows ---------------------------------------------------------------------- */
+
+/* y = x W^T (+ bias) for the handful of rows of a decode step's tail, on CPUs with AVX512_BF16. With 1 to 16
+ * rows a linear is a pass over its weights, and its speed is the speed of that pass: oneDNN's bf16 kernels read
+ * SmolLM2's 206 MB of layer weights at 11-16 GB/s there (flat from 8 to 64 rows), where this machine streams
+ * 20 GB/s (issue 15's note). Here the weights are packed once into panels of 16 outputs: for each pair of
+ * inputs (2i, 2i+1), the 16 outputs' two weights side by side, vdpbf16ps's operand layout. A panel is read
+ * once per tile of up to 4 rows, front to back (the hardware prefetchers follow it), and each 64-byte load
+ * feeds one vdpbf16ps per row: two exact bf16 products added to each of 16 fp32 sums. Sums run over k in
+ * order, so a row's result does not depend on the other rows of the call. */
+#define PANEL 16
+#define PANELS_PER_TILE 4
+#define ROWS_PER_TILE 4
+
+/* Whether linear_bf16_small exists in this build (the CPU has AVX512_BF16). */
+int has_dpbf16(void) { return HAVE_DPBF16; }
+
+/* packed[p][i][j][e] = w[16 p + j][2 i + e] (0 past n or k): ceil(n / 16) panels of ceil(k / 2) x 16 x 2. */
+void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < pairs; i++)
+            for (int64_t j = 0; j < PANEL; j++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t row = p * PANEL + j, col = 2 * i + e;
+                    packed[((p * pairs + i) * PANEL + j) * 2 + e] = row < n && col < k ? w[row * k + col] : 0;
+                }
+}
+
+#if HAVE_DPBF16
+/* Rows [m0, m0 + mt) and panels [p0, p0 + np) of y; k even. */
+ALWAYS void small_tile(const bf16 *x, int64_t m0, const bf16 *packed, int64_t p0, int64_t n, int64_t k,
+                       const bf16 *bias, bf16 *y, const int mt, const int np) {
+    const int64_t pairs = k / 2;
+    __m512 acc[ROWS_PER_TILE][PANELS_PER_TILE];
+    for (int r = 0; r < mt; r++)
+        for (int q = 0; q < np; q++) acc[r][q] = _mm512_setzero_ps();
+    const bf16 *panel = packed + p0 * pairs * 2 * PANEL;
+    const bf16 *xr = x + m0 * k;
+    for (int64_t i = 0; i < pairs; i++) {
+        __m512bh wv[PANELS_PER_TILE];
+        for (int q = 0; q < np; q++) memcpy(&wv[q], panel + (q * pairs + i) * 2 * PANEL, 64);
+        for (int r = 0; r < mt; r++) {
+            int32_t pair;
+            memcpy(&pair, xr + r * k + 2 * i, 4);
+            __m512bh xv;
+            const __m512i b = _mm512_set1_epi32(pair);
+            memcpy(&xv, &b, 64);
+            for (int q = 0; q < np; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xv, wv[q]);
+        }
+    }
+    for (int q = 0; q < np; q++) {
+        const int64_t col = (p0 + q) * PANEL, width = n - col < PANEL ? n - col : PANEL;
+        vf b = {0};
+        if (bias != NULL) {
+            bf16 tmp[PANEL] = {0};
+            memcpy(tmp, bias + col, 2 * width);
+            b = vload_bf16(tmp);
+        }
+        for (int r = 0; r < mt; r++) {
+            const vf v = (vf)acc[r][q] + b;
+            if (width == PANEL) {
+                vstore_bf16(y + (m0 + r) * n + col, v);
+            } else {
+                bf16 tmp[PANEL];
+                vstore_bf16(tmp, v);
+                memcpy(y + (m0 + r) * n + col, tmp, 2 * width);
+            }
+        }
+    }
+}
+
+#define SMALL_TILE_CASE(MT, NP) \
+    case (MT) * 8 + (NP): small_tile(x, m0, packed, p0, n, k, bias, y, MT, NP); break;
+#define SMALL_TILE_ROW(MT) SMALL_TILE_CASE(MT, 1) SMALL_TILE_CASE(MT, 2) SMALL_TILE_CASE(MT, 3) SMALL_TILE_CASE(MT, 4)
+#endif
+
+/* y [rows, n] = x [rows, k] W^T + bias, x rows contiguous, W packed by pack_bf16_linear, k even, bias NULL or
+ * [n]. Threads split the output panels; each streams its share of the weights. */
+void linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
+                       bf16 *y) {
+#if HAVE_DPBF16
+    const int64_t panels = (n + PANEL - 1) / PANEL, tiles = (panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+#pragma omp parallel for schedule(static) if (n * k > PAR_MIN_WORK)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t p0 = t * PANELS_PER_TILE;
+        const int np = panels - p0 < PANELS_PER_TILE ? (int)(panels - p0) : PANELS_PER_TILE;
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS_PER_TILE) {
+            const int mt = rows - m0 < ROWS_PER_TILE ? (int)(rows - m0) : ROWS_PER_TILE;
+            switch (mt * 8 + np) {
+                SMALL_TILE_ROW(1) SMALL_TILE_ROW(2) SMALL_TILE_ROW(3) SMALL_TILE_ROW(4)
+                default: break;
+            }
+        }
+    }
+#else
+    (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+#endif
+}
