@@ -13,7 +13,6 @@ heads, head_dim 64).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import subprocess
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
+from benchmarks.cli_args import parser
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _OLD_DECODE = {"paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B]}
@@ -130,14 +130,11 @@ def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, threads=2, repeats=5, block_size=16)
     ap.add_argument("--baseline", metavar="REF", help="also time the paged_decode kernel of git REF (e.g. main)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--decode", default="64x150,64x500,16x150,16x2000", help="SEQSxCTX,... decode cases")
     ap.add_argument("--prefill", default="4x128,2x512,1x2048", help="PROMPTSxLEN,... prefill cases ('' for none)")
     ap.add_argument("--dtypes", default="float32,bfloat16")

@@ -10,17 +10,16 @@ the steps) and, with --json, writes them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import batchrun  # noqa: F401 - OpenMP settings before torch
 
 # isort: split
 import torch
 
+from benchmarks.cli_args import parser
 from benchmarks.run import BLOCK_SIZE, THREADS
 
 
@@ -57,11 +56,9 @@ def measure(model: str, num_seqs: int, steps: int, prompt_len: int = 16) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, model="tiny-llama", json_path="--json")
     ap.add_argument("--seqs", default="64,256,1024", help="comma-separated running-sequence counts")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
     rows = []

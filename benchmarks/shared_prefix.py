@@ -11,16 +11,15 @@ times are noisy; the CPU seconds of the process (all its threads) and the tokens
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import batchrun  # noqa: F401 - OpenMP settings before torch
 
 # isort: split
 import torch
 
+from benchmarks.cli_args import parser
 from benchmarks.run import THREADS
 from benchmarks.workload import LengthDist, shared_prefix
 
@@ -68,15 +67,12 @@ def measure(model: str, rows: int, prefix_len: int, suffix_len: int, output_len:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-llama")
+    ap = parser(__doc__, model="tiny-llama", block_size=16, json_path="--json")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
     print(f"{args.model}, {THREADS} threads: {args.rows} rows, a {args.prefix_len}-token shared prompt, "

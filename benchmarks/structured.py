@@ -19,7 +19,6 @@ Prints one JSON object (and writes it to --json-out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.cli_args import parser  # noqa: E402 - a script run by path finds the package through REPO
 
 SCHEMA = {
     "type": "object",
@@ -61,15 +62,12 @@ def timed(llm, items, params) -> tuple[float, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap = parser(__doc__, model="builtin:smollm2-135m-instruct", repeats=5, json_path="--json-out")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--compact", action="store_true", help="disable_any_whitespace (compact JSON)")
-    ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
 
     import jsonschema

@@ -1,7 +1,8 @@
 """The per-step fast paths give what the general paths give: persistent block-table rows, deferred
-detokenization, the chunked CPU argmax, the plain sampling plan, and the engine's plain-row fast path
-(against the general path, which a request with logprobs takes)."""
+detokenization, the chunked CPU argmax, the plain sampling plan, the runner's attention query rows, and the
+engine's plain-row fast path (against the general path, which a request with logprobs takes)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from tokenizers.decoders import DecodeStream
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.contract import SamplingRequest, ScheduledSeq
+from batchrun.engine.contract import SamplingRequest, ScheduledSeq, SchedulerOutput
 from batchrun.engine.detokenizer import Detokenizer
 from batchrun.model.block_tables import BlockTableRows
 from batchrun.model.sampler import argmax_rows
@@ -143,3 +144,24 @@ def test_fast_path_outputs_equal_the_general_path(llm):
                 assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == \
                     (y.token_ids, y.text, y.finish_reason, y.stop_reason), v
     llm.engine.check_idle()
+
+
+def test_runner_query_rows_equal_the_ones_from_the_host_lists(llm):
+    """ModelRunner.prepare gives AttentionMetadata the CPU kernel's rows from its own tensors; they equal what
+    query_rows derives from the host lists when a constructor gives none."""
+    runner = llm.engine.runner  # block size 4; sequence ids far from the engine's own
+    decodes = [ScheduledSeq(1000, [5], 6, [1, 2], True), ScheduledSeq(1001, [7], 3, [3], True)]
+    steps = [
+        (decodes, 2),
+        # decodes, a fresh prompt, a chunk after 9 cached tokens, a one-token chunk that is not a decode
+        (decodes + [ScheduledSeq(1002, [1, 2, 3, 4, 5], 0, [4, 5], True),
+                    ScheduledSeq(1003, [6, 7, 8], 9, [6, 7, 8], False), ScheduledSeq(1004, [9], 2, [9], True)], 2),
+        ([ScheduledSeq(1002, [1, 2, 3, 4, 5], 0, [4, 5], True)], 0),
+    ]
+    for seqs, num_decodes in steps:
+        meta = runner.prepare(SchedulerOutput(seqs=seqs, num_decodes=num_decodes))[1].attn
+        assert meta.row_seq is not None and meta.row_len is not None
+        derived = dataclasses.replace(meta, row_seq=None, row_len=None).query_rows
+        for given, expected in zip(meta.query_rows, derived):
+            assert given.dtype == torch.int32 and given.device.type == "cpu"
+            assert given.tolist() == expected.tolist()

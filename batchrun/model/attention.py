@@ -40,6 +40,12 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     has_padding: bool = False  # any slot_mapping entry is -1 (set by whoever pads: CUDA graph replays)
+    # For each query row (new token) of the step, int32 on the host: its sequence index, and how many keys it
+    # attends to (its position + 1: the whole context for a decode row). The CPU kernel takes every row of the
+    # step in one call with these. The runner passes them, from the tensors it builds the step with anyway;
+    # None: derived from the host lists on first use (query_rows), for other constructors (tests).
+    row_seq: torch.Tensor | None = None
+    row_len: torch.Tensor | None = None
 
     @cached_property
     def max_decode_len(self) -> int:
@@ -52,9 +58,10 @@ class AttentionMetadata:
 
     @cached_property
     def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each query row (new token) of the step, int32 on the host: its sequence index, and how many keys
-        it attends to (its position + 1: the whole context for a decode row). The CPU kernel takes every row
-        of the step in one call with these; built once per step, shared by every layer."""
+        """(row_seq, row_len): the runner's, or, when it gave none, built from the host lists once per step and
+        shared by every layer."""
+        if self.row_seq is not None and self.row_len is not None:
+            return self.row_seq, self.row_len
         num_rows = sum(self.query_lens_host)
         if num_rows == self.num_seqs:  # decode only: one row per sequence
             return torch.arange(num_rows, dtype=torch.int32), torch.tensor(self.seq_lens_host, dtype=torch.int32)
@@ -122,25 +129,8 @@ class TorchBackend(AttentionBackend):
         self.sdpa_prefill = sdpa_prefill and cpu_kernels
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        if self.sdpa_prefill and meta.num_decodes < meta.num_seqs:
-            cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
-            out = torch.empty_like(q)
-            nd = meta.num_decodes
-            if nd:
-                row_seq, row_len = meta.query_rows
-                cpu_kernels.paged_attention(q[:nd], kv_cache, meta.block_tables, row_seq[:nd], row_len[:nd],
-                                            scale, out=out[:nd])
-            self._prefill(q, k, v, kv_cache, meta, scale, out)
-            return out
         if self.cpu_kernels:
-            cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
-            row_seq, row_len = meta.query_rows
-            if q.shape[0] == row_seq.shape[0]:
-                return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
-            out = torch.zeros(q.shape, dtype=q.dtype)  # padded rows (none on the CPU paths today) stay zero
-            cpu_kernels.paged_attention(q[: row_seq.shape[0]], kv_cache, meta.block_tables, row_seq, row_len,
-                                        scale, out=out[: row_seq.shape[0]])
-            return out
+            return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale)
         store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
@@ -149,6 +139,25 @@ class TorchBackend(AttentionBackend):
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         if nd < meta.num_seqs:
+            self._prefill(q, k, v, kv_cache, meta, scale, out)
+        return out
+
+    def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale):
+        """The C kernels' path: store the step's K/V, then the kernel attends the first `kernel_rows` query rows,
+        which are all of the step's rows, or with sdpa_prefill (in a step that has prefill rows) only the
+        decode rows, the prefill rows going to SDPA."""
+        cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        row_seq, row_len = meta.query_rows
+        sdpa_rows = self.sdpa_prefill and meta.num_decodes < meta.num_seqs
+        kernel_rows = meta.num_decodes if sdpa_rows else row_seq.shape[0]
+        if kernel_rows == q.shape[0]:
+            return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
+        # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
+        out = torch.empty_like(q) if sdpa_rows else torch.zeros(q.shape, dtype=q.dtype)
+        if kernel_rows:
+            cpu_kernels.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
+                                        row_len[:kernel_rows], scale, out=out[:kernel_rows])
+        if sdpa_rows:
             self._prefill(q, k, v, kv_cache, meta, scale, out)
         return out
 

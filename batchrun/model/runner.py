@@ -182,6 +182,8 @@ class ModelRunner:
             positions = start_t
             qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
             slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
+            # the CPU kernel's rows (AttentionMetadata.query_rows): one per sequence, over its whole context
+            row_seq, row_len = torch.arange(num_seqs, dtype=torch.int32), seq_lens
         else:
             qlen_t = int64_tensor(qlens)
             qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -189,6 +191,8 @@ class ModelRunner:
             seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlen_t, output_size=num_tokens)
             positions = start_t[seq_of_token] + (torch.arange(num_tokens) - qsl[:-1].long()[seq_of_token])
             slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+            # a row at position p attends to keys [0, p]
+            row_seq, row_len = seq_of_token.to(torch.int32), (positions + 1).to(torch.int32)
         if decode_only and all(map(_samples, seqs)):
             logits_idx = None  # every row samples: the hidden states are the logits' rows
         else:
@@ -207,6 +211,8 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             seq_lens_host=slens,
             query_lens_host=qlens,
+            row_seq=row_seq,
+            row_len=row_len,
         )
         ids = int64_tensor(input_ids).to(dev, non_blocking=nb)
         ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions.to(dev, non_blocking=nb)), self.backend,

@@ -584,13 +584,18 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
 
 /* ---- element-wise ops of a decoder layer ------------------------------------------------------------ */
 
-/* This thread's share [r0, r1) of `rows` rows, contiguous (OpenMP's static schedule). The parallel regions
- * below call the per-dtype bodies from inside, so that the dtype flag is a constant in their loops. */
+/* This thread's share [r0, r1) of `rows` rows, contiguous (OpenMP's static schedule). */
 static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
     const int64_t n = omp_get_num_threads(), i = omp_get_thread_num(), per = rows / n, extra = rows % n;
     *r0 = i * per + (i < extra ? i : extra);
     *r1 = *r0 + per + (i < extra);
 }
+
+/* impl(args..., 1) when bf, else impl(args..., 0), for an always-inlined per-dtype body. Used inside the
+ * parallel regions below: an OpenMP region is outlined before inlining, so a dtype flag passed into it stays a
+ * run-time value; called from inside with the flag a literal, each branch inlines its own copy of the body with
+ * the dtype a constant in its loops (what attend_task_fp32 / attend_task_bf16 do for paged_attention). */
+#define BY_DTYPE(bf, impl, ...) do { if (bf) impl(__VA_ARGS__, 1); else impl(__VA_ARGS__, 0); } while (0)
 
 /* out = weight * rmsnorm(h), with h = x + residual written back to residual when add is set (the
  * residual stream of the next op), else h = x. Rows of `dim` contiguous elements. In bf16 the
@@ -635,10 +640,7 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        if (bf)
-            rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 1);
-        else
-            rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 0);
+        BY_DTYPE(bf, rms_norm_impl, x, residual, weight, out, r0, r1, dim, eps, add);
     }
 }
 
@@ -668,10 +670,7 @@ void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        if (bf)
-            silu_mul_impl(gu, out, r0, r1, inter, 1);
-        else
-            silu_mul_impl(gu, out, r0, r1, inter, 0);
+        BY_DTYPE(bf, silu_mul_impl, gu, out, r0, r1, inter);
     }
 }
 
@@ -707,10 +706,7 @@ void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        if (bf)
-            rope_impl(x, stride, r0, r1, heads, d, positions, cos_t, sin_t, 1);
-        else
-            rope_impl(x, stride, r0, r1, heads, d, positions, cos_t, sin_t, 0);
+        BY_DTYPE(bf, rope_impl, x, stride, r0, r1, heads, d, positions, cos_t, sin_t);
     }
 }
 
