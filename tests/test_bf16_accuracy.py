@@ -1,4 +1,5 @@
-"""bf16 on the CPU (oneDNN bf16 linears, the bf16 C kernels, a bf16 KV cache) against the fp32 transformers
+"""bf16 on the CPU (oneDNN bf16 linears and the few-row bf16 linear kernel, the bf16 C kernels, a bf16 KV cache,
+an fp32 residual stream) against the fp32 transformers
 model on the real SmolLM2-135M-Instruct weights: teacher-forced top-1 agreement over 1,024 positions.
 
 Greedy continuations (fp32, by batchrun, which is token-identical to transformers: test_real_model.py) are

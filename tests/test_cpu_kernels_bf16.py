@@ -70,6 +70,14 @@ def test_rms_norm_bf16_with_and_without_residual(rows, dim):
     ref, href = TORCH.rms_norm(x, w, 1e-5, res.clone())
     assert torch.equal(h, href)  # both round the same fp32 sum
     assert close(got, ref)
+    # a bf16 model's fp32 residual stream (CpuKernelOps.residual_dtype): the sum is kept unrounded
+    assert KERNELS.residual_dtype(BF) == torch.float32 and TORCH.residual_dtype(BF) == BF
+    res32 = torch.randn(rows, dim, generator=g)
+    got, h = KERNELS.rms_norm(x, w, 1e-5, res32.clone())
+    ref, href = TORCH.rms_norm(x, w, 1e-5, res32.clone())
+    assert h.dtype == torch.float32 and torch.equal(h, res32 + x.float()) and torch.equal(h, href)
+    assert got.dtype == BF and close(got, ref)
+    assert not torch.equal(h, (res32 + x.float()).to(BF).float())  # not rounded to bf16 on the way
 
 
 def test_silu_mul_bf16():

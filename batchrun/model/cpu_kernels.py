@@ -38,7 +38,7 @@ _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store_kv: the element size)
     "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B],
     "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P, _I],
-    "rms_norm": [_P, _P, _P, _P, _I, _I, _F, _B, _B],
+    "rms_norm": [_P, _P, _P, _P, _I, _I, _F, _B, _B, _B],
     "silu_mul": [_P, _P, _I, _I, _B],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, _B],
     "logits_top": [_P, _P, _I, _I, _I, _P],
@@ -159,12 +159,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * rmsnorm(x [+ residual]); with a residual, x + residual is also written into residual."""
+    """weight * rmsnorm(x [+ residual]); with a residual, x + residual is also written into residual, which is
+    x's dtype or fp32 (a bf16 model's fp32 residual stream: h is then kept unrounded)."""
     out = torch.empty_like(x)
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     res = residual.data_ptr() if residual is not None else None
+    res_fp32 = residual is not None and residual.dtype == torch.float32
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"rms_norm: a {residual.dtype} residual for {x.dtype} activations")
     _library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
-                        int(residual is not None), _bf(x))
+                        int(residual is not None), int(res_fp32), _bf(x))
     return out
 
 

@@ -139,7 +139,8 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (mlp output, residual stream before it); the residual adds happen in the
         norms, so layer i's output is residual + x (first layer: residual None, x the embeddings)."""
         if residual is None:
-            h, residual = self.input_layernorm(x, ctx.ops), x
+            h = self.input_layernorm(x, ctx.ops)
+            residual = x.to(ctx.ops.residual_dtype(x.dtype))
         else:
             h, residual = self.input_layernorm(x, ctx.ops, residual)
         h = self.self_attn(h, ctx)

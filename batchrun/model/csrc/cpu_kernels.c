@@ -600,24 +600,28 @@ static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
 /* out = weight * rmsnorm(h), with h = x + residual written back to residual when add is set (the
  * residual stream of the next op), else h = x. Rows of `dim` contiguous elements. In bf16 the
  * intermediate roundings are torch's (and transformers'): h is stored in bf16 and the norm is taken of
- * the stored h, the normalised row is rounded to bf16 before the weight multiplies it. */
+ * the stored h, the normalised row is rounded to bf16 before the weight multiplies it. With res_fp32 (bf16
+ * models on a CPU, ops.py) the residual stream is fp32 instead: h is kept unrounded, and only the norm's
+ * output is bf16. */
 ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
-                          int64_t dim, float eps, int add, const int bf) {
+                          int64_t dim, float eps, int add, const int res_fp32, const int bf) {
+    const int hb = bf && !res_fp32; /* h's storage dtype */
     for (int64_t r = r0; r < r1; r++) {
         const void *xr = at(x, r * dim, bf);
-        void *hr = add ? (void *)at(residual, r * dim, bf) : (void *)xr, *orow = (void *)at(out, r * dim, bf);
+        void *hr = add ? (void *)at(residual, r * dim, hb) : (void *)xr, *orow = (void *)at(out, r * dim, bf);
+        const int hl = add ? hb : bf; /* the dtype h is read back in */
         float ss = 0.0f;
         int64_t i = 0;
         vf acc = {0};
         if (add) {
             for (; i + VW <= dim; i += VW) {
-                const vf h = rnd(ldv(hr, i, bf) + ldv(xr, i, bf), bf);
-                stv(hr, i, h, bf);
+                const vf h = rnd(ldv(hr, i, hb) + ldv(xr, i, bf), hb);
+                stv(hr, i, h, hb);
                 acc += h * h;
             }
             for (; i < dim; i++) {
-                const float h = rnd1(ld1(hr, i, bf) + ld1(xr, i, bf), bf);
-                st1(hr, i, h, bf);
+                const float h = rnd1(ld1(hr, i, hb) + ld1(xr, i, bf), hb);
+                st1(hr, i, h, hb);
                 ss += h * h;
             }
         } else {
@@ -629,18 +633,25 @@ ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, voi
         }
         ss += hsum(acc);
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (i = 0; i + VW <= dim; i += VW) stv(orow, i, ldv(weight, i, bf) * rnd(ldv(hr, i, bf) * inv, bf), bf);
-        for (; i < dim; i++) st1(orow, i, ld1(weight, i, bf) * rnd1(ld1(hr, i, bf) * inv, bf), bf);
+        for (i = 0; i + VW <= dim; i += VW) stv(orow, i, ldv(weight, i, bf) * rnd(ldv(hr, i, hl) * inv, bf), bf);
+        for (; i < dim; i++) st1(orow, i, ld1(weight, i, bf) * rnd1(ld1(hr, i, hl) * inv, bf), bf);
     }
+}
+ALWAYS void rms_norm_res(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
+                         int64_t dim, float eps, int add, int res_fp32, const int bf) {
+    if (res_fp32)
+        rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 1, bf);
+    else
+        rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 0, bf);
 }
 
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
-              int add, int bf) {
+              int add, int res_fp32, int bf) {
 #pragma omp parallel if (rows * dim > PAR_MIN_WORK)
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        BY_DTYPE(bf, rms_norm_impl, x, residual, weight, out, r0, r1, dim, eps, add);
+        BY_DTYPE(bf, rms_norm_res, x, residual, weight, out, r0, r1, dim, eps, add, res_fp32);
     }
 }
 
