@@ -17,6 +17,14 @@ and the lm_head too when it shares its weight with the embedding (a reordered co
 plain one; vocab x hidden x 2 bytes more). fp32 models keep a tied lm_head on F.linear, so that their logits
 stay those transformers computes (the greedy parity tests).
 
+A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left)
+goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16_small, on CPUs with AVX512_BF16): oneDNN's
+bf16 kernels take about the same time for 1 row as for 64 there, reading the weights at 11-16 GB/s where this
+machine streams 20, and the C kernel's single pass over its packed copy of the weights takes 0.55-0.65x their
+time for 1-4 rows (a 4-sequence SmolLM2 step: linears 19 ms instead of 25-33). The packed copy is a second copy
+of the weights (206 MB more for SmolLM2-135M, 56 MB more for its lm_head). Not in the batch-invariant mode.
+BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
 Batch invariance (EngineArgs.batch_invariant): a row's product must not depend on how many rows share the call,
