@@ -108,12 +108,13 @@ class MLP(nn.Module):
 
 # A prefill's gate|up activations, [rows, 2 x intermediate], are the largest tensor of a forward: 50 MB for 4096
 # rows of SmolLM2 in fp32. glibc's malloc maps anything over 32 MB fresh from the kernel on every call (its
-# mmap threshold stops rising there), so each layer page-faulted it in again: ~470,000 faults per 4096-token
-# fp32 prefill step, measured. In row chunks under MLP_CHUNK_BYTES the activations are reused from the heap and
-# stay in cache between the two matmuls; each row's arithmetic is unchanged (a linear computes rows
-# independently; batch-invariant linears see at least 2 rows or pad to them). Measured on 30 MLPs of SmolLM2's
-# shapes at 4096 rows, fp32, oneDNN, 2 threads, three repeats: 1024-row chunks took 0.76-0.91x the time of one
-# call, with no page faults. bf16 stays whole below the limit (its activations are half the size, and its
+# mmap threshold stops rising there), so each layer page-faulted it in again: a 4096-token fp32 prefill step
+# took 470,000-510,000 page faults (measured on the second to fifth such step of a process), 4,700-83,000 with
+# the chunks. In row chunks under MLP_CHUNK_BYTES the activations are reused from the heap and stay in cache
+# between the two matmuls; each row's arithmetic is unchanged (a linear computes rows independently;
+# batch-invariant linears see at least 2 rows or pad to them). Measured on 30 MLPs of SmolLM2's shapes at 4096
+# rows, fp32, oneDNN, 2 threads, three repeats: 1024-row chunks took 0.75-0.92x the time of one call, with no
+# page faults. bf16 stays whole below the limit (its activations are half the size, and its
 # AMX kernels ran 1.3x faster on 4096 rows than on 1024-row chunks).
 MLP_CHUNK_BYTES = 32 * 2**20
 
@@ -123,8 +124,7 @@ def mlp_chunk_rows(rows: int, row_bytes: int) -> int:
     that keeps each chunk's under half of it."""
     if rows * row_bytes <= MLP_CHUNK_BYTES:
         return rows
-    chunk = 1 << max(1, (MLP_CHUNK_BYTES // 2 // row_bytes).bit_length() - 1)
-    return chunk
+    return 1 << max(1, (MLP_CHUNK_BYTES // 2 // row_bytes).bit_length() - 1)
 
 
 class DecoderLayer(nn.Module):
