@@ -30,8 +30,15 @@ PREFILL = (64, 128)  # prompts x tokens
 
 
 def _prompts(call: int, count: int, length: int, vocab: int) -> list[list[int]]:
-    """count distinct prompts of `length` ids, distinct from those of every other call."""
-    return [[(7 * j + 13 * i + 1000 * call) % (vocab - 10) + 10 for j in range(length)] for i in range(count)]
+    """count prompts of `length` ids (ids >= 10, below vocab), none sharing its first two ids with another prompt
+    of any call (count <= 1000): so no prompt shares even its first KV block with another."""
+    span = vocab - 10
+    prompts = []
+    for i in range(count):
+        uid = 1000 * call + i
+        head = [10 + uid % span, 10 + uid // span % span]
+        prompts.append((head + [(7 * j + 13 * i) % span + 10 for j in range(length - 2)])[:length])
+    return prompts
 
 
 def measure(generate: Callable[[list[list[int]], int], None], vocab: int, repeats: int) -> dict[str, float]:

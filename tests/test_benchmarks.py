@@ -187,3 +187,27 @@ def test_vllm_environment_is_the_documented_cpu_setup(tmp_path, monkeypatch):
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # the KV bytes go as kv_cache_memory_bytes
     assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
+
+
+def test_phases_times_each_phase_on_fresh_prompts():
+    """benchmarks.phases: a decode step is (time of 110 tokens - time of 10) / 100, prefill is tokens / time, and
+    no call reuses another's prompts (both engines cache prefixes)."""
+    from benchmarks import phases
+
+    seen: set[tuple[int, ...]] = set()
+    clock = {"t": 0.0}
+
+    def fake_generate(prompts, tokens):  # 1 ms per generated token per step, 1 us per prompt token
+        for p in prompts:
+            assert tuple(p) not in seen and all(10 <= t < 500 for t in p)
+            seen.add(tuple(p))
+        clock["t"] += tokens * 1e-3 + sum(map(len, prompts)) * 1e-6
+
+    real = phases.time.perf_counter
+    phases.time.perf_counter = lambda: clock["t"]
+    try:
+        got = phases.measure(fake_generate, vocab=500, repeats=2)
+    finally:
+        phases.time.perf_counter = real
+    assert got["decode_ms_4"] == pytest.approx(1.0) and got["decode_ms_64"] == pytest.approx(1.0)
+    assert got["prefill_tok_s"] == pytest.approx(64 * 128 / (1e-3 + 64 * 128 * 1e-6))
