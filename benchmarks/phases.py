@@ -15,15 +15,22 @@ compare figures within a round.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from benchmarks.cli_args import parser
+from benchmarks.workload import ModelShape
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {"tiny": "tiny-llama", "small": "small-llama", "smollm2": "smollm2-135m-instruct"}
+MODELS = ("tiny", "small", "smollm2")  # benchmarks.run's plans of these names give the built-in model
+KV_BLOCKS, BLOCK_SIZE = 4000, 8  # batchrun's KV pool; vLLM gets the same bytes
 DECODE_BATCHES = (4, 64)
 DECODE_PROMPT = 150
 PREFILL = (64, 128)  # prompts x tokens
@@ -63,40 +70,34 @@ def measure(generate: Callable[[list[list[int]], int], None], vocab: int, repeat
 
 
 def run_batchrun(model: str, dtype: str, repeats: int) -> dict[str, float]:
-    import batchrun  # noqa: F401  (sets the OpenMP defaults before torch loads)
     import torch
 
-    from batchrun import LLM, SamplingParams
+    import batchrun  # noqa: F401  (sets the OpenMP defaults before torch loads)
+    from batchrun import LLM
+    from benchmarks.worker import _sampling
 
     torch.set_num_threads(2)
-    llm = LLM(model, dtype=dtype, device="cpu", num_kv_blocks=4000, block_size=8)
+    llm = LLM(model, dtype=dtype, device="cpu", num_kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE)
 
     def generate(prompts: list[list[int]], tokens: int) -> None:
-        sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(tokens), use_tqdm=False)
 
     return measure(generate, llm.engine.runner.model.config.vocab_size, repeats)
 
 
 def run_vllm(model: str, dtype: str, repeats: int) -> dict[str, float]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
+    from benchmarks.vllm_worker import _params, _prompts
+
+    shape = dataclasses.replace(ModelShape.from_checkpoint(model), dtype_bytes=2 if dtype == "bfloat16" else 4)
     llm = LLM(model=model, dtype=dtype, seed=0, max_model_len=2048,
-              kv_cache_memory_bytes=4000 * 8 * _kv_bytes_per_token(model, dtype))
+              kv_cache_memory_bytes=KV_BLOCKS * BLOCK_SIZE * shape.kv_bytes_per_token)
 
     def generate(prompts: list[list[int]], tokens: int) -> None:
-        sp = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        llm.generate(_prompts(prompts), _params(tokens), use_tqdm=False)
 
     return measure(generate, llm.llm_engine.model_config.get_vocab_size(), repeats)
-
-
-def _kv_bytes_per_token(model: str, dtype: str) -> int:
-    """batchrun's 4000 blocks of 8 tokens in bytes, so that both engines get the same KV memory."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * (2 if dtype == "bfloat16" else 4)
 
 
 def _child(system: str, model: str, dtype: str, repeats: int) -> dict[str, Any]:
@@ -109,8 +110,6 @@ def _child(system: str, model: str, dtype: str, repeats: int) -> dict[str, Any]:
         py = ensure_venv()
         env = environment(py, 2)
     else:
-        import os
-
         py, env = Path(sys.executable), dict(os.environ)
     proc = subprocess.run([str(py), *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -120,11 +119,10 @@ def _child(system: str, model: str, dtype: str, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    ap = parser(__doc__, repeats=2)
+    ap.add_argument("--model", choices=MODELS, default="smollm2")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--rounds", type=int, default=1, help="batchrun then vLLM, this many times")
-    ap.add_argument("--repeats", type=int, default=2, help="best of this many timings per figure")
     ap.add_argument("--system", choices=("batchrun", "vllm"), help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -133,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run(args.model_path, args.dtype, args.repeats)))
         return 0
     from batchrun.model.builtin import builtin_path
+    from benchmarks.run import PLANS
 
-    model = str(builtin_path(MODELS[args.model]))
+    model = str(builtin_path(PLANS[args.model].builtin))
     keys = [f"decode_ms_{b}" for b in DECODE_BATCHES] + ["prefill_tok_s"]
     print(f"| round | system | {' | '.join(keys)} |\n|---|---|{'---:|' * len(keys)}")
     for rnd in range(1, args.rounds + 1):
