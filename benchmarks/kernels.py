@@ -49,7 +49,10 @@ def _baseline(ref: str) -> ctypes.CDLL | None:
     if b"int paged_decode(" not in src:
         print(f"{ref}: its {_SRC} has no paged_decode; no baseline")
         return None
-    return cpu_kernels.build(src, _OLD_DECODE)
+    lib = cpu_kernels.build(src, _OLD_DECODE)
+    if lib is not None:
+        lib.paged_decode.restype = ctypes.c_int  # it reports a failed allocation
+    return lib
 
 
 def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):

@@ -257,9 +257,10 @@ def test_c_decode_attention_rows_do_not_depend_on_the_batch():
     tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(4, 10)
     lens = torch.tensor([150, 3, 77, 160], dtype=torch.int32)
     q = torch.randn(4, heads, head_dim, generator=gen)
-    whole = cpu_kernels.paged_decode(q, cache, tables, lens, 160, 0.125)
+    one_row = torch.zeros(1, dtype=torch.int32)
+    whole = cpu_kernels.paged_attention(q, cache, tables, torch.arange(4, dtype=torch.int32), lens, 0.125)
     for i in range(4):
-        alone = cpu_kernels.paged_decode(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], int(lens[i]), 0.125)
+        alone = cpu_kernels.paged_attention(q[i : i + 1], cache, tables[i : i + 1], one_row, lens[i : i + 1], 0.125)
         assert torch.equal(alone, whole[i : i + 1]), i
 
 

@@ -40,7 +40,7 @@ def test_paged_decode_matches_gather_sdpa(bs, hq, hkv, d):
     mask = (torch.arange(ctx)[None, :] < lens[:, None]).view(s, 1, 1, ctx)
     ref = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, scale=d**-0.5,
                                          enable_gqa=True).squeeze(2)
-    got = cpu_kernels.paged_decode(q, kv, tables, lens, ctx, d**-0.5)
+    got = cpu_kernels.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
     assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
 
 
@@ -53,8 +53,8 @@ def test_exp_is_accurate_over_softmax_range():
     kv = torch.zeros(2, 1, n, 1, d)
     kv[0, 0, :, 0, 0] = scores
     kv[1, 0, :, 0, :] = torch.randn(n, d)
-    got = cpu_kernels.paged_decode(q, kv, torch.zeros(1, 1, dtype=torch.int32),
-                                   torch.tensor([n], dtype=torch.int32), n, 1.0)
+    got = cpu_kernels.paged_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                      torch.tensor([n], dtype=torch.int32), 1.0)
     ref = torch.softmax(scores, 0) @ kv[1, 0, :, 0, :]
     assert torch.allclose(got[0, 0], ref, atol=1e-6, rtol=1e-5)
 

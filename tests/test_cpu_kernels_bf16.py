@@ -41,7 +41,7 @@ def test_paged_decode_bf16_matches_fp32_sdpa_of_the_same_values(bs, hq, hkv, d):
     mask = (torch.arange(ctx)[None, :] < lens[:, None]).view(s, 1, 1, ctx)
     ref = F.scaled_dot_product_attention(q.float().unsqueeze(2), kk, vv, attn_mask=mask, scale=d**-0.5,
                                          enable_gqa=True).squeeze(2)
-    got = cpu_kernels.paged_decode(q, kv, tables, lens, ctx, d**-0.5)
+    got = cpu_kernels.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
     assert got.dtype == BF and got.shape == (s, hq, d)
     assert close(got, ref, ulps=1.5), (got.float() - ref).abs().max()
 

@@ -98,7 +98,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "paged_decode", "has_dpbf16"):  # these answer an int
+    for name in ("paged_attention", "has_dpbf16"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -137,14 +137,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                   _bf(q)):
         raise MemoryError("paged attention: no memory for the score buffers")
     return out
-
-
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 max_len: int, scale: float) -> torch.Tensor:
-    """One query per sequence: q [S, Hq, D] -> [S, Hq, D]; seq_lens int32 [S], each >= 1 (max_len: unused,
-    kept for callers of the decode-only form)."""
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    return paged_attention(q, kv_cache, block_tables, torch.arange(q.shape[0], dtype=torch.int32), lens, scale)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -210,9 +202,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
                                    index.data_ptr(), len(rows), min(vocab, logits.shape[-1], 32 * bitmask.shape[-1]))
 
 
-# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears, 2 threads, against
-# oneDNN's reordered bf16 weights (medians of 5): 1-4 rows 0.55-0.65x oneDNN's time, 5-7 rows 0.65-0.8x, 8 rows
-# 1.05-1.3x. Each 4-row tile costs about 8 ms more of vdpbf16ps work, which does not keep up with AMX past that.
+# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears, 2 threads, idle,
+# against oneDNN's reordered bf16 weights (best of 5): 1-4 rows 0.57-0.64x oneDNN's time, 6 rows 0.83x, 8 rows
+# 1.02x, 16 rows 1.45x. Each 4-row tile adds vdpbf16ps work (about 4x an fp32 FMA's issue time on this CPU),
+# which does not keep up with oneDNN's AMX kernels past that.
 SMALL_ROWS = 6
 
 
