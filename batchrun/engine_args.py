@@ -166,6 +166,12 @@ class EngineArgs:
     # (row-invariant linears, attention without a batch-dependent split); None: on where it is nearly free
     # (float32 on a CPU), off elsewhere. What each mode guarantees: README "Reproducibility".
     batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True)
+    # speculative decoding by prompt lookup (batchrun/engine/ngram.py): up to this many draft tokens per greedy
+    # sequence, checked in the same forward; 0: off. None: 8 on a CPU, off on CUDA (not measured there).
+    # Outputs are the same tokens either way in the batch-invariant mode (README "Reproducibility").
+    num_speculative_tokens: int | None = _setting(None, "int", "engine.num_speculative_tokens", nullable=True, min=0)
+    # a step adds drafts only while its decode rows plus drafts stay within this many rows
+    speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1)
     # how long one structured-output grammar may take to compile before it is refused (a row error)
     grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001)
     # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)

@@ -25,6 +25,9 @@ from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# draft tokens per greedy sequence on a CPU (EngineArgs.num_speculative_tokens None); see batchrun/engine/ngram.py
+DEFAULT_CPU_SPECULATIVE_TOKENS = 8
+
 PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -122,15 +125,19 @@ class LLM:
                      reorder_linears(loaded.model, self.batch_invariant),
                      ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
+        num_speculative = args.num_speculative_tokens
+        if num_speculative is None:
+            num_speculative = 0 if on_cuda else DEFAULT_CPU_SPECULATIVE_TOKENS
         sched_cfg = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             preemption_mode=args.preemption_mode, flops_per_token=2.0 * n_params,
             bytes_per_block=shape.bytes_per_block,
             compute_flops_per_s=2e14 if on_cuda else 5e10, copy_bytes_per_s=2e10 if on_cuda else 5e9,
+            num_speculative_tokens=num_speculative, speculative_max_rows=args.speculative_max_rows,
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
                                max_model_len=self.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                               kv_bytes_per_token=shape.bytes_per_token)
+                               kv_bytes_per_token=shape.bytes_per_token, num_speculative_tokens=num_speculative)
         if not args.enforce_eager:
             runner.enable_cuda_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)

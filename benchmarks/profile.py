@@ -41,31 +41,35 @@ def step_breakdown(plan: Plan) -> None:
     eng = llm.engine
     schedule, last = eng.scheduler.schedule, {}
 
-    def traced_schedule():  # remember whether the step carries prompt tokens
+    def traced_schedule():  # remember whether the step carries prompt tokens (a chunk that checks drafts does not)
         out = schedule()
-        last["prefill"] = out.num_decodes < len(out.seqs)
+        last["prefill"] = any(len(s.token_ids) > 1 + s.num_draft for s in out.seqs)
+        last["rows"] = out.num_tokens
         return out
 
     eng.scheduler.schedule = traced_schedule
-    pre, dec = [], collections.defaultdict(list)  # (step s, model s); decode steps by running sequences
+    pre, dec = [], collections.defaultdict(list)  # (step s, model s, rows); decode steps by running sequences
     steps, t0 = 0, time.perf_counter()
     while eng.scheduler.has_unfinished():
         t, m0 = time.perf_counter(), eng.metrics.model_time_s
         eng.step()
-        row = (time.perf_counter() - t, eng.metrics.model_time_s - m0)
+        row = (time.perf_counter() - t, eng.metrics.model_time_s - m0, last["rows"])
         (pre if last.get("prefill") else dec[min(eng.metrics.num_running // 8 * 8, 128)]).append(row)
         steps += 1
     wall = time.perf_counter() - t0
     print(f"{plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, {wl.output_tokens / wall:.1f} gen tok/s, "
           f"{steps} steps")
-    print(f"  steps with prefill: {len(pre)}, {sum(s for s, _ in pre):.2f} s (model {sum(m for _, m in pre):.2f} s)")
+    print(f"  steps with prefill: {len(pre)}, {sum(r[0] for r in pre):.2f} s (model {sum(r[1] for r in pre):.2f} s)")
     n = sum(len(v) for v in dec.values())
-    print(f"  decode-only steps: {n}, {sum(s for v in dec.values() for s, _ in v):.2f} s "
-          f"(model {sum(m for v in dec.values() for _, m in v):.2f} s)")
+    m = eng.metrics
+    print(f"  decode-only steps: {n}, {sum(r[0] for v in dec.values() for r in v):.2f} s "
+          f"(model {sum(r[1] for v in dec.values() for r in v):.2f} s); draft tokens {m.draft_tokens}, "
+          f"{m.accepted_draft_tokens} kept")
     for k in sorted(dec):
         v = dec[k]
         print(f"    running {k:3d}-{k + 7:<3d} after the step: {len(v):3d} steps, "
-              f"{1e3 * sum(s for s, _ in v) / len(v):6.2f} ms/step (model {1e3 * sum(m for _, m in v) / len(v):6.2f})")
+              f"{1e3 * sum(r[0] for r in v) / len(v):6.2f} ms/step (model {1e3 * sum(r[1] for r in v) / len(v):6.2f}), "
+              f"{sum(r[2] for r in v) / len(v):5.1f} rows")
 
 
 def op_tables(plan: Plan) -> None:

@@ -113,6 +113,7 @@ def _batchrun_details(m: dict[str, Any], br: dict[str, Any]) -> dict[str, Any]:
         "steps_ge_64": (br.get("overhead_ge_64") or {}).get("steps"),
         "num_steps": met.get("num_steps"), "model_time_s": met.get("model_time_s"),
         "step_time_s": met.get("step_time_s"),
+        "draft_tokens": met.get("draft_tokens"), "accepted_draft_tokens": met.get("accepted_draft_tokens"),
     }
 
 
@@ -165,6 +166,10 @@ def _cfg(c: dict[str, Any]) -> str:
     short = {"batch_size": "batch", "max_requests_per_batch": "req/step", "num_kv_blocks": "blocks",
              "page_size": "page"}
     parts = [f"{short[k]} {c[k]}" for k in keys if k in c]
+    if "num_speculative_tokens" in c:
+        parts.append("no drafts" if not c["num_speculative_tokens"] else f"drafts {c['num_speculative_tokens']}")
+    if c.get("speculative_config"):
+        parts.append(f"n-gram drafts {c['speculative_config'].get('num_speculative_tokens')}")
     if "kv_cache_memory_bytes" in c:
         parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
     return ", ".join(parts) or "-"
@@ -249,14 +254,16 @@ def markdown(res: dict[str, Any]) -> str:
         if det:
             lines += ["", "batchrun's engine on this run:", "",
                       "| KV slot utilisation | peak running seqs | contiguous max-length preallocation, same bytes "
-                      "| preemptions (recompute / swap) | overhead, all steps | overhead, steps with >= 64 running |",
-                      "|---:|---:|---|---:|---:|---:|",
+                      "| preemptions (recompute / swap) | overhead, all steps | overhead, steps with >= 64 running "
+                      "| draft tokens kept / checked |",
+                      "|---:|---:|---|---:|---:|---:|---:|",
                       f"| {_pct(det['kv_slot_utilization'])} | {det['peak_running_seqs']} | "
                       f"{det['contiguous_max_seqs']} seqs of {det['contiguous_max_model_len']} tokens, "
                       f"{_pct(det['contiguous_slot_utilisation'])} of slots live | "
                       f"{det['preemptions_recompute']} / {det['preemptions_swap']} | "
                       f"{_pct(det['engine_overhead_fraction'])} | {_pct(det['engine_overhead_ge_64'])} "
-                      f"({det['steps_ge_64']} of {det['num_steps']} steps) |"]
+                      f"({det['steps_ge_64']} of {det['num_steps']} steps) | "
+                      f"{det.get('accepted_draft_tokens')} / {det.get('draft_tokens')} |"]
         lines += ["", "Targets (issues 6 and 15):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
         for t in d["targets"]:
             meas = t["measured"]

@@ -73,7 +73,13 @@ class Plan:
     dtype: str = "float32"  # batchrun's and vLLM's; transformers' baselines run only in fp32 plans
     vllm: bool = True
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
+    # also batchrun without draft tokens, and vLLM with n-gram drafts like batchrun's (VLLM_NGRAM)
+    speculation_variants: bool = True
 
+
+# vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
+# up to 8 draft tokens from a match of the last 3 down to 1 tokens. Off by default in vLLM.
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 # Medians and spreads like ShareGPT's, scaled so that the whole tiny-model run (where transformers' static
 # batches, which run each batch to its longest output, cost the most) stays near 5 minutes on 2 cores.
@@ -107,6 +113,7 @@ QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8,
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
              prefix_len=48, suffix=LengthDist(12, 0.5, 4, 24), prefix_output=LengthDist(6, 0.3, 4, 8), n4_requests=3,
              vllm_kwargs={"enforce_eager": True},  # no torch.compile: the check stays seconds long
+             speculation_variants=False,
              note="Quick mode: a harness check on a toy workload, not a measurement.")
 
 
@@ -199,11 +206,17 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
 
     runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "vllm": [], "hf_static": [], "hf_cb": []}
     runs["batchrun"].append(runner(f"{plan.key}-batchrun", {**base, "task": "batchrun", "llm_kwargs": br_kwargs}))
+    if plan.speculation_variants:  # batchrun's defaults draft tokens on a CPU: without them too
+        kw = {**br_kwargs, "num_speculative_tokens": 0}
+        runs["batchrun"].append(runner(f"{plan.key}-batchrun-nodraft", {**base, "task": "batchrun", "llm_kwargs": kw}))
     if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
         runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm", base, plan.dtype, vllm_kv, wl.max_len,
                                      plan.vllm_kwargs))
+        if plan.speculation_variants:  # vLLM with the same n-gram drafting (off by default there)
+            runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm-ngram", base, plan.dtype, vllm_kv, wl.max_len,
+                                         {**plan.vllm_kwargs, "speculative_config": VLLM_NGRAM}))
     for bs in plan.static_batches:
         r = runner(f"{plan.key}-hf_static-b{bs}", {**base, "task": "hf_static", "batch_size": bs})
         runs["hf_static"].append(r if "error" not in r else {**r, "config": {"batch_size": bs}})

@@ -66,7 +66,7 @@ def task_peak(spec: dict[str, Any]) -> Result:
 
 _COUNTERS = ("num_requests_finished", "prompt_tokens", "generation_tokens", "num_steps", "num_preemptions_recompute",
              "num_preemptions_swap", "blocks_swapped_out", "blocks_swapped_in", "prefix_cache_hit_tokens",
-             "model_time_s", "engine_overhead_s", "step_time_s")
+             "model_time_s", "engine_overhead_s", "step_time_s", "draft_tokens", "accepted_draft_tokens")
 
 
 def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

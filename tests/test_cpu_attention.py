@@ -177,13 +177,13 @@ def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
             assert torch.allclose(x, y, atol=1e-5, rtol=1e-5), (a, b, (x - y).abs().max())
 
 
-def test_the_backend_choice_follows_dtype_and_mode():
-    """bf16 prefill goes to SDPA unless the engine runs batch invariant; fp32 keeps every row on the kernel."""
+def test_the_backend_choice_keeps_every_row_on_the_kernel():
+    """Every dtype and mode sends prefill rows to the kernel too (SDPA was slower for them inside the engine)."""
     from batchrun.model import cpu_kernels
     from batchrun.model.backends import select_backend
 
     cpu = torch.device("cpu")
-    on = cpu_kernels.available()
-    assert select_backend("torch", cpu, BF).sdpa_prefill == on
-    assert not select_backend("torch", cpu, BF, batch_invariant=True).sdpa_prefill
-    assert not select_backend("torch", cpu, torch.float32).sdpa_prefill
+    for dtype in (BF, torch.float32):
+        for invariant in (False, True):
+            backend = select_backend("torch", cpu, dtype, batch_invariant=invariant)
+            assert backend.cpu_kernels == cpu_kernels.available() and not backend.sdpa_prefill

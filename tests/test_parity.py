@@ -140,7 +140,9 @@ def test_a_long_prefill_mlp_runs_in_row_chunks_with_the_same_bits(make_ckpt, pro
     assert llama.mlp_chunk_rows(4096, 3072 * 2) == 4096  # bf16: 25 MB, one call
     path = make_ckpt("llama")
     _, refs = hf_reference(path, prompts)
-    llm = LLM(str(path), dtype="float32", device="cpu", batch_invariant=True, num_kv_blocks=600)
+    # no drafts: every decode step then has fewer rows than one chunk, and every larger call is a prefill's
+    llm = LLM(str(path), dtype="float32", device="cpu", batch_invariant=True, num_kv_blocks=600,
+              num_speculative_tokens=0)
     mlp = llm.engine.runner.model.layers[0].mlp
     x = torch.randn(37, mlp.gate_up_proj.in_features)
     ops = llm.engine.runner.ops

@@ -48,6 +48,9 @@ class ScheduledSeq:
     start: int  # position of token_ids[0] (== tokens already in the cache)
     block_table: list[int]  # the live table (read-only for the runner)
     sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
+    # speculative decoding (engine/ngram.py): the last num_draft of token_ids are draft tokens, not yet the
+    # sequence's. The row of token_ids[0] samples as usual; each draft row answers its greedy next token.
+    num_draft: int = 0
 
 
 @dataclass(slots=True)
@@ -84,7 +87,7 @@ class SamplingRequest:
 class SchedulerOutput:
     """All the runner is told for one step."""
 
-    seqs: list[ScheduledSeq]  # one-token (decode) sequences first, then prefill chunks
+    seqs: list[ScheduledSeq]  # one-token (decode) sequences first, then those with drafts, then prefill chunks
     num_decodes: int
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -118,6 +121,8 @@ class StepOutput:
     # beam rows: best candidates by log-prob after temperature and log_softmax, best first
     beam_token_ids: list[list[int]] = field(default_factory=list)
     beam_logprobs: list[list[float]] = field(default_factory=list)
+    # the greedy token at each draft row: flat over the sampling sequences with num_draft > 0, in order
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class StepExecutor(Protocol):

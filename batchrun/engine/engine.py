@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from batchrun.beam_search import BeamSearchParams
 from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.contract import GrammarState, SamplingRequest, SchedulerOutput, StepExecutor, StepOutput
+from batchrun.engine.contract import (GrammarState, SamplingRequest, ScheduledSeq, SchedulerOutput, StepExecutor,
+                                      StepOutput)
 from batchrun.engine.detokenizer import Detokenizer
 from batchrun.engine.metrics import EngineMetrics
+from batchrun.engine.ngram import NgramDrafter
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.results import request_output
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
@@ -27,6 +29,13 @@ from batchrun.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
+
+
+def _drafts_are_exact(params: SamplingParams) -> bool:
+    """Whether a draft's check (the argmax of its row's logits) is what decoding would draw: greedy, no penalty
+    (it would depend on the drafts before it), no logprobs to report."""
+    return (params.temperature == 0.0 and params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty and params.logprobs is None)
 
 
 def fork_seed(request_seed: int, index: int) -> int:
@@ -42,6 +51,7 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     kv_bytes_per_token: int = 0  # for the metrics
+    num_speculative_tokens: int = 0  # speculative decoding by prompt lookup (engine/ngram.py) for greedy rows
 
 
 class Engine:
@@ -76,6 +86,10 @@ class Engine:
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
         seq.grammar = grammar
         width = beam.beam_width if beam else params.n
+        if self.config.num_speculative_tokens and width == 1 and beam is None and grammar is None and \
+                _drafts_are_exact(params):
+            banned = seq.num_output < params.min_tokens and banned_until_min_tokens(params, self.eos_token_ids)
+            seq.drafter = NgramDrafter(len(prompt_ids) + params.min_tokens if banned else 0, seq.stop_rule.max_len)
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
         self._arrivals += 1
@@ -123,12 +137,12 @@ class Engine:
         self._sync_scheduler_stats()
         if out.is_empty:
             return []
-        sampling = self._sampling_requests(out)
+        sampling, verify = self._sampling_requests(out)
         result = self.runner.execute(out)
         self.scheduler.update(out, self.seqs)
         finished: list[RequestOutput] = []
         if sampling:
-            self._apply(sampling, out.sampling, result)
+            self._apply(sampling, out.sampling, result, verify)
             for group in self.scheduler.drop_finished_groups():  # (none unless a sequence finished)
                 finished.append(request_output(group, self.tokenizer))
                 self.metrics.num_requests_finished += 1
@@ -138,16 +152,20 @@ class Engine:
         self._observe(t0, model_before)
         return finished
 
-    def _sampling_requests(self, out: SchedulerOutput) -> list[Sequence]:
-        """Fill out.sampling: what the runner draws for each sequence that samples. Returns those sequences.
-        A plain row (one draw, not a beam) keeps its SamplingRequest across steps: only its RNG counter,
-        and its banned ids once min_tokens is reached, change."""
+    def _sampling_requests(self, out: SchedulerOutput) -> tuple[list[Sequence], dict[int, ScheduledSeq]]:
+        """Fill out.sampling: what the runner draws for each sequence that samples. Returns those sequences,
+        and the chunks with drafts by their index among them. A plain row (one draw, not a beam) keeps its
+        SamplingRequest across steps: only its RNG counter, and its banned ids once min_tokens is reached,
+        change."""
         seqs: list[Sequence] = []
+        verify: dict[int, ScheduledSeq] = {}
         requests = out.sampling
         by_id = self.seqs
         for s in out.seqs:
             if not s.sample:
                 continue
+            if s.num_draft:
+                verify[len(seqs)] = s
             seq = by_id[s.seq_id]
             seqs.append(seq)
             req = seq.sampling
@@ -159,7 +177,7 @@ class Engine:
                 requests.append(req)
             else:
                 requests.append(self._new_sampling_request(seq))
-        return seqs
+        return seqs, verify
 
     def _new_sampling_request(self, seq: Sequence) -> SamplingRequest:
         group = self.groups[seq.seq_id]
@@ -180,41 +198,30 @@ class Engine:
             seq.sampling = req
         return req
 
-    def _apply(self, seqs: list[Sequence], requests: list[SamplingRequest], result: StepOutput) -> None:
+    def _apply(self, seqs: list[Sequence], requests: list[SamplingRequest], result: StepOutput,
+               verify: dict[int, ScheduledSeq]) -> None:
         """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs.
-        A plain row (one token, no logprobs, no grammar) takes the fast path: append, then its StopRule."""
+        A plain row (one token, no logprobs, no grammar) takes the fast path: append, then its StopRule; a
+        row with drafts then keeps the drafts that greedy decoding confirms (_accept_drafts)."""
         tokens, lps = result.token_ids, result.logprobs
         top_ids, top_lps = result.top_token_ids, result.top_logprobs
         row = beam_row = 0
         beam_groups: dict[str, SequenceGroup] = {}
-        finish = self.scheduler.finish
+        append_plain = self._append_plain
         plain = 0
-        for seq, req in zip(seqs, requests):
+        draft_at = 0  # next entry of result.draft_token_ids
+        for i, (seq, req) in enumerate(zip(seqs, requests)):
             if len(req.seeds) == 1 and req.grammar is None and not req.num_beam_candidates and (
                     lps is None or req.params.logprobs is None):
                 token = tokens[row]
                 row += 1
                 plain += 1
-                ids = seq.token_ids
-                ids.append(token)
-                rule: StopRule = seq.stop_rule
-                length = len(ids)
-                if length >= rule.min_len and token in rule.stop_reasons:  # EOS or a stop token
-                    seq.finish_reason, seq.stop_reason = "stop", rule.stop_reasons[token]
-                    seq.detok.finish(ids[seq.prompt_len : -1])  # the stop token is not text
-                    finish(seq)
-                    continue
-                detok = seq.detok
-                if not detok.deferred:  # stop strings: the text is needed now
-                    hit = detok.add(token)
-                    if hit is not None and length >= rule.min_len:
-                        seq.finish_reason, seq.stop_reason = "stop", hit
-                        finish(seq)
-                        continue
-                if length >= rule.max_len:
-                    seq.finish_reason, seq.stop_reason = "length", None
-                    detok.finish(ids[seq.prompt_len :])
-                    finish(seq)
+                if not append_plain(seq, token) and verify and i in verify:
+                    chunk = verify[i]
+                    plain += self._accept_drafts(seq, token, chunk, result.draft_token_ids, draft_at)
+                    draft_at += chunk.num_draft
+                elif verify and i in verify:  # it ended at its first token: no draft checked
+                    draft_at += verify[i].num_draft
                 continue
             group = self.groups[seq.seq_id]
             if req.num_beam_candidates:
@@ -234,6 +241,51 @@ class Engine:
         for group in beam_groups.values():
             if all(s.seq_id in self._beam_candidates for s in group.live()):
                 self._beam_step(group)
+
+    def _append_plain(self, seq: Sequence, token: int) -> bool:
+        """Append a plain row's token and apply its StopRule; True when that ends the sequence."""
+        ids = seq.token_ids
+        ids.append(token)
+        rule: StopRule = seq.stop_rule
+        length = len(ids)
+        if length >= rule.min_len and token in rule.stop_reasons:  # EOS or a stop token
+            seq.finish_reason, seq.stop_reason = "stop", rule.stop_reasons[token]
+            seq.detok.finish(ids[seq.prompt_len : -1])  # the stop token is not text
+            self.scheduler.finish(seq)
+            return True
+        detok = seq.detok
+        if not detok.deferred:  # stop strings: the text is needed now
+            hit = detok.add(token)
+            if hit is not None and length >= rule.min_len:
+                seq.finish_reason, seq.stop_reason = "stop", hit
+                self.scheduler.finish(seq)
+                return True
+        if length >= rule.max_len:
+            seq.finish_reason, seq.stop_reason = "length", None
+            detok.finish(ids[seq.prompt_len :])
+            self.scheduler.finish(seq)
+            return True
+        return False
+
+    def _accept_drafts(self, seq: Sequence, token: int, chunk: ScheduledSeq, greedy: list[int], at: int) -> int:
+        """Keep the drafts of `chunk` that greedy decoding confirms: draft j stands when it equals the token drawn
+        before it (`token`, then the greedy token at the draft before); each one kept adds the greedy token at
+        its own row. Every appended token goes through the stop rule as a decoded one would. Returns how many
+        tokens were appended."""
+        drafts = chunk.token_ids[1:]
+        kept = 0
+        for j in range(chunk.num_draft):
+            if drafts[j] != token:
+                break
+            kept += 1
+            token = greedy[at + j]
+            if self._append_plain(seq, token):
+                break
+        self.metrics.draft_tokens += chunk.num_draft
+        self.metrics.accepted_draft_tokens += kept
+        if not seq.is_finished:
+            self.scheduler.accept_drafts(seq, kept)
+        return kept
 
     def _append(self, seq: Sequence, p: SamplingParams, token: int, logprob: float | None,
                 top: tuple[list[int], list[float]] | None) -> None:

@@ -20,6 +20,8 @@ class EngineMetrics:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     prefix_cache_hit_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens checked, and those kept
+    accepted_draft_tokens: int = 0
     model_time_s: float = 0.0
     engine_overhead_s: float = 0.0
     step_time_s: float = 0.0

@@ -36,6 +36,7 @@ class Sequence:
     stop_rule: object | None = None  # its stop conditions (stops.StopRule), from its params at creation
     sampling: object | None = None  # the engine's SamplingRequest of a plain row, updated in place each step
     scheduled: object | None = None  # the scheduler's ScheduledSeq of its decode step, updated in place
+    drafter: object | None = None  # speculative decoding: its ngram.NgramDrafter (greedy plain rows only)
 
     @property
     def output_ids(self) -> list[int]:

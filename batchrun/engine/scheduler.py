@@ -28,6 +28,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     preemption_mode: str = "auto"  # "recompute" | "swap" | "auto"
+    # speculative decoding: draft tokens per decoding sequence with a drafter (0: none), while the step's decode
+    # rows and drafts stay within speculative_max_rows (a draft row is nearly free only while the forward is
+    # bound by reading the weights, not by compute)
+    num_speculative_tokens: int = 0
+    speculative_max_rows: int = 128
     # For the auto cost model (see Scheduler._prefer_swap): filled in by the engine from the model.
     flops_per_token: float = 0.0
     bytes_per_block: float = 0.0
@@ -111,6 +116,10 @@ class Scheduler:
         running, decode_slot, seqs_out = self.running, self.bm.decode_slot, out.seqs
         status_running = SeqStatus.RUNNING
         held = 0
+        # rows left for drafts this step (the running groups' decode rows come first); none while free blocks
+        # are few, so that drafts never take the block a running sequence needs to grow (no preemption for them)
+        spare = cfg.speculative_max_rows - len(running) \
+            if cfg.num_speculative_tokens and self.bm.num_free > 2 * len(running) else 0
         i = 0
         while i < len(running):
             group = running[i]
@@ -122,6 +131,12 @@ class Scheduler:
                 start = seq.num_computed
                 tokens = seq.token_ids
                 if len(tokens) - start == 1 and seq.status is status_running:
+                    if spare > 0 and seq.drafter is not None and budget[0] > 1 and \
+                            self._schedule_drafts(seq, out, budget, min(spare, budget[0] - 1)):
+                        spare -= len(seqs_out[-1].token_ids) - 1
+                        held += 1
+                        i += 1
+                        continue
                     table = decode_slot(seq.seq_id, start)
                     if table is not None:
                         planned = seq.scheduled
@@ -195,8 +210,8 @@ class Scheduler:
                 if self.bm.enable_prefix_caching:
                     self._publish_admitted(group, out.seqs[first:])
 
-        if self._mixed:
-            out.seqs.sort(key=lambda s: len(s.token_ids) != 1)  # stable: decodes first, order kept
+        if self._mixed:  # stable: decodes first, then draft checks, then prefill chunks, order kept
+            out.seqs.sort(key=lambda s: 0 if len(s.token_ids) == 1 else 1 if s.num_draft else 2)
             out.num_decodes = sum(1 for s in out.seqs if len(s.token_ids) == 1)
         else:  # every chunk is one token: already in order
             out.num_decodes = len(out.seqs)
@@ -249,6 +264,24 @@ class Scheduler:
             budget[0] -= n
         out.seqs.extend(planned)
         out.copies.extend(copies)
+        return True
+
+    def _schedule_drafts(self, seq: Sequence, out: SchedulerOutput, budget: list[int], room: int) -> bool:
+        """Schedule a decoding sequence's token with up to `room` draft tokens after it (speculative decoding);
+        False when its drafter proposes none or the blocks for them are short (then it decodes plainly)."""
+        tokens, start = seq.token_ids, seq.num_computed
+        drafts = seq.drafter.propose(tokens, min(self.config.num_speculative_tokens, room))
+        if not drafts:
+            return False
+        n = 1 + len(drafts)
+        pairs = self.bm.allocate(seq.seq_id, start + n, start)
+        if pairs is None:
+            return False
+        out.copies.extend(pairs)
+        out.seqs.append(ScheduledSeq(seq.seq_id, [tokens[start], *drafts], start, self.bm.block_table(seq.seq_id),
+                                     True, len(drafts)))
+        budget[0] -= n
+        self._mixed = True
         return True
 
     def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
@@ -379,8 +412,16 @@ class Scheduler:
         caching = self.bm.enable_prefix_caching
         for s in out.seqs:
             seq = seqs[s.seq_id]
-            num_tokens = len(s.token_ids)
+            num_tokens = len(s.token_ids) - s.num_draft  # drafts count once accepted (accept_drafts)
             seq.num_computed = computed = s.start + num_tokens
             # a decode token fills a block only at a block boundary; commit has nothing to do otherwise
             if caching and (num_tokens != 1 or computed % bs == 0):
                 commit(seq.seq_id, seq.token_ids, computed)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """The engine kept the first num_accepted drafts of the sequence's step: their K/V, stored by that step,
+        are the sequence's now (the rejected ones' slots are overwritten by later steps)."""
+        if num_accepted:
+            seq.num_computed += num_accepted
+            if self.bm.enable_prefix_caching:
+                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)

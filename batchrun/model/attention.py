@@ -46,6 +46,9 @@ class AttentionMetadata:
     # None: derived from the host lists on first use (query_rows), for other constructors (tests).
     row_seq: torch.Tensor | None = None
     row_len: torch.Tensor | None = None
+    # sequences [num_decodes, num_decodes + num_verifies) check draft tokens (speculative decoding): a few rows
+    # each, which go where decode rows go (the CPU kernel) rather than to a per-sequence prefill path
+    num_verifies: int = 0
 
     @cached_property
     def max_decode_len(self) -> int:
@@ -116,10 +119,12 @@ class TorchBackend(AttentionBackend):
     [0, p] (its K/V were stored first), so one row's result is the same whether it comes in a full prefill,
     a chunk of one, after a prefix-cache hit or as a decode, next to any other rows (issue 14).
 
-    `sdpa_prefill` (bf16 models not run batch invariant, backends.select_backend): the prefill rows go to SDPA
-    and only the decode rows to the C kernel. SDPA's bf16 path is the faster one there (benchmarks.kernels, one
-    thread: the kernel took 1.37x SDPA's time for 64 prompts of 96 tokens, 3.8x for one of 2048), but its
-    result for a row depends on how the prompt is split, so the invariant mode does not use it.
+    `sdpa_prefill` (not chosen by backends.select_backend; kept for comparison): the prefill rows go to SDPA
+    and only the decode and draft-checking rows to the C kernel. Measured alone, SDPA's bf16 path is the faster
+    one (benchmarks.kernels, one thread: the kernel took 1.37x SDPA's time for 64 prompts of 96 tokens), but
+    inside the engine it is not: in four 4096-token bf16 SmolLM2 prefill steps, attention took 233-446 ms on
+    the kernel against 427-513 ms on SDPA (paired runs, 2026-12-01). Its result for a row also depends on
+    how the prompt is split.
     """
 
     name = "torch"
@@ -148,8 +153,10 @@ class TorchBackend(AttentionBackend):
         decode rows, the prefill rows going to SDPA."""
         cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
         row_seq, row_len = meta.query_rows
-        sdpa_rows = self.sdpa_prefill and meta.num_decodes < meta.num_seqs
-        kernel_rows = meta.num_decodes if sdpa_rows else row_seq.shape[0]
+        short = meta.num_decodes + meta.num_verifies  # the decode and draft-checking sequences lead the batch
+        sdpa_rows = self.sdpa_prefill and short < meta.num_seqs
+        kernel_rows = meta.num_decodes + sum(meta.query_lens_host[meta.num_decodes : short]) if sdpa_rows \
+            else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
             return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
@@ -158,7 +165,7 @@ class TorchBackend(AttentionBackend):
             cpu_kernels.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
                                         row_len[:kernel_rows], scale, out=out[:kernel_rows])
         if sdpa_rows:
-            self._prefill(q, k, v, kv_cache, meta, scale, out)
+            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short, start=kernel_rows)
         return out
 
     @staticmethod
@@ -187,9 +194,11 @@ class TorchBackend(AttentionBackend):
         )
         return o.squeeze(2).to(q.dtype)
 
-    def _prefill(self, q, k, v, kv_cache, meta, scale, out):
-        start = meta.num_decodes  # decode tokens come first, one per decode sequence
-        for i in range(meta.num_decodes, meta.num_seqs):
+    def _prefill(self, q, k, v, kv_cache, meta, scale, out, first: int | None = None, start: int | None = None):
+        """Sequences [first, num_seqs) (default: all but the decodes), whose rows begin at row `start`."""
+        if first is None:
+            first = start = meta.num_decodes  # decode tokens come first, one per decode sequence
+        for i in range(first, meta.num_seqs):
             qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
             end = start + qlen
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]

@@ -40,7 +40,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         kernels = uses_cpu_kernels(device, dtype)
-        return TorchBackend(cpu_kernels=kernels, sdpa_prefill=dtype == torch.bfloat16 and not batch_invariant)
+        return TorchBackend(cpu_kernels=kernels)
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

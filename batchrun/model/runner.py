@@ -193,11 +193,20 @@ class ModelRunner:
             slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
             # a row at position p attends to keys [0, p]
             row_seq, row_len = seq_of_token.to(torch.int32), (positions + 1).to(torch.int32)
+        num_verifies = 0
         if decode_only and all(map(_samples, seqs)):
             logits_idx = None  # every row samples: the hidden states are the logits' rows
         else:
-            sample_rows = [i for i, s in enumerate(seqs) if s.sample]
-            logits_idx = qsl[1:].long()[int64_tensor(sample_rows)] - 1
+            # a sampling sequence's row: its last, or with drafts the one before them; then every draft's row
+            rows, draft_rows, end = [], [], 0
+            for s, qlen in zip(seqs, qlens):
+                end += qlen
+                if s.sample:
+                    rows.append(end - 1 - s.num_draft)
+                    if s.num_draft:
+                        draft_rows.extend(range(end - s.num_draft, end))
+                        num_verifies += 1
+            logits_idx = int64_tensor(rows + draft_rows)
 
         dev = self.device
         nb = dev.type == "cuda"
@@ -213,6 +222,7 @@ class ModelRunner:
             query_lens_host=qlens,
             row_seq=row_seq,
             row_len=row_len,
+            num_verifies=num_verifies,
         )
         ids = int64_tensor(input_ids).to(dev, non_blocking=nb)
         ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions.to(dev, non_blocking=nb)), self.backend,
@@ -235,9 +245,12 @@ class ModelRunner:
         logits = self.compute_logits(out)
         if logits is None or plan is None:
             return StepOutput()
+        num_sampling = len(out.sampling)
+        drafts = logits[num_sampling:] if logits.shape[0] > num_sampling else None  # draft rows come last
+        logits = logits[:num_sampling]
         if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
             self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
-        return sample_step(logits, plan)
+        return sample_step(logits, plan, drafts)
 
     def _mask_grammar_rows(self, logits: torch.Tensor, rows: list[int], grammars: list) -> None:
         if self.grammar_mask is None:
@@ -248,8 +261,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Apply block moves, run the forward; logits [num sampling sequences, vocab] in float32 (None when
-        nothing runs)."""
+        """Apply block moves, run the forward; logits [num sampling sequences + num draft rows, vocab] in float32
+        (None when nothing runs): a row per sampling sequence, in order, then the rows of their drafts."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:

@@ -13,7 +13,7 @@ from operator import attrgetter
 import torch
 
 from batchrun.engine.contract import SamplingRequest, StepOutput
-from batchrun.model.sampler import SamplingBatch, sample
+from batchrun.model.sampler import SamplingBatch, argmax_rows, sample
 
 
 _params_of = attrgetter("params")
@@ -166,14 +166,21 @@ def _banned_pairs(drawn: list[SamplingRequest]) -> tuple[list[int], list[int]]:
     return rows, ids
 
 
-def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
-    """logits: float32 [requests, V] -> the step's draws and beam candidates, with one host transfer."""
+def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor | None = None) -> StepOutput:
+    """logits: float32 [requests, V] -> the step's draws and beam candidates, with one host transfer.
+    drafts: float32 [draft rows, V], the logits of the draft rows (speculative decoding): their greedy tokens
+    (the argmax greedy sampling takes) come back as draft_token_ids."""
     parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
     result = None
+    draft_ids = argmax_rows(drafts) if drafts is not None else None
     if plan.batch is not None:
         result = sample(logits if plan.rows is None else logits[plan.rows], plan.batch)
         if result.logprob is None and not plan.beams:  # the common case: the tokens are all there is
-            return StepOutput(token_ids=result.tokens.tolist())
+            if draft_ids is None:
+                return StepOutput(token_ids=result.tokens.tolist())
+            n = result.tokens.shape[0]
+            flat_ids = torch.cat([result.tokens, draft_ids]).tolist()
+            return StepOutput(token_ids=flat_ids[:n], draft_token_ids=flat_ids[n:])
         parts.append(result.tokens)
         if result.logprob is not None:
             parts.append(result.logprob)
@@ -182,6 +189,8 @@ def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
     if plan.beams:
         beam_lp, beam_ids = _beam_candidates(logits[plan.beam_rows], plan.beams)
         parts += [beam_ids.flatten(), beam_lp.flatten()]
+    if draft_ids is not None:
+        parts.append(draft_ids)
     # float64 holds every token id and float32 log-prob exactly
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one host sync of the step
     out = StepOutput()
@@ -209,4 +218,6 @@ def sample_step(logits: torch.Tensor, plan: SamplingPlan) -> StepOutput:
             width = min(r.num_beam_candidates, k)
             out.beam_token_ids.append(ids[j * k : j * k + width])
             out.beam_logprobs.append(lps[j * k : j * k + width])
+    if draft_ids is not None:
+        out.draft_token_ids = list(map(int, take(draft_ids.shape[0])))
     return out

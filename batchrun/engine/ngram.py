@@ -1,0 +1,44 @@
+"""Draft tokens for speculative decoding by prompt lookup (n-gram matching): no draft model.
+
+A greedy sequence's next tokens often repeat something already in its context (a quoted passage, a list's
+pattern, a loop a small model falls into). The drafter finds the latest earlier occurrence of the sequence's
+last n tokens (n = MAX_N down to 1) and proposes the tokens that followed it. The scheduler puts them after
+the sequence's decode token; one forward then checks them all, and the engine keeps the drafts that match
+what greedy decoding produces at each position, plus the model's own next token: one to 1 + k tokens for
+one pass over the weights. A wrong draft costs only its row of compute.
+
+The index maps every n-gram of the context to where its latest occurrence ends; it is extended by the tokens
+appended since the last proposal, so a step costs O(new tokens), not O(context).
+"""
+
+from __future__ import annotations
+
+MAX_N = 3  # the longest suffix matched first: longer matches predict better, shorter ones match more often
+
+
+class NgramDrafter:
+    __slots__ = ("index", "indexed", "min_len", "max_len")
+
+    def __init__(self, min_len: int, max_len: int) -> None:
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
+        self.indexed = 0  # n-grams ending at or before this position are in the index
+        self.min_len = min_len  # drafts only from this length on (before it, min_tokens bans ids: not greedy)
+        self.max_len = max_len  # the sequence stops at this length: no draft past it
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow token_ids (none when its last tokens occurred nowhere before)."""
+        length = len(token_ids)
+        k = min(k, self.max_len - length - 1)  # the step's own token and the drafts stay within max_len
+        if k <= 0 or length < self.min_len:
+            return []
+        # index the n-grams ending before the last token: the suffix's own occurrence is not a match
+        index = self.index
+        for end in range(self.indexed + 1, length):
+            for n in range(1, min(MAX_N, end) + 1):
+                index[tuple(token_ids[end - n : end])] = end
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(MAX_N, length), 0, -1):
+            end = index.get(tuple(token_ids[length - n :]))
+            if end is not None:
+                return token_ids[end : end + k]
+        return []

@@ -1,0 +1,159 @@
+"""Speculative decoding by prompt lookup (engine/ngram.py): the drafter, and that drafts change no output where
+rows are batch invariant, through stops, admissions, preemption and the prefix cache."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchrun import LLM, SamplingParams
+from batchrun.engine.ngram import MAX_N, NgramDrafter
+
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+def _brute_force(ids: list[int], k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix (n = MAX_N..1) and what followed it."""
+    for n in range(min(MAX_N, len(ids)), 0, -1):
+        for end in range(len(ids) - 1, n - 1, -1):
+            if ids[end - n : end] == ids[len(ids) - n :]:
+                return ids[end : end + k]
+    return []
+
+
+def test_the_drafter_proposes_what_followed_the_latest_match():
+    d = NgramDrafter(0, 100)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # the later of two 3-gram matches
+    assert NgramDrafter(0, 100).propose([4, 5, 6, 4, 9, 9, 5, 6], 2) == [4, 9]  # 2-gram when no 3-gram matches
+    assert NgramDrafter(0, 100).propose([1, 2, 3, 4], 4) == []  # nothing occurred before
+    assert NgramDrafter(0, 100).propose([7, 7, 7], 4) == [7]  # runs up to the end of the context
+    assert NgramDrafter(0, 9).propose([1, 2, 1, 2, 1, 2, 1], 8) == [2]  # length 9 reached: one token then the end
+    assert NgramDrafter(0, 8).propose([1, 2, 1, 2, 1, 2, 1], 8) == []  # the step's own token is the last
+    assert NgramDrafter(10, 100).propose([1, 2, 1, 2, 1], 3) == []  # before min_len (min_tokens bans ids)
+
+
+def test_the_incremental_index_finds_what_a_full_search_finds():
+    rng = random.Random(0)
+    for _ in range(50):
+        d = NgramDrafter(0, 10_000)
+        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+        for _ in range(40):
+            assert d.propose(ids, 5) == _brute_force(ids, 5), ids
+            ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]  # a step appends 1 to 1 + k tokens
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    # a repeated pattern in some prompts, so that drafts match from the first steps, not only after loops
+    plain = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 17, 40, 9, 63, 24)]
+    return plain + [p[:6] * 4 for p in plain[1:4]]
+
+
+def _generate(path, prompts, params=GREEDY, **kw):
+    llm = LLM(str(path), **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 400, **kw})
+    execute, llm.computed_tokens = llm.engine.runner.execute, 0
+
+    def counting(out):  # the tokens each step puts into the cache as the sequence's own (drafts are not)
+        llm.computed_tokens += sum(len(s.token_ids) - s.num_draft for s in out.seqs)
+        return execute(out)
+
+    llm.engine.runner.execute = counting
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.engine.check_idle()
+    return llm, outs
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_drafts_change_no_token_in_the_batch_invariant_mode(tiny_llama_path, prompts):
+    """fp32 on a CPU is batch invariant by default: a draft's row gives the bits a decode row would, so every
+    token is the one plain decoding gives, and transformers' (greedy, fp32)."""
+    plain_llm, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0)
+    llm, drafted = _generate(tiny_llama_path, prompts)  # the CPU default: drafts on
+    assert llm.engine.scheduler.config.num_speculative_tokens > 0 and llm.batch_invariant
+    assert _tokens(drafted) == _tokens(plain)
+    m = llm.engine.metrics
+    assert 0 < m.accepted_draft_tokens < m.draft_tokens  # drafts were kept, and some were rejected
+    assert m.num_steps < plain_llm.engine.metrics.num_steps
+    # every token's K/V computed once: a kept draft's is the one its checking step stored, not computed again
+    assert plain_llm.computed_tokens == sum(map(len, prompts)) + (48 - 1) * len(prompts)
+    assert llm.computed_tokens + m.accepted_draft_tokens == plain_llm.computed_tokens
+    assert m.generation_tokens == plain_llm.engine.metrics.generation_tokens == 48 * len(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    for p, out in list(zip(prompts, drafted))[-4:]:
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48,
+                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+def test_a_stop_inside_the_drafts_ends_the_sequence_where_decoding_would(tiny_llama_path, tokenizer, prompts):
+    _, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0)
+    params = []
+    for i, out in enumerate(plain):  # stop on a token, or a string, that greedy decoding reaches mid-way
+        ids = out.outputs[0].token_ids
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[ids[20]]))
+        elif i % 3 == 1:
+            text = out.outputs[0].text
+            params.append(SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                                         stop=[text[len(text) // 2 : len(text) // 2 + 3]]))
+        else:
+            params.append(SamplingParams(max_tokens=7 + i, temperature=0.0, ignore_eos=True, min_tokens=5,
+                                         stop_token_ids=[ids[2]]))
+    _, want = _generate(tiny_llama_path, prompts, params, num_speculative_tokens=0)
+    llm, got = _generate(tiny_llama_path, prompts, params, num_speculative_tokens=6)
+    assert llm.engine.metrics.accepted_draft_tokens > 0
+    for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
+               (w.token_ids, w.text, w.finish_reason, w.stop_reason)
+    assert any(w.outputs[0].finish_reason == "stop" for w in want)
+
+
+def test_only_plain_greedy_rows_draft(tiny_llama_path, prompts):
+    """Sampled, penalized and logprob rows, and n > 1, decode one token a step: their outputs are unchanged."""
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, n=2, ignore_eos=True)]
+    rows = prompts[-4:]
+    _, want = _generate(tiny_llama_path, rows, params, num_speculative_tokens=0)
+    llm, got = _generate(tiny_llama_path, rows, params)
+    assert llm.engine.metrics.draft_tokens == 0
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
+
+
+def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_path, prompts):
+    """Few sequences at a time (prompts are admitted while others check drafts, in one step), a pool small
+    enough to preempt, and prompts sharing a prefix: the same tokens as plain decoding, and every block back."""
+    shared = [prompts[4][:32] + p for p in prompts[:6]]
+    rows = prompts + shared
+    kw = dict(max_num_seqs=4, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64)
+    plain_llm, plain = _generate(tiny_llama_path, rows, num_speculative_tokens=0, **kw)
+    llm, drafted = _generate(tiny_llama_path, rows, **kw)
+    assert _tokens(drafted) == _tokens(plain)
+    m = llm.engine.metrics
+    assert m.accepted_draft_tokens > 0 and m.prefix_cache_hit_tokens > 0
+    assert plain_llm.engine.metrics.num_preemptions_recompute + plain_llm.engine.metrics.num_preemptions_swap > 0
+    again = llm.generate([{"prompt_token_ids": p} for p in rows], GREEDY, use_tqdm=False)  # blocks cached by drafts
+    assert _tokens(again) == _tokens(plain)
+    llm.engine.check_idle()
+
+
+def test_bf16_drafts_change_no_token_when_run_batch_invariant(tiny_llama_path, prompts):
+    from batchrun.model import cpu_kernels
+
+    if not cpu_kernels.available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("needs the C kernels and oneDNN bf16 (a compiler and AVX512-BF16 or AMX)")
+    kw = dict(dtype="bfloat16", batch_invariant=True)
+    _, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0, **kw)
+    llm, drafted = _generate(tiny_llama_path, prompts, **kw)
+    assert llm.engine.metrics.accepted_draft_tokens > 0
+    assert _tokens(drafted) == _tokens(plain)
