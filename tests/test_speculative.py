@@ -14,11 +14,12 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 def _brute_force(ids: list[int], k: int) -> list[int]:
-    """The latest earlier occurrence of the longest suffix (n = MAX_N..1) and what followed it."""
+    """The latest earlier occurrence of the longest suffix (n = MAX_N..1) and what followed it, continued as
+    the loop it closes (period len(ids) - end) where that runs into the end."""
     for n in range(min(MAX_N, len(ids)), 0, -1):
         for end in range(len(ids) - 1, n - 1, -1):
             if ids[end - n : end] == ids[len(ids) - n :]:
-                return ids[end : end + k]
+                return [ids[end + j % (len(ids) - end)] for j in range(k)]
     return []
 
 
@@ -27,7 +28,8 @@ def test_the_drafter_proposes_what_followed_the_latest_match():
     assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # the later of two 3-gram matches
     assert NgramDrafter(0, 100).propose([4, 5, 6, 4, 9, 9, 5, 6], 2) == [4, 9]  # 2-gram when no 3-gram matches
     assert NgramDrafter(0, 100).propose([1, 2, 3, 4], 4) == []  # nothing occurred before
-    assert NgramDrafter(0, 100).propose([7, 7, 7], 4) == [7]  # runs up to the end of the context
+    assert NgramDrafter(0, 100).propose([7, 7, 7], 4) == [7, 7, 7, 7]  # a loop of period 1, continued
+    assert NgramDrafter(0, 100).propose([5, 1, 2, 3, 1, 2, 3, 1], 5) == [2, 3, 1, 2, 3]  # period 3
     assert NgramDrafter(0, 9).propose([1, 2, 1, 2, 1, 2, 1], 8) == [2]  # length 9 reached: one token then the end
     assert NgramDrafter(0, 8).propose([1, 2, 1, 2, 1, 2, 1], 8) == []  # the step's own token is the last
     assert NgramDrafter(10, 100).propose([1, 2, 1, 2, 1], 3) == []  # before min_len (min_tokens bans ids)
@@ -137,7 +139,20 @@ def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_pa
     rows = prompts + shared
     kw = dict(max_num_seqs=4, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64)
     plain_llm, plain = _generate(tiny_llama_path, rows, num_speculative_tokens=0, **kw)
-    llm, drafted = _generate(tiny_llama_path, rows, **kw)
+    llm = LLM(str(tiny_llama_path), dtype="float32", device="cpu", **kw)
+    eng, step, longest = llm.engine, llm.engine.step, []
+
+    def checked_step():  # after every step only a sequence's last block is partly filled: rejected drafts' go back
+        finished = step()
+        bm = eng.block_manager
+        longest.append(max((len(t) - bm.blocks_for(len(eng.seqs[i].token_ids)) for i, t in bm.tables.items()
+                            if i in eng.seqs), default=0))
+        return finished
+
+    eng.step = checked_step
+    drafted = llm.generate([{"prompt_token_ids": p} for p in rows], GREEDY, use_tqdm=False)
+    eng.step = step
+    assert max(longest) <= 0
     assert _tokens(drafted) == _tokens(plain)
     m = llm.engine.metrics
     assert m.accepted_draft_tokens > 0 and m.prefix_cache_hit_tokens > 0

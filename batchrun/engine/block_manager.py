@@ -250,6 +250,15 @@ class BlockManager:
             table.append(self._take_free())
         return copies
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the blocks past the first blocks_for(num_tokens) of the sequence's table: blocks taken for
+        draft tokens that were rejected (speculative decoding), so that only a sequence's last block is partly
+        filled. They were private and never published."""
+        table = self.tables.get(seq_id)
+        keep = self.blocks_for(num_tokens)
+        while table is not None and len(table) > keep:
+            self._release(table.pop())
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; whoever writes into a shared block copies it first."""
         table = list(self.tables[parent_id])

@@ -2,7 +2,8 @@
 
 A greedy sequence's next tokens often repeat something already in its context (a quoted passage, a list's
 pattern, a loop a small model falls into). The drafter finds the latest earlier occurrence of the sequence's
-last n tokens (n = MAX_N down to 1) and proposes the tokens that followed it. The scheduler puts them after
+last n tokens (n = MAX_N down to 1) and proposes the tokens that followed it; when those run into the end of
+the context (a loop shorter than the draft), it repeats them, as an earlier turn of the loop would read. The scheduler puts them after
 the sequence's decode token; one forward then checks them all, and the engine keeps the drafts that match
 what greedy decoding produces at each position, plus the model's own next token: one to 1 + k tokens for
 one pass over the weights. A wrong draft costs only its row of compute.
@@ -40,5 +41,10 @@ class NgramDrafter:
         for n in range(min(MAX_N, length), 0, -1):
             end = index.get(tuple(token_ids[length - n :]))
             if end is not None:
-                return token_ids[end : end + k]
+                if length - end >= k:
+                    return token_ids[end : end + k]
+                # the match is recent (a loop of period length - end): what followed it runs into the present,
+                # and repeating that period is what copying an earlier turn of the loop would give
+                period = length - end
+                return [token_ids[end + j % period] for j in range(k)]
         return []

@@ -420,8 +420,10 @@ class Scheduler:
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """The engine kept the first num_accepted drafts of the sequence's step: their K/V, stored by that step,
-        are the sequence's now (the rejected ones' slots are overwritten by later steps)."""
+        are the sequence's now. The rejected ones' slots are overwritten by later steps, and blocks taken
+        only for them go back (the table then covers the computed tokens and the next one)."""
         if num_accepted:
             seq.num_computed += num_accepted
             if self.bm.enable_prefix_caching:
                 self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        self.bm.trim(seq.seq_id, seq.num_computed + 1)
