@@ -31,7 +31,7 @@ def measure(model: str, num_seqs: int, steps: int, prompt_len: int = 16) -> dict
     blocks = num_seqs * -(-(prompt_len + out_len + 4) // BLOCK_SIZE)
     llm = LLM(str(builtin_path(model)), dtype="float32", device="cpu", num_kv_blocks=blocks,
               block_size=BLOCK_SIZE, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_speculative_tokens=0)  # no drafts: N decode rows a step, N running
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
     for i in range(num_seqs):

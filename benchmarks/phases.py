@@ -77,7 +77,9 @@ def run_batchrun(model: str, dtype: str, repeats: int) -> dict[str, float]:
     from benchmarks.worker import _sampling
 
     torch.set_num_threads(2)
-    llm = LLM(model, dtype=dtype, device="cpu", num_kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE)
+    # no draft tokens: a phase is a kernel comparison, with vLLM at its defaults (benchmarks.run has both drafting)
+    llm = LLM(model, dtype=dtype, device="cpu", num_kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE,
+              num_speculative_tokens=0)
 
     def generate(prompts: list[list[int]], tokens: int) -> None:
         llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(tokens), use_tqdm=False)
