@@ -137,7 +137,7 @@ class LLM:
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
                                max_model_len=self.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                               kv_bytes_per_token=shape.bytes_per_token, num_speculative_tokens=num_speculative)
+                               kv_bytes_per_token=shape.bytes_per_token)
         if not args.enforce_eager:
             runner.enable_cuda_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)

@@ -51,7 +51,6 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     kv_bytes_per_token: int = 0  # for the metrics
-    num_speculative_tokens: int = 0  # speculative decoding by prompt lookup (engine/ngram.py) for greedy rows
 
 
 class Engine:
@@ -86,9 +85,9 @@ class Engine:
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
         seq.grammar = grammar
         width = beam.beam_width if beam else params.n
-        if self.config.num_speculative_tokens and width == 1 and beam is None and grammar is None and \
+        if self.scheduler.config.num_speculative_tokens and width == 1 and beam is None and grammar is None and \
                 _drafts_are_exact(params):
-            banned = seq.num_output < params.min_tokens and banned_until_min_tokens(params, self.eos_token_ids)
+            banned = params.min_tokens > 0 and banned_until_min_tokens(params, self.eos_token_ids)
             seq.drafter = NgramDrafter(len(prompt_ids) + params.min_tokens if banned else 0, seq.stop_rule.max_len)
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
@@ -216,12 +215,12 @@ class Engine:
                 token = tokens[row]
                 row += 1
                 plain += 1
-                if not append_plain(seq, token) and verify and i in verify:
-                    chunk = verify[i]
-                    plain += self._accept_drafts(seq, token, chunk, result.draft_token_ids, draft_at)
+                ended = append_plain(seq, token)
+                chunk = verify.get(i) if verify else None
+                if chunk is not None:
+                    if not ended:  # (a sequence that ended at its first token checks no draft)
+                        plain += self._accept_drafts(seq, token, chunk, result.draft_token_ids, draft_at)
                     draft_at += chunk.num_draft
-                elif verify and i in verify:  # it ended at its first token: no draft checked
-                    draft_at += verify[i].num_draft
                 continue
             group = self.groups[seq.seq_id]
             if req.num_beam_candidates:

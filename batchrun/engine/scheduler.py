@@ -131,9 +131,10 @@ class Scheduler:
                 start = seq.num_computed
                 tokens = seq.token_ids
                 if len(tokens) - start == 1 and seq.status is status_running:
-                    if spare > 0 and seq.drafter is not None and budget[0] > 1 and \
-                            self._schedule_drafts(seq, out, budget, min(spare, budget[0] - 1)):
-                        spare -= len(seqs_out[-1].token_ids) - 1
+                    drafted = self._schedule_drafts(seq, out, budget, min(spare, budget[0] - 1)) \
+                        if spare > 0 and seq.drafter is not None and budget[0] > 1 else 0
+                    if drafted:
+                        spare -= drafted
                         held += 1
                         i += 1
                         continue
@@ -266,23 +267,24 @@ class Scheduler:
         out.copies.extend(copies)
         return True
 
-    def _schedule_drafts(self, seq: Sequence, out: SchedulerOutput, budget: list[int], room: int) -> bool:
+    def _schedule_drafts(self, seq: Sequence, out: SchedulerOutput, budget: list[int], room: int) -> int:
         """Schedule a decoding sequence's token with up to `room` draft tokens after it (speculative decoding);
-        False when its drafter proposes none or the blocks for them are short (then it decodes plainly)."""
+        returns how many, 0 when its drafter proposes none or the blocks for them are short (then it decodes
+        plainly)."""
         tokens, start = seq.token_ids, seq.num_computed
         drafts = seq.drafter.propose(tokens, min(self.config.num_speculative_tokens, room))
         if not drafts:
-            return False
+            return 0
         n = 1 + len(drafts)
         pairs = self.bm.allocate(seq.seq_id, start + n, start)
         if pairs is None:
-            return False
+            return 0
         out.copies.extend(pairs)
         out.seqs.append(ScheduledSeq(seq.seq_id, [tokens[start], *drafts], start, self.bm.block_table(seq.seq_id),
                                      True, len(drafts)))
         budget[0] -= n
         self._mixed = True
-        return True
+        return len(drafts)
 
     def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """The only running group cannot grow: recompute one of its sequences later instead of the whole

@@ -155,8 +155,7 @@ class TorchBackend(AttentionBackend):
         row_seq, row_len = meta.query_rows
         short = meta.num_decodes + meta.num_verifies  # the decode and draft-checking sequences lead the batch
         sdpa_rows = self.sdpa_prefill and short < meta.num_seqs
-        kernel_rows = meta.num_decodes + sum(meta.query_lens_host[meta.num_decodes : short]) if sdpa_rows \
-            else row_seq.shape[0]
+        kernel_rows = sum(meta.query_lens_host[:short]) if sdpa_rows else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
             return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
@@ -165,7 +164,7 @@ class TorchBackend(AttentionBackend):
             cpu_kernels.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
                                         row_len[:kernel_rows], scale, out=out[:kernel_rows])
         if sdpa_rows:
-            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short, start=kernel_rows)
+            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short)
         return out
 
     @staticmethod
@@ -194,10 +193,11 @@ class TorchBackend(AttentionBackend):
         )
         return o.squeeze(2).to(q.dtype)
 
-    def _prefill(self, q, k, v, kv_cache, meta, scale, out, first: int | None = None, start: int | None = None):
-        """Sequences [first, num_seqs) (default: all but the decodes), whose rows begin at row `start`."""
+    def _prefill(self, q, k, v, kv_cache, meta, scale, out, first: int | None = None):
+        """Sequences [first, num_seqs) (default: all but the decodes, which come first, one row each)."""
         if first is None:
-            first = start = meta.num_decodes  # decode tokens come first, one per decode sequence
+            first = meta.num_decodes
+        start = sum(meta.query_lens_host[:first])  # the first row of sequence `first`
         for i in range(first, meta.num_seqs):
             qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
             end = start + qlen
