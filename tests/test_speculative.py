@@ -8,7 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchrun import LLM, SamplingParams
-from batchrun.engine.ngram import MAX_N, NgramDrafter
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.ngram import MAX_N, MISS_SLACK, NgramDrafter
+from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
@@ -43,6 +46,43 @@ def test_the_incremental_index_finds_what_a_full_search_finds():
         for _ in range(40):
             assert d.propose(ids, 5) == _brute_force(ids, 5), ids
             ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]  # a step appends 1 to 1 + k tokens
+
+
+def test_a_drafters_limit_shrinks_after_a_miss_and_doubles_after_a_hit():
+    d = NgramDrafter(0, 100, 8)
+    assert d.limit == 8
+    d.record(8, 3)
+    assert d.limit == 3 + MISS_SLACK
+    d.record(5, 5)
+    assert d.limit == 8  # doubled, then capped at max_draft
+    d.record(4, 0)
+    assert d.limit == MISS_SLACK
+
+
+def _drafting_scheduler(spare_rows: int, remaining: list[int], limits: list[int]) -> Scheduler:
+    """A scheduler running one decoding sequence per entry, each in a loop of period 2 (so each proposes k
+    drafts), `remaining` tokens short of its max length, its drafter's limit set."""
+    cfg = SchedulerConfig(num_speculative_tokens=4, speculative_max_rows=spare_rows + len(remaining))
+    sched = Scheduler(cfg, BlockManager(64, 4))
+    for i, (left, limit) in enumerate(zip(remaining, limits)):
+        ids = [1, 2] * 5
+        seq = Sequence(i, ids, 4, 0, status=SeqStatus.RUNNING, num_computed=len(ids) - 1)
+        seq.drafter = NgramDrafter(0, len(ids) + left, 4)
+        seq.drafter.limit = limit
+        sched.running.append(SequenceGroup(str(i), i, None, ids[:4], GREEDY, [seq]))
+    return sched
+
+
+def test_drafts_go_first_to_the_sequences_with_most_left_when_rows_are_short():
+    # every proposal fits: each sequence checks all of its drafts, whatever its limit
+    sched = _drafting_scheduler(12, remaining=[20, 50, 30], limits=[1, 1, 4])
+    assert {i: len(d) for i, d in sched._plan_drafts(12).items()} == {0: 4, 1: 4, 2: 4}
+    # 5 rows for 12 proposed drafts: limits apply, the most tokens left first (1, then 2, then 0)
+    sched = _drafting_scheduler(5, remaining=[20, 50, 30], limits=[4, 2, 4])
+    assert {i: len(d) for i, d in sched._plan_drafts(5).items()} == {1: 2, 2: 3}
+    # a sequence near its max length proposes only what fits before it
+    sched = _drafting_scheduler(12, remaining=[3, 50], limits=[4, 4])
+    assert {i: len(d) for i, d in sched._plan_drafts(12).items()} == {0: 2, 1: 4}
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,8 @@ class Engine:
         if self.scheduler.config.num_speculative_tokens and width == 1 and beam is None and grammar is None and \
                 _drafts_are_exact(params):
             banned = params.min_tokens > 0 and banned_until_min_tokens(params, self.eos_token_ids)
-            seq.drafter = NgramDrafter(len(prompt_ids) + params.min_tokens if banned else 0, seq.stop_rule.max_len)
+            seq.drafter = NgramDrafter(len(prompt_ids) + params.min_tokens if banned else 0, seq.stop_rule.max_len,
+                                       self.scheduler.config.num_speculative_tokens)
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
         self._arrivals += 1
@@ -282,6 +283,7 @@ class Engine:
                 break
         self.metrics.draft_tokens += chunk.num_draft
         self.metrics.accepted_draft_tokens += kept
+        seq.drafter.record(chunk.num_draft, kept)
         if not seq.is_finished:
             self.scheduler.accept_drafts(seq, kept)
         return kept

@@ -10,24 +10,33 @@ one pass over the weights. A wrong draft costs only its row of compute.
 
 The index maps every n-gram of the context to where its latest occurrence ends; it is extended by the tokens
 appended since the last proposal, so a step costs O(new tokens), not O(context).
+
+How many drafts a sequence checks adapts to how well its drafter has been guessing (`limit`, set by
+record): a sequence keeps missing or keeps hitting for a while (it is in a loop or not), and a rejected
+draft's row is compute spent for nothing. The scheduler applies the limits only in a step whose proposals do
+not all fit its spare rows (Scheduler._plan_drafts).
 """
 
 from __future__ import annotations
 
 MAX_N = 3  # the longest suffix matched first: longer matches predict better, shorter ones match more often
+MISS_SLACK = 2  # drafts past the kept ones a sequence may still check after a miss (see record)
 
 
 class NgramDrafter:
-    __slots__ = ("index", "indexed", "min_len", "max_len")
+    __slots__ = ("index", "indexed", "min_len", "max_len", "max_draft", "limit")
 
-    def __init__(self, min_len: int, max_len: int) -> None:
+    def __init__(self, min_len: int, max_len: int, max_draft: int = 1 << 30) -> None:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
         self.indexed = 0  # n-grams ending at or before this position are in the index
         self.min_len = min_len  # drafts only from this length on (before it, min_tokens bans ids: not greedy)
         self.max_len = max_len  # the sequence stops at this length: no draft past it
+        self.max_draft = max_draft
+        self.limit = max_draft  # how many drafts the next step should check when rows are short (see record)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens likely to follow token_ids (none when its last tokens occurred nowhere before)."""
+        """Up to k tokens likely to follow token_ids (none when its last tokens occurred nowhere before). A
+        shorter proposal is a prefix of a longer one."""
         length = len(token_ids)
         k = min(k, self.max_len - length - 1)  # the step's own token and the drafts stay within max_len
         if k <= 0 or length < self.min_len:
@@ -48,3 +57,9 @@ class NgramDrafter:
                 period = length - end
                 return [token_ids[end + j % period] for j in range(k)]
         return []
+
+    def record(self, num_drafted: int, num_kept: int) -> None:
+        """The outcome of a step's drafts: after all were kept the limit doubles (up to max_draft), after a miss
+        it is the number kept plus MISS_SLACK."""
+        self.limit = min(2 * self.limit, self.max_draft) if num_kept == num_drafted else \
+            min(num_kept + MISS_SLACK, self.max_draft)

@@ -120,6 +120,7 @@ class Scheduler:
         # are few, so that drafts never take the block a running sequence needs to grow (no preemption for them)
         spare = cfg.speculative_max_rows - len(running) \
             if cfg.num_speculative_tokens and self.bm.num_free > 2 * len(running) else 0
+        drafts = self._plan_drafts(spare) if spare > 0 else None
         i = 0
         while i < len(running):
             group = running[i]
@@ -131,10 +132,8 @@ class Scheduler:
                 start = seq.num_computed
                 tokens = seq.token_ids
                 if len(tokens) - start == 1 and seq.status is status_running:
-                    drafted = self._schedule_drafts(seq, out, budget, min(spare, budget[0] - 1)) \
-                        if spare > 0 and seq.drafter is not None and budget[0] > 1 else 0
-                    if drafted:
-                        spare -= drafted
+                    proposed = drafts.get(seq.seq_id) if drafts else None
+                    if proposed and self._schedule_drafts(seq, proposed, out, budget):
                         held += 1
                         i += 1
                         continue
@@ -267,14 +266,46 @@ class Scheduler:
         out.copies.extend(copies)
         return True
 
-    def _schedule_drafts(self, seq: Sequence, out: SchedulerOutput, budget: list[int], room: int) -> int:
-        """Schedule a decoding sequence's token with up to `room` draft tokens after it (speculative decoding);
-        returns how many, 0 when its drafter proposes none or the blocks for them are short (then it decodes
-        plainly)."""
-        tokens, start = seq.token_ids, seq.num_computed
-        drafts = seq.drafter.propose(tokens, min(self.config.num_speculative_tokens, room))
+    def _plan_drafts(self, spare: int) -> dict[int, list[int]]:
+        """Draft tokens for this step's decoding sequences, within `spare` rows: seq_id -> drafts.
+
+        When every proposal fits, each sequence checks all of its own: rows are cheap then, few sequences are
+        running and a step costs about the same whatever its rows (it reads the weights). When they do not, each
+        is cut to its drafter's limit (ngram.py: shorter after a miss) and the sequences with the most tokens
+        left to their max_tokens draft first: the workload's last steps are those of its longest sequences,
+        and drafts that shorten them save whole steps, where a draft for a sequence that ends early saves
+        none."""
+        room = min(self.config.num_speculative_tokens, spare)
+        proposals = []
+        total = 0
+        for group in self.running:
+            if len(group.seqs) == 1:
+                seq = group.seqs[0]
+                if seq.drafter is not None and seq.status is SeqStatus.RUNNING and \
+                        len(seq.token_ids) - seq.num_computed == 1:
+                    drafts = seq.drafter.propose(seq.token_ids, room)
+                    if drafts:
+                        proposals.append((seq, drafts))
+                        total += len(drafts)
+        if total <= spare:
+            return {seq.seq_id: drafts for seq, drafts in proposals}
+        proposals.sort(key=lambda p: len(p[0].token_ids) - p[0].drafter.max_len)  # most left first (stable)
+        plan: dict[int, list[int]] = {}
+        for seq, drafts in proposals:
+            drafts = drafts[: min(seq.drafter.limit, spare)]
+            plan[seq.seq_id] = drafts
+            spare -= len(drafts)
+            if spare <= 0:
+                break
+        return plan
+
+    def _schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput, budget: list[int]) -> int:
+        """Schedule a decoding sequence's token with the drafts after it (as many as the token budget leaves room
+        for); returns how many, 0 when none fit or their blocks are short (then it decodes plainly)."""
+        drafts = drafts[: budget[0] - 1]
         if not drafts:
             return 0
+        tokens, start = seq.token_ids, seq.num_computed
         n = 1 + len(drafts)
         pairs = self.bm.allocate(seq.seq_id, start + n, start)
         if pairs is None:
