@@ -29,7 +29,7 @@ demo: setup
 	$(VENV)/bin/batchrun show out/example -n 4
 
 bench: setup
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run --rounds 2
 
 lint: setup
 	$(VENV)/bin/ruff check batchrun kernels tests benchmarks

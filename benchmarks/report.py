@@ -71,7 +71,7 @@ def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
                 row.update(wall_s=v["wall_s"], gen_tok_s=rate, mfu=flops / v["wall_s"] / peak_flops,
                            peak_rss_mb=v.get("peak_rss_mb"), load_rss_mb=v.get("load_rss_mb"),
                            gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"), other_load=v.get("other_load"),
-                           repeat_walls_s=v.get("repeat_walls_s"))
+                           repeat_walls_s=v.get("repeat_walls_s"), round_walls_s=v.get("round_walls_s"))
                 if v["gen_tokens"] != m["workload"]["output_tokens"]:
                     row["error"] = f"generated {v['gen_tokens']} tokens, the workload asks {m['workload']['output_tokens']}"
                 if system != "batchrun" and ref is not None:
@@ -93,6 +93,16 @@ def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
         derived["batchrun"] = _batchrun_details(m, br)
     derived["targets"] = _targets(m["key"], derived)
     return derived
+
+
+def round_ratios(d: dict[str, Any]) -> list[float | None]:
+    """batchrun's first row over vLLM's first row in each round (same tokens, so a wall-time ratio); [] without
+    rounds."""
+    rows = [(d["systems"].get(s, {}).get("variants") or [{}])[0] for s in ("batchrun", "vllm")]
+    walls = [r.get("round_walls_s") or [] for r in rows]
+    if len(walls[0]) < 2 or len(walls[0]) != len(walls[1]):
+        return []
+    return [v / b if b and v else None for b, v in zip(*walls)]
 
 
 def _batchrun_details(m: dict[str, Any], br: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +223,9 @@ def markdown(res: dict[str, Any]) -> str:
              "requests), default engine settings (its torch.compile of the model is in the untimed load). Others' CPU = the "
              "share of the machine's CPU time that other processes used during the timed part (0% on a quiet "
              "machine)."
-             + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else ""),
+             + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else "")
+             + (f" batchrun's and vLLM's rows ran {res['rounds']} rounds, each system once per round in turn; each "
+                "row is its fastest round." if res.get("rounds", 1) > 1 else ""),
              *([f"- **{noisy} row(s) ran while other processes used over {OTHER_LOAD_NOISY:.0%} of the machine "
                 f"(marked{NOISY_MARK})**: with OpenMP threads that lose their core, a run can be several times slower "
                 "than alone; "
@@ -246,10 +258,17 @@ def markdown(res: dict[str, Any]) -> str:
                     lines.append(f"| {name} | {_cfg(v['config'])} | failed: {v['error'][:120]} | | | | | | |")
                     continue
                 ratio = b["gen_tok_s"] / v["gen_tok_s"] if b and system != "batchrun" else None
-                lines.append(f"| {name} | {_cfg(v['config'])} | {v['wall_s']:.2f} | {v['gen_tok_s']:.1f} | "
+                rounds = v.get("round_walls_s")
+                wall = f"{v['wall_s']:.2f}" + (" (rounds: " + ", ".join(_f(w, "{:.2f}") for w in rounds) + ")"
+                                               if rounds else "")
+                lines.append(f"| {name} | {_cfg(v['config'])} | {wall} | {v['gen_tok_s']:.1f} | "
                              f"{_f(ratio, '{:.2f}x')} | {_pct(v['mfu'])} | {_f(v.get('peak_rss_mb'), '{:.0f}')} | "
                              f"{_pct(v.get('other_load'))}{NOISY_MARK if _noisy(v) else ''} | "
                              f"{_equal_str(v.get('outputs_vs_batchrun')) if system != 'batchrun' else '(reference)'} |")
+        per_round = round_ratios(d)
+        if per_round:
+            lines += ["", "Per round, batchrun's gen tok/s over vLLM's (first row of each, run back to back): "
+                      + ", ".join(_f(x, "{:.2f}x") for x in per_round) + "."]
         det = d.get("batchrun")
         if det:
             lines += ["", "batchrun's engine on this run:", "",

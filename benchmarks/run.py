@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,20 @@ def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
     return path, shape, vocab, sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
 
 
+def _fastest(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs over the rounds: the fastest, with every round's wall time (None where a run failed);
+    a failure only when every round failed."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0]
+    best = dict(min(ok, key=lambda r: r["wall_s"]))
+    if len(results) > 1:
+        best["round_walls_s"] = [r.get("wall_s") for r in results]
+    return best
+
+
 def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs: dict[str, Any],
-              kv_scale: float, repeat: int = 1, vllm: VllmSetup | None = None) -> dict[str, Any]:
+              kv_scale: float, repeat: int = 1, vllm: VllmSetup | None = None, rounds: int = 1) -> dict[str, Any]:
     path, shape, vocab, wl = headline_workload(plan)
     shape = ModelShape(**{**shape.__dict__, "dtype_bytes": 2 if plan.dtype == "bfloat16" else 4})
     demand = wl.blocks_needed(BLOCK_SIZE)
@@ -205,18 +218,32 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
                f"output tokens, KV {kv_blocks} blocks ({kv_bytes / 2**20:.1f} MiB)")
 
     runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "vllm": [], "hf_static": [], "hf_cb": []}
-    runs["batchrun"].append(runner(f"{plan.key}-batchrun", {**base, "task": "batchrun", "llm_kwargs": br_kwargs}))
+    # the headline systems: (kind, worker name, run it under this name)
+    headline: list[tuple[str, str, Callable[[str], dict[str, Any]]]] = [
+        ("batchrun", f"{plan.key}-batchrun", lambda name: runner(name, {**base, "task": "batchrun",
+                                                                        "llm_kwargs": br_kwargs}))]
     if plan.speculation_variants:  # batchrun's defaults draft tokens on a CPU: without them too
         kw = {**br_kwargs, "num_speculative_tokens": 0}
-        runs["batchrun"].append(runner(f"{plan.key}-batchrun-nodraft", {**base, "task": "batchrun", "llm_kwargs": kw}))
+        headline.append(("batchrun", f"{plan.key}-batchrun-nodraft",
+                         lambda name: runner(name, {**base, "task": "batchrun", "llm_kwargs": kw})))
     if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
-        runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm", base, plan.dtype, vllm_kv, wl.max_len,
-                                     plan.vllm_kwargs))
+        headline.append(("vllm", f"{plan.key}-vllm", lambda name: vllm.run(runner, name, base, plan.dtype, vllm_kv,
+                                                                            wl.max_len, plan.vllm_kwargs)))
         if plan.speculation_variants:  # vLLM with the same n-gram drafting (off by default there)
-            runs["vllm"].append(vllm.run(runner, f"{plan.key}-vllm-ngram", base, plan.dtype, vllm_kv, wl.max_len,
-                                         {**plan.vllm_kwargs, "speculative_config": VLLM_NGRAM}))
+            ngram = {**plan.vllm_kwargs, "speculative_config": VLLM_NGRAM}
+            headline.append(("vllm", f"{plan.key}-vllm-ngram",
+                             lambda name: vllm.run(runner, name, base, plan.dtype, vllm_kv, wl.max_len, ngram)))
+    # rounds > 1: every headline system once per round, in turn, and each keeps its fastest run. This VM's
+    # speed drifts by 20-30% over minutes, so systems that run minutes apart are compared at different speeds;
+    # within a round they run back to back.
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for _, name, _ in headline}
+    for r in range(rounds):
+        for _, name, call in headline:
+            per_round[name].append(call(name if rounds == 1 else f"{name}-round{r + 1}"))
+    for kind, name, _ in headline:
+        runs[kind].append(_fastest(per_round[name]))
     for bs in plan.static_batches:
         r = runner(f"{plan.key}-hf_static-b{bs}", {**base, "task": "hf_static", "batch_size": bs})
         runs["hf_static"].append(r if "error" not in r else {**r, "config": {"batch_size": bs}})
@@ -343,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each headline system N times (fresh instance each) and keep the fastest: for a "
                          "machine shared with other work")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run batchrun's and vLLM's rows N times in turn (each keeps its fastest): on a machine "
+                         "whose speed drifts, systems are then compared at the same speed")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before one worker is abandoned")
     args = ap.parse_args(argv)
 
@@ -367,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmd = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "command": cmd.strip(), "started": started,
-                           "repeat": max(1, args.repeat), "env": environment(), "models": {}}
+                           "repeat": max(1, args.repeat), "rounds": max(1, args.rounds), "env": environment(),
+                           "models": {}}
     t0 = time.perf_counter()
     runner.log(f"benchmark ({res['mode']}), results into {out}")
     # the MFU denominators: a large matmul in each dtype the plans use
@@ -388,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         if vllm.error:
             runner.log(f"  vLLM is left out: {vllm.error}")
     for plan in plans:
-        m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm)
+        m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
+                      max(1, args.rounds))
         m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"])
         _strip_outputs(m)
         res["models"][plan.key] = m

@@ -86,17 +86,23 @@ def test_metrics_delta_removes_the_warmup():
 @pytest.mark.timeout(600)
 def test_quick_benchmark_end_to_end(tmp_path):
     from benchmarks import vllm_env
+    from benchmarks.report import round_ratios
     from benchmarks.run import main
 
     # vLLM only where its venv is already made: a test never downloads it
     with_vllm = vllm_env.is_ready()
-    assert main(["--quick", "--out", str(tmp_path), *([] if with_vllm else ["--no-vllm"])]) == 0
+    assert main(["--quick", "--rounds", "2", "--out", str(tmp_path), *([] if with_vllm else ["--no-vllm"])]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
-    assert (tmp_path / "report.md").read_text().startswith("# batchrun benchmark")
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# batchrun benchmark") and "ran 2 rounds" in report
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert res["peak"]["peak_flops"] > 0
     m = res["models"]["tiny"]
     d = m["derived"]
+    walls = m["runs"]["batchrun"][0]["round_walls_s"]  # two rounds, the row the faster
+    assert len(walls) == 2 and m["runs"]["batchrun"][0]["wall_s"] == min(walls) and "(rounds: " in report
+    if with_vllm:
+        assert f"{round_ratios(d)[1]:.2f}x." in report
     for system in ("batchrun", "hf_static", "hf_cb"):
         best = d["systems"][system]["best"]
         assert best is not None, d["systems"][system]["variants"]
