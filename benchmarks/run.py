@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
+from benchmarks.clock import best_of
 from benchmarks.vllm_env import VllmSetup
 from benchmarks.workload import (
     LengthDist,
@@ -193,15 +194,12 @@ def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
 
 
 def _fastest(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's runs over the rounds: the fastest, with every round's wall time (None where a run failed);
-    a failure only when every round failed."""
+    """One system's runs over the rounds: the fastest of those that ran (clock.best_of), with their wall times
+    when there were rounds; a failure only when every round failed."""
     ok = [r for r in results if "error" not in r]
     if not ok:
         return results[0]
-    best = dict(min(ok, key=lambda r: r["wall_s"]))
-    if len(results) > 1:
-        best["round_walls_s"] = [r.get("wall_s") for r in results]
-    return best
+    return best_of(ok, "round_walls_s") if len(results) > 1 else ok[0]
 
 
 def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs: dict[str, Any],

@@ -299,23 +299,23 @@ class Scheduler:
                 break
         return plan
 
-    def _schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput, budget: list[int]) -> int:
+    def _schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput, budget: list[int]) -> bool:
         """Schedule a decoding sequence's token with the drafts after it (as many as the token budget leaves room
-        for); returns how many, 0 when none fit or their blocks are short (then it decodes plainly)."""
+        for); False when none fit or their blocks are short (then it decodes plainly)."""
         drafts = drafts[: budget[0] - 1]
         if not drafts:
-            return 0
+            return False
         tokens, start = seq.token_ids, seq.num_computed
         n = 1 + len(drafts)
         pairs = self.bm.allocate(seq.seq_id, start + n, start)
         if pairs is None:
-            return 0
+            return False
         out.copies.extend(pairs)
         out.seqs.append(ScheduledSeq(seq.seq_id, [tokens[start], *drafts], start, self.bm.block_table(seq.seq_id),
                                      True, len(drafts)))
         budget[0] -= n
         self._mixed = True
-        return len(drafts)
+        return True
 
     def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """The only running group cannot grow: recompute one of its sequences later instead of the whole
