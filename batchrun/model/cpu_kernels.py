@@ -46,6 +46,9 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "has_dpbf16": [],
     "pack_bf16_linear": [_P, _I, _I, _P],
     "linear_bf16_small": [_P, _I, _P, _I, _I, _P, _P],
+    "has_f32_linear": [],
+    "pack_f32_linear": [_P, _I, _I, _P],
+    "linear_f32": [_P, _I, _I, _P, _I, _I, _P, _P],
 }
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
@@ -98,7 +101,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "has_dpbf16"):  # these answer an int
+    for name in ("paged_attention", "has_dpbf16", "has_f32_linear"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -232,4 +235,34 @@ def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     _library().linear_bf16_small(x.data_ptr(), rows, packed.data_ptr(), out_features, k,
                                  None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
+
+
+F32_PANEL = 32  # outputs per panel of pack_f32_linear (csrc: F32_PANEL)
+
+
+def has_f32_linear() -> bool:
+    """Whether linear_f32 runs here (the kernels are built, for a CPU with AVX-512)."""
+    return available() and bool(_library().has_f32_linear())
+
+
+def pack_f32_linear(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] packed for linear_f32: panels of F32_PANEL outputs, each K x F32_PANEL."""
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    packed = torch.empty((n + F32_PANEL - 1) // F32_PANEL * F32_PANEL * k, dtype=torch.float32)
+    _library().pack_f32_linear(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] fp32 (rows contiguous) times the packed weight: [rows, out_features] fp32. A row's result
+    does not depend on the other rows, bit for bit."""
+    rows, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    _library().linear_f32(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, k,
+                          None if bias is None else bias.data_ptr(), out.data_ptr())
     return out

@@ -27,6 +27,15 @@ BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
+BATCHRUN_F32_LINEAR=1 (off by default) puts fp32 models on batchrun's own kernel instead of oneDNN's wherever
+oneDNN's would be used (PackedF32Linear, cpu_kernels.linear_f32, CPUs with AVX-512): each output is one
+multiply-add chain over the inputs in order, so it is batch invariant at every row count, 1 included. Measured
+on SmolLM2-135M's and small-llama's layer shapes, weights streamed from memory as in a decode step, 2 threads,
+oneDNN's calls in turn with it: 0.64-0.80x oneDNN's time at 8 rows, 0.74-1.03x at 64-128 rows, but 1.02-1.12x
+at 1024 rows (prefill). End to end (`python -m benchmarks.profile`, two runs each way, in turn): SmolLM2 fp32
+decode steps 10.55/9.38 s against 12.23/13.81 s, prefill 9.76/9.66 s against 7.49/9.49 s; small-llama fp32 7%
+slower in all (13.91/14.20 s against 12.97/13.25 s). So it stays off until its large-row path matches oneDNN.
+
 Batch invariance (EngineArgs.batch_invariant): a row's product must not depend on how many rows share the call,
 or a sequence's logits depend on its batch (issue 14). Measured with torch 2.13 on an AVX512-BF16/AMX Xeon, 1
 and 2 threads, on every shape of the built-in models and SmolLM2-135M and M in 1..4096, bitwise against the
@@ -60,6 +69,23 @@ _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count wo
 # Row counts between which oneDNN keeps one kernel per dtype (measured, see the module docstring): a call
 # of fewer rows is padded, one of more is cut into tiles.
 INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
+
+
+class PackedF32Linear(nn.Module):
+    """y = x W^T + b for fp32, through batchrun's own kernel (cpu_kernels.linear_f32) on W packed once into its
+    column panels; the packed copy replaces the original. Batch invariant at every row count by construction
+    (each output is one multiply-add chain over the inputs in order), so it needs no padding or tiling."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = cpu_kernels.pack_f32_linear(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        return cpu_kernels.linear_f32(flat, self.packed, self.out_features, self.bias).view(*x.shape[:-1],
+                                                                                           self.out_features)
 
 
 class OneDNNLinear(nn.Module):
@@ -110,6 +136,13 @@ def _takes_small(linear: nn.Linear) -> bool:
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_small_bf16_linear())
 
 
+def packs_f32(linear: nn.Linear) -> bool:
+    """Whether an fp32 linear goes to PackedF32Linear rather than oneDNN (BATCHRUN_F32_LINEAR=1, and the C kernels
+    are built for a CPU with AVX-512)."""
+    return (linear.weight.dtype == torch.float32 and os.environ.get("BATCHRUN_F32_LINEAR", "0") == "1"
+            and cpu_kernels.has_f32_linear())
+
+
 def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, module) of every nn.Linear whose weight is not shared with another module (and,
     with_tied, of those whose weight is the embedding's too)."""
@@ -154,7 +187,7 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         return False
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, _, m in linears)
     wanted = choice == "onednn" or dtype == torch.bfloat16 or weight_bytes >= ONEDNN_MIN_BYTES
-    works = wanted and _works(linears[0][2])
+    works = wanted and (packs_f32(linears[0][2]) or _works(linears[0][2]))
     if batch_invariant and not works:
         log.warning("batch_invariant: oneDNN's linears do not work here, so MKL's are used, whose kernels change "
                     "with the number of rows: a row's logits can depend on its batch")
@@ -168,5 +201,6 @@ def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
     linears = _linears(model, with_tied=with_tied)
     for parent, name, linear in linears:
-        setattr(parent, name, OneDNNLinear(linear, invariant=batch_invariant))
+        setattr(parent, name, PackedF32Linear(linear) if packs_f32(linear) else
+                OneDNNLinear(linear, invariant=batch_invariant))
     return len(linears)

@@ -901,3 +901,106 @@ void linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t 
     (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
 #endif
 }
+
+/* ---- fp32 linear: y = x W^T + bias on weights packed once into column panels ----
+ * Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the bias at the end:
+ * the same operations in the same order whatever the row count, the rows beside it or the thread that runs
+ * it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant) by construction,
+ * at every row count including 1, with no padding or tiling rules. The kernel is a plain register-blocked
+ * outer product (F32_ROWS rows x F32_PANEL columns of accumulators, the weights' panel streamed with a
+ * software prefetch F32_PREFETCH k-steps ahead): a decode step of a few rows reads the weights from memory,
+ * and the prefetch keeps that stream near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x
+ * its time at 8 rows (figures in cpu_linear.py's docstring, which also says why it is not the default).
+ * Threads split the panels, so each weight byte is read once per chunk of rows; the rows go in chunks whose
+ * activations stay in L2. */
+#define F32_ROWS 12
+#define F32_VECS 2
+#define F32_PANEL (16 * F32_VECS)
+#define F32_PREFETCH 32
+#define F32_CHUNK_BYTES (512 * 1024)
+
+int has_f32_linear(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* packed[p][i][j] = w[F32_PANEL p + j][i] (0 past n): ceil(n / F32_PANEL) panels of k x F32_PANEL. */
+void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) {
+    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+#pragma omp parallel for
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t j = 0; j < F32_PANEL; j++) {
+                const int64_t row = p * F32_PANEL + j;
+                packed[(p * k + i) * F32_PANEL + j] = row < n ? w[row * k + i] : 0.0f;
+            }
+}
+
+#if defined(__AVX512F__)
+/* rows x width outputs at y (row stride ldy) from rows of x (stride ldx) and one packed panel; `next`, if not
+ * NULL, is the panel after it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait on
+ * memory for its weights). */
+ALWAYS void f32_tile(const int rows, const float *x, int64_t ldx, const float *panel, int64_t k, float *y,
+                     int64_t ldy, int64_t width, const float *bias, const float *next) {
+    __m512 acc[F32_ROWS][F32_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < F32_VECS; q++) acc[r][q] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w[F32_VECS];
+        for (int q = 0; q < F32_VECS; q++) {
+            _mm_prefetch((const char *)(panel + (i + F32_PREFETCH) * F32_PANEL + 16 * q), _MM_HINT_T0);
+            w[q] = _mm512_loadu_ps(panel + i * F32_PANEL + 16 * q);
+        }
+        if (next != NULL)
+            for (int q = 0; q < F32_VECS; q++) _mm_prefetch((const char *)(next + i * F32_PANEL + 16 * q), _MM_HINT_T1);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+            for (int q = 0; q < F32_VECS; q++) acc[r][q] = _mm512_fmadd_ps(xv, w[q], acc[r][q]);
+        }
+    }
+    for (int q = 0; q < F32_VECS; q++) {
+        const int64_t left = width - 16 * q;
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, bias + 16 * q) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r][q], b));
+    }
+}
+#define F32_TILE(R) \
+    case R: f32_tile(R, x + i * ldx, ldx, panel, k, y + i * n + col, n, width, b, i == m0 ? next : NULL); break;
+#endif
+
+/* y [rows, n] (contiguous) = x [rows, k] (row stride ldx) W^T + bias; W packed by pack_f32_linear; bias NULL
+ * or [n]. A no-op where has_f32_linear() is 0. */
+void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
+                const float *bias, float *y) {
+#if defined(__AVX512F__)
+    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+    int64_t chunk = F32_CHUNK_BYTES / (4 * k) / F32_ROWS * F32_ROWS;
+    if (chunk < F32_ROWS) chunk = F32_ROWS;
+    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
+    chunk = ((rows + chunks - 1) / chunks + F32_ROWS - 1) / F32_ROWS * F32_ROWS;
+#pragma omp parallel if (n * k > PAR_MIN_WORK)
+    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const float *panel = packed + p * k * F32_PANEL;
+            const int64_t col = p * F32_PANEL, width = n - col < F32_PANEL ? n - col : F32_PANEL;
+            const float *b = bias != NULL ? bias + col : NULL, *next = p + 1 < panels ? panel + k * F32_PANEL : NULL;
+            for (int64_t i = m0; i < end; i += F32_ROWS) {
+                switch (end - i < F32_ROWS ? end - i : F32_ROWS) {
+                    F32_TILE(1) F32_TILE(2) F32_TILE(3) F32_TILE(4) F32_TILE(5) F32_TILE(6)
+                    F32_TILE(7) F32_TILE(8) F32_TILE(9) F32_TILE(10) F32_TILE(11) F32_TILE(12)
+                    default: break;
+                }
+            }
+        }
+    }
+#else
+    (void)x, (void)ldx, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+#endif
+}

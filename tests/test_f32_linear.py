@@ -1,0 +1,75 @@
+"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedF32Linear; opt-in with BATCHRUN_F32_LINEAR=1): close
+to the exact product, each row's bits independent of the rows beside it at every row count, and a model on it
+keeps greedy parity with transformers and its tokens whatever the batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_parity import LENGTHS, hf_reference  # transformers' greedy tokens, one prompt at a time
+from torch import nn
+
+from batchrun import LLM, SamplingParams
+from batchrun.model import cpu_kernels
+from batchrun.model.cpu_linear import PackedF32Linear, packs_f32
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_f32_linear(),
+                                reason="needs the C kernels built for a CPU with AVX-512")
+
+# (in, out): SmolLM2-135M's layer shapes, and widths that are not multiples of the 32-output panels
+SHAPES = [(576, 960), (1536, 576), (33, 577), (7, 31)]
+ROW_COUNTS = (1, 2, 3, 11, 12, 13, 31, 64, 100, 257, 700)  # 12-row tiles; 700 x 1536 runs in several chunks
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_product_is_as_close_to_the_exact_one_as_mkls(in_features, out_features, bias):
+    g = torch.Generator().manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) * 0.05)
+    x = torch.randn(64, in_features, generator=g)
+    exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    mkl_error = (F.linear(x, linear.weight, linear.bias).double() - exact).abs().max().item()
+    error = (PackedF32Linear(linear)(x).double() - exact).abs().max().item()
+    # a sum in order over K rounds a little more than MKL's blocked sums (1-3x here); a wrong kernel is off by O(1)
+    assert error <= 8 * mkl_error + 1e-6
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
+    g = torch.Generator().manual_seed(1)
+    layer = PackedF32Linear(nn.Linear(in_features, out_features))
+    wide = torch.randn(max(ROW_COUNTS), in_features + 5, generator=g)
+    x = wide[:, 3 : 3 + in_features]  # rows with a stride, as the views of a fused projection come
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in ROW_COUNTS:
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    assert torch.equal(layer(x.contiguous()), alone)
+
+
+def test_only_on_request(monkeypatch):
+    linear = nn.Linear(8, 8)
+    monkeypatch.delenv("BATCHRUN_F32_LINEAR", raising=False)
+    assert not packs_f32(linear)
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
+    assert packs_f32(linear) and not packs_f32(linear.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_a_model_on_it_keeps_greedy_parity_and_its_tokens_in_any_batch(make_ckpt, arch, monkeypatch):
+    path = make_ckpt(arch)
+    g = torch.Generator().manual_seed(0)  # the parity suite's prompts (its reference is cached per checkpoint)
+    targets = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in LENGTHS]
+    _, refs = hf_reference(path, targets)
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(str(path), num_kv_blocks=600)
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedF32Linear) and isinstance(layer.mlp.down_proj, PackedF32Linear)
+    alone = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0] for p in targets]
+    assert [o.token_ids for o in alone] == refs
+    others = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 3, 250)]
+    batched = LLM(str(path), num_kv_blocks=600, max_num_batched_tokens=96)  # chunked prefills beside decodes
+    outs = batched.generate([{"prompt_token_ids": p} for p in others + targets], greedy, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs[len(others):]] == \
+        [(o.token_ids, o.logprobs) for o in alone]
