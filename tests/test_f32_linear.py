@@ -1,4 +1,5 @@
-"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedF32Linear; opt-in with BATCHRUN_F32_LINEAR=1): close
+"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedF32Linear; fp32 models past 256 MiB of linear weights,
+or any with BATCHRUN_F32_LINEAR=1): close
 to the exact product, each row's bits independent of the rows beside it at every row count, and a model on it
 keeps greedy parity with transformers and its tokens whatever the batch."""
 
@@ -10,14 +11,14 @@ from torch import nn
 
 from batchrun import LLM, SamplingParams
 from batchrun.model import cpu_kernels
-from batchrun.model.cpu_linear import PackedF32Linear, packs_f32
+from batchrun.model.cpu_linear import PackedF32Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.has_f32_linear(),
                                 reason="needs the C kernels built for a CPU with AVX-512")
 
-# (in, out): SmolLM2-135M's layer shapes, and widths that are not multiples of the 32-output panels
-SHAPES = [(576, 960), (1536, 576), (33, 577), (7, 31)]
-ROW_COUNTS = (1, 2, 3, 11, 12, 13, 31, 64, 100, 257, 700)  # 12-row tiles; 700 x 1536 runs in several chunks
+# (in, out): SmolLM2-135M's layer shapes, and widths that are not multiples of the 48-output panels
+SHAPES = [(576, 960), (1536, 576), (33, 577), (7, 47)]
+ROW_COUNTS = (1, 2, 3, 7, 8, 9, 31, 64, 100, 257, 700)  # 8-row tiles; 700 x 1536 runs in several chunks
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
@@ -47,12 +48,25 @@ def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
     assert torch.equal(layer(x.contiguous()), alone)
 
 
-def test_only_on_request(monkeypatch):
-    linear = nn.Linear(8, 8)
+def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch):
+    from batchrun.model.cpu_linear import ONEDNN_MIN_BYTES, own_f32_kernel
+
+    small = nn.Sequential(nn.Linear(64, 64))
+    def big(dtype=torch.float32):  # exactly the threshold's bytes of fp32 weights (no memory: on the meta device)
+        return nn.Sequential(nn.Linear(1, ONEDNN_MIN_BYTES // 4, bias=False, device="meta", dtype=dtype))
+
     monkeypatch.delenv("BATCHRUN_F32_LINEAR", raising=False)
-    assert not packs_f32(linear)
+    monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
+    assert own_f32_kernel(big()) and not own_f32_kernel(small) and not own_f32_kernel(big(torch.bfloat16))
+    monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")  # oneDNN asked for by name
+    assert not own_f32_kernel(big())
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
-    assert packs_f32(linear) and not packs_f32(linear.to(torch.bfloat16))
+    assert own_f32_kernel(big()) and own_f32_kernel(small)
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "0")
+    assert not own_f32_kernel(big())
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "yes")
+    with pytest.raises(ValueError, match="BATCHRUN_F32_LINEAR"):
+        own_f32_kernel(big())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases

@@ -46,7 +46,7 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "has_dpbf16": [],
     "pack_bf16_linear": [_P, _I, _I, _P],
     "linear_bf16_small": [_P, _I, _P, _I, _I, _P, _P],
-    "has_f32_linear": [],
+    "f32_linear_panel": [],
     "pack_f32_linear": [_P, _I, _I, _P],
     "linear_f32": [_P, _I, _I, _P, _I, _I, _P, _P],
 }
@@ -101,7 +101,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "has_dpbf16", "has_f32_linear"):  # these answer an int
+    for name in ("paged_attention", "has_dpbf16", "f32_linear_panel"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -238,19 +238,17 @@ def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out
 
 
-F32_PANEL = 32  # outputs per panel of pack_f32_linear (csrc: F32_PANEL)
-
-
 def has_f32_linear() -> bool:
     """Whether linear_f32 runs here (the kernels are built, for a CPU with AVX-512)."""
-    return available() and bool(_library().has_f32_linear())
+    return available() and _library().f32_linear_panel() > 0
 
 
 def pack_f32_linear(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [N, K] packed for linear_f32: panels of F32_PANEL outputs, each K x F32_PANEL."""
+    """An fp32 weight [N, K] packed for linear_f32: panels of the kernel's width of outputs, each K x width."""
     n, k = weight.shape
     w = weight.detach().contiguous()
-    packed = torch.empty((n + F32_PANEL - 1) // F32_PANEL * F32_PANEL * k, dtype=torch.float32)
+    panel = _library().f32_linear_panel()
+    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.float32)
     _library().pack_f32_linear(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 

@@ -27,14 +27,17 @@ BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
-BATCHRUN_F32_LINEAR=1 (off by default) puts fp32 models on batchrun's own kernel instead of oneDNN's wherever
-oneDNN's would be used (PackedF32Linear, cpu_kernels.linear_f32, CPUs with AVX-512): each output is one
-multiply-add chain over the inputs in order, so it is batch invariant at every row count, 1 included. Measured
-on SmolLM2-135M's and small-llama's layer shapes, weights streamed from memory as in a decode step, 2 threads,
-oneDNN's calls in turn with it: 0.64-0.80x oneDNN's time at 8 rows, 0.74-1.03x at 64-128 rows, but 1.02-1.12x
-at 1024 rows (prefill). End to end (`python -m benchmarks.profile`, two runs each way, in turn): SmolLM2 fp32
-decode steps 10.55/9.38 s against 12.23/13.81 s, prefill 9.76/9.66 s against 7.49/9.49 s; small-llama fp32 7%
-slower in all (13.91/14.20 s against 12.97/13.25 s). So it stays off until its large-row path matches oneDNN.
+fp32 models whose linear weights pass ONEDNN_MIN_BYTES go to batchrun's own kernel instead (PackedF32Linear,
+cpu_kernels.linear_f32, on CPUs with AVX-512): its weights stream with a software prefetch, which oneDNN's fp32
+kernels lack. Each output is one multiply-add chain over the inputs in order, so it is batch invariant at every
+row count, 1 included. Measured on SmolLM2-135M's and small-llama's layer shapes (30 and 12 layers, weights
+streamed from memory as in a step), 2 threads, oneDNN's calls in turn with it, median of 7 pairs: 0.46-0.74x
+oneDNN's time at 8 rows, 0.84-0.98x at 128, 0.95-1.05x at 1024 and 0.75-1.08x at 4096 (the 4096-row gate|up
+and small's 4096-wide projections 0.75-0.81x, the rest 1.03-1.08x). End to end (`python -m benchmarks.profile
+--model M` with BATCHRUN_F32_LINEAR=1 and 0 in turn): SmolLM2 fp32 wall 23.47/19.70/21.65/20.94 s against
+23.59/25.89/24.31/22.38 s, small-llama 14.88/14.03 s against 15.81/15.79 s. The tiny model (weights in cache)
+was slower on it in three of four pairs (4.81/4.45/4.51 s against 3.82/3.93/4.45 s), hence the size rule.
+BATCHRUN_F32_LINEAR=1 puts every fp32 model on it, 0 none.
 
 Batch invariance (EngineArgs.batch_invariant): a row's product must not depend on how many rows share the call,
 or a sequence's logits depend on its batch (issue 14). Measured with torch 2.13 on an AVX512-BF16/AMX Xeon, 1
@@ -46,7 +49,7 @@ same rows computed in 2-row calls (tests/test_batch_invariance.py holds these fa
 - bf16 oneDNN gives the same bits for M in 1..32 and different ones for most M >= 33 (AMX tiles), so the
   rows go through in tiles of at most 32 (max_rows); prefill linears then run at 32-row speed.
 So in that mode every linear is reordered, whatever the weights' size, and the tied lm_head too (a reordered
-copy), in fp32 and bf16.
+copy), in fp32 and bf16; fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding.
 """
 
 from __future__ import annotations
@@ -136,11 +139,23 @@ def _takes_small(linear: nn.Linear) -> bool:
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_small_bf16_linear())
 
 
-def packs_f32(linear: nn.Linear) -> bool:
-    """Whether an fp32 linear goes to PackedF32Linear rather than oneDNN (BATCHRUN_F32_LINEAR=1, and the C kernels
-    are built for a CPU with AVX-512)."""
-    return (linear.weight.dtype == torch.float32 and os.environ.get("BATCHRUN_F32_LINEAR", "0") == "1"
-            and cpu_kernels.has_f32_linear())
+def own_f32_kernel(model: nn.Module) -> bool:
+    """Whether the model's fp32 linears go to PackedF32Linear rather than oneDNN (the C kernels built for a CPU
+    with AVX-512). BATCHRUN_F32_LINEAR=auto (the default): when their weights pass ONEDNN_MIN_BYTES, so that a
+    decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32
+    model; 0: none."""
+    choice = os.environ.get("BATCHRUN_F32_LINEAR", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"BATCHRUN_F32_LINEAR must be auto, 0 or 1, got {choice!r}")
+    linears = [m for _, _, m in _linears(model)]
+    if choice == "0" or not linears or linears[0].weight.dtype != torch.float32 or not cpu_kernels.has_f32_linear():
+        return False
+    return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
+                             and _weight_bytes(linears) >= ONEDNN_MIN_BYTES)
+
+
+def _weight_bytes(linears: list[nn.Linear]) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
 
 
 def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -185,9 +200,9 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     linears = _linears(model)
     if not linears:
         return False
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, _, m in linears)
+    weight_bytes = _weight_bytes([m for _, _, m in linears])
     wanted = choice == "onednn" or dtype == torch.bfloat16 or weight_bytes >= ONEDNN_MIN_BYTES
-    works = wanted and (packs_f32(linears[0][2]) or _works(linears[0][2]))
+    works = wanted and (own_f32_kernel(model) or _works(linears[0][2]))
     if batch_invariant and not works:
         log.warning("batch_invariant: oneDNN's linears do not work here, so MKL's are used, whose kernels change "
                     "with the number of rows: a row's logits can depend on its batch")
@@ -195,12 +210,12 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
 
 
 def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
-    """Replace every unshared nn.Linear by a OneDNNLinear (in bf16 models, and in batch-invariant mode, the tied
-    lm_head too); returns how many."""
+    """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedF32Linear where own_f32_kernel says (in bf16
+    models, and in batch-invariant mode, the tied lm_head too); returns how many."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
+    own = own_f32_kernel(model)
     linears = _linears(model, with_tied=with_tied)
     for parent, name, linear in linears:
-        setattr(parent, name, PackedF32Linear(linear) if packs_f32(linear) else
-                OneDNNLinear(linear, invariant=batch_invariant))
+        setattr(parent, name, PackedF32Linear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
     return len(linears)

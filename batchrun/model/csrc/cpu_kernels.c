@@ -913,15 +913,16 @@ void linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t 
  * its time at 8 rows (figures in cpu_linear.py's docstring, which also says why it is not the default).
  * Threads split the panels, so each weight byte is read once per chunk of rows; the rows go in chunks whose
  * activations stay in L2. */
-#define F32_ROWS 12
-#define F32_VECS 2
+#define F32_ROWS 8
+#define F32_VECS 3
 #define F32_PANEL (16 * F32_VECS)
 #define F32_PREFETCH 32
-#define F32_CHUNK_BYTES (512 * 1024)
+#define F32_CHUNK_BYTES (1024 * 1024)
 
-int has_f32_linear(void) {
+/* The outputs per panel of pack_f32_linear's layout, or 0 where linear_f32 does not run (no AVX-512). */
+int f32_linear_panel(void) {
 #if defined(__AVX512F__)
-    return 1;
+    return F32_PANEL;
 #else
     return 0;
 #endif
@@ -948,6 +949,7 @@ ALWAYS void f32_tile(const int rows, const float *x, int64_t ldx, const float *p
     __m512 acc[F32_ROWS][F32_VECS];
     for (int r = 0; r < rows; r++)
         for (int q = 0; q < F32_VECS; q++) acc[r][q] = _mm512_setzero_ps();
+#pragma GCC unroll 4
     for (int64_t i = 0; i < k; i++) {
         __m512 w[F32_VECS];
         for (int q = 0; q < F32_VECS; q++) {
@@ -993,8 +995,7 @@ void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, 
             const float *b = bias != NULL ? bias + col : NULL, *next = p + 1 < panels ? panel + k * F32_PANEL : NULL;
             for (int64_t i = m0; i < end; i += F32_ROWS) {
                 switch (end - i < F32_ROWS ? end - i : F32_ROWS) {
-                    F32_TILE(1) F32_TILE(2) F32_TILE(3) F32_TILE(4) F32_TILE(5) F32_TILE(6)
-                    F32_TILE(7) F32_TILE(8) F32_TILE(9) F32_TILE(10) F32_TILE(11) F32_TILE(12)
+                    F32_TILE(1) F32_TILE(2) F32_TILE(3) F32_TILE(4) F32_TILE(5) F32_TILE(6) F32_TILE(7) F32_TILE(8)
                     default: break;
                 }
             }
