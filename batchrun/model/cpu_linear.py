@@ -1,5 +1,5 @@
-"""Linear layers on oneDNN's blocked weight layout: bf16 models on a CPU, and fp32 models whose weights do not
-stay in cache.
+"""Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
+batch-invariant mode), batchrun's own fp32 kernel for fp32 models whose weights do not stay in cache.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
