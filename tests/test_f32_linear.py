@@ -46,6 +46,7 @@ def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
     for rows in ROW_COUNTS:
         assert torch.equal(layer(x[:rows]), alone[:rows]), rows
     assert torch.equal(layer(x.contiguous()), alone)
+    assert layer(x[:0]).shape == (0, out_features)  # an empty call (no rows to chunk) returns empty
 
 
 def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch):

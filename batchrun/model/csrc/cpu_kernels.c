@@ -910,7 +910,7 @@ void linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t 
  * outer product (F32_ROWS rows x F32_PANEL columns of accumulators, the weights' panel streamed with a
  * software prefetch F32_PREFETCH k-steps ahead): a decode step of a few rows reads the weights from memory,
  * and the prefetch keeps that stream near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x
- * its time at 8 rows (figures in cpu_linear.py's docstring, which also says why it is not the default).
+ * its time at 8 rows (figures in cpu_linear.py's docstring, which also says which models use it).
  * Threads split the panels, so each weight byte is read once per chunk of rows; the rows go in chunks whose
  * activations stay in L2. */
 #define F32_ROWS 8
@@ -976,10 +976,11 @@ ALWAYS void f32_tile(const int rows, const float *x, int64_t ldx, const float *p
 #endif
 
 /* y [rows, n] (contiguous) = x [rows, k] (row stride ldx) W^T + bias; W packed by pack_f32_linear; bias NULL
- * or [n]. A no-op where has_f32_linear() is 0. */
+ * or [n]. A no-op where f32_linear_panel() is 0, or for 0 rows. */
 void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                 const float *bias, float *y) {
 #if defined(__AVX512F__)
+    if (rows <= 0) return;
     const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
     int64_t chunk = F32_CHUNK_BYTES / (4 * k) / F32_ROWS * F32_ROWS;
     if (chunk < F32_ROWS) chunk = F32_ROWS;
