@@ -15,6 +15,7 @@ from test_real_model import QUESTIONS, TEXTS, chat_text
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
+from batchrun.model import cpu_kernels
 
 NEW_TOKENS = 64  # x 16 prompts = 1,024 positions
 BLOCK = 16
@@ -41,7 +42,7 @@ def _bf16_top1(llm: LLM, prompts: list[list[int]], continuations: list[list[int]
 
 
 @pytest.mark.slow
-def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path):
+def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     tok = smollm2.tokenizer
@@ -66,9 +67,14 @@ def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path):
     assert runner.backend.cpu_kernels
     positions = sum(len(r) for r in ref)
     assert positions >= 1000
-    # all 16 sequences per decode step (oneDNN's linears), and 4 (the few-row kernel, cpu_kernels.SMALL_ROWS)
-    for group in (len(prompts), 4):
+    # all 16 sequences per decode step through oneDNN's linears (the few-row kernel's limit lowered below 16
+    # for it), then 16 and 4 through the few-row kernel (cpu_kernels.SMALL_ROWS: two row tiles, and one)
+    assert cpu_kernels.SMALL_ROWS >= len(prompts)
+    for group, small_rows in ((len(prompts), len(prompts) // 2), (len(prompts), cpu_kernels.SMALL_ROWS),
+                              (4, cpu_kernels.SMALL_ROWS)):
+        monkeypatch.setattr(cpu_kernels, "SMALL_ROWS", small_rows)
         got = _bf16_top1(bf16, prompts, continuations, group)
         agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
-        print(f"bf16 top-1 agreement, {group} sequences per decode step: {agree}/{positions}")
+        print(f"bf16 top-1 agreement, {group} sequences per decode step, few-row kernel up to {small_rows} rows: "
+              f"{agree}/{positions}")
         assert agree / positions >= 0.98, f"bf16 top-1 agreement {agree}/{positions} = {agree / positions:.2%}"

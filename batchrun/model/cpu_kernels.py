@@ -101,7 +101,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "has_dpbf16", "f32_linear_panel"):  # these answer an int
+    for name in ("paged_attention", "has_dpbf16", "f32_linear_panel", "linear_bf16_small"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -205,36 +205,39 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
                                    index.data_ptr(), len(rows), min(vocab, logits.shape[-1], 32 * bitmask.shape[-1]))
 
 
-# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears, 2 threads, idle,
-# against oneDNN's reordered bf16 weights (best of 5): 1-4 rows 0.57-0.64x oneDNN's time, 6 rows 0.83x, 8 rows
-# 1.02x, 16 rows 1.45x. Each 4-row tile adds vdpbf16ps work (about 4x an fp32 FMA's issue time on this CPU),
-# which does not keep up with oneDNN's AMX kernels past that.
-SMALL_ROWS = 6
+# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears and its lm_head,
+# 2 threads, weights streamed, median of 5 (`/tmp/s8/rows16b.py` in issue 15's note, 2026-12-02): 0.55x
+# oneDNN's reordered bf16 weights' time at 1 row, 0.65x at 8, 0.87x at 12, 0.99x at 16, 0.72-0.82x at 20-24
+# (oneDNN's AMX kernels are slow at row counts that are not a multiple of 16), 2.0x at 32 and past it.
+SMALL_ROWS = 24
 
 
 def has_small_bf16_linear() -> bool:
-    """Whether linear_bf16_small runs here (the kernels are built, for a CPU with AVX512_BF16)."""
-    return available() and bool(_library().has_dpbf16())
+    """Whether linear_bf16_small runs here (the kernels are built, for a CPU with AVX-512)."""
+    return has_f32_linear()
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] packed for linear_bf16_small: panels of 16 outputs, input pairs side by side."""
+    """A bf16 weight [N, K] packed for linear_bf16_small: the panels of linear_f32's layout, in bf16."""
     n, k = weight.shape
     w = weight.detach().contiguous()
-    packed = torch.empty((n + 15) // 16 * 16 * ((k + 1) // 2 * 2), dtype=torch.bfloat16)
+    panel = _library().f32_linear_panel()
+    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.bfloat16)
     _library().pack_bf16_linear(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
 def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, K] bf16 (rows <= SMALL_ROWS, K even) times the packed weight: [rows, out_features] bf16."""
+    """x [rows, K] bf16 times the packed weight: [rows, out_features] bf16, with fp32 sums (over k in order, so
+    a row's result does not depend on the other rows)."""
     rows, k = x.shape
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    _library().linear_bf16_small(x.data_ptr(), rows, packed.data_ptr(), out_features, k,
-                                 None if bias is None else bias.data_ptr(), out.data_ptr())
+    if _library().linear_bf16_small(x.data_ptr(), rows, packed.data_ptr(), out_features, k,
+                                    None if bias is None else bias.data_ptr(), out.data_ptr()):
+        raise MemoryError("linear_bf16_small: no memory for the widened rows")
     return out
 
 

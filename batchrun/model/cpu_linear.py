@@ -17,13 +17,14 @@ and the lm_head too when it shares its weight with the embedding (a reordered co
 plain one; vocab x hidden x 2 bytes more). fp32 models keep a tied lm_head on F.linear, so that their logits
 stay those transformers computes (the greedy parity tests).
 
-A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left)
-goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16_small, on CPUs with AVX512_BF16): oneDNN's
-bf16 kernels take about the same time for 1 row as for 64 there, reading the weights at 11-16 GB/s where this
-machine streams 20, and the C kernel's single pass over its packed copy of the weights takes 0.55-0.65x their
-time for 1-4 rows (a 4-sequence SmolLM2 step: linears 19 ms instead of 25-33). The packed copy is a second copy
-of the weights (206 MB more for SmolLM2-135M, 56 MB more for its lm_head). Not in the batch-invariant mode.
-BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left,
+and its draft rows) goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16_small, on CPUs with
+AVX-512): oneDNN's bf16 kernels take about the same time for 1 row as for 24 there, reading the weights at
+about half the memory bandwidth. The C kernel is the fp32 one (linear_f32) on bf16 panels, widened to fp32 as
+they load: 0.55x oneDNN's time at 1 row, 0.65x at 8, 0.72-0.99x at 12-24 (cpu_kernels.SMALL_ROWS has the
+figures), and 0.58-0.89x the time of the AVX512_BF16 dot-product kernel it replaced (at 1-16 rows; that one
+went up to 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more
+for its lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
@@ -132,9 +133,9 @@ class OneDNNLinear(nn.Module):
 
 
 def _takes_small(linear: nn.Linear) -> bool:
-    """Whether linear_bf16_small can stand in for this linear at a few rows (bf16, an even input width, a CPU
-    with AVX512_BF16; BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
-    return (linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
+    """Whether linear_bf16_small can stand in for this linear at a few rows (bf16, a CPU with AVX-512;
+    BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
+    return (linear.weight.dtype == torch.bfloat16
             and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_small_bf16_linear())
 

@@ -801,178 +801,156 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
     }
 }
 
-/* ---- bf16 linear for a few rows ---------------------------------------------------------------------- */
+/* ---- linears on weights packed once into column panels: fp32, and bf16 for a few rows ----------------
+ * y = x W^T + bias. Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the
+ * bias at the end: the same operations in the same order whatever the row count, the rows beside it or the
+ * thread that runs it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant)
+ * by construction, at every row count including 1, with no padding or tiling rules. The kernel is a plain
+ * register-blocked outer product (PANEL_ROWS rows x PANEL_WIDTH columns of fp32 accumulators, the weights'
+ * panel streamed with a software prefetch PANEL_PREFETCH k-steps ahead and the next panel fetched into L2
+ * meanwhile): a decode step of a few rows reads the weights from memory, and the prefetch keeps that stream
+ * near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x its time at 8 rows (figures in
+ * cpu_linear.py's docstring, which also says which models use it). Threads split the panels, so each weight
+ * byte is read once per chunk of rows; the rows go in chunks whose activations stay in L2.
+ *
+ * bf16 weights (linear_bf16_small) go through the same kernel, widened to fp32 as they are loaded (a shift):
+ * bf16 x bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the
+ * few-row calls of a bf16 decode step, where oneDNN's AMX kernels read the weights at about half the memory
+ * bandwidth (cpu_kernels.SMALL_ROWS says up to which row count it wins). The bf16 rows of x are widened once
+ * per call into a scratch buffer. */
+#define PANEL_ROWS 8
+#define PANEL_VECS 3
+#define PANEL_WIDTH (16 * PANEL_VECS)
+#define PANEL_PREFETCH 32
+#define PANEL_CHUNK_BYTES (1024 * 1024)
+#define PANEL_FETCHERS 8 /* the most row tiles of a panel that share fetching the next one */
 
-/* y = x W^T (+ bias) for the handful of rows of a decode step's tail, on CPUs with AVX512_BF16. With 1 to 16
- * rows a linear is a pass over its weights, and its speed is the speed of that pass: oneDNN's bf16 kernels read
- * SmolLM2's 206 MB of layer weights at 11-16 GB/s there (flat from 8 to 64 rows), where this machine streams
- * 20 GB/s (issue 15's note). Here the weights are packed once into panels of 16 outputs: for each pair of
- * inputs (2i, 2i+1), the 16 outputs' two weights side by side, vdpbf16ps's operand layout. A panel is read
- * once per tile of up to 4 rows, front to back (the hardware prefetchers follow it), and each 64-byte load
- * feeds one vdpbf16ps per row: two exact bf16 products added to each of 16 fp32 sums. Sums run over k in
- * order, so a row's result does not depend on the other rows of the call. */
-#define PANEL 16
-#define PANELS_PER_TILE 4
-#define ROWS_PER_TILE 4
-
-/* Whether linear_bf16_small exists in this build (the CPU has AVX512_BF16). */
-int has_dpbf16(void) { return HAVE_DPBF16; }
-
-/* packed[p][i][j][e] = w[16 p + j][2 i + e] (0 past n or k): ceil(n / 16) panels of ceil(k / 2) x 16 x 2. */
-void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
-    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t i = 0; i < pairs; i++)
-            for (int64_t j = 0; j < PANEL; j++)
-                for (int64_t e = 0; e < 2; e++) {
-                    const int64_t row = p * PANEL + j, col = 2 * i + e;
-                    packed[((p * pairs + i) * PANEL + j) * 2 + e] = row < n && col < k ? w[row * k + col] : 0;
-                }
-}
-
-#if HAVE_DPBF16
-/* Rows [m0, m0 + mt) and panels [p0, p0 + np) of y; k even. */
-ALWAYS void small_tile(const bf16 *x, int64_t m0, const bf16 *packed, int64_t p0, int64_t n, int64_t k,
-                       const bf16 *bias, bf16 *y, const int mt, const int np) {
-    const int64_t pairs = k / 2;
-    __m512 acc[ROWS_PER_TILE][PANELS_PER_TILE];
-    for (int r = 0; r < mt; r++)
-        for (int q = 0; q < np; q++) acc[r][q] = _mm512_setzero_ps();
-    const bf16 *panel = packed + p0 * pairs * 2 * PANEL;
-    const bf16 *xr = x + m0 * k;
-    for (int64_t i = 0; i < pairs; i++) {
-        __m512bh wv[PANELS_PER_TILE];
-        for (int q = 0; q < np; q++) memcpy(&wv[q], panel + (q * pairs + i) * 2 * PANEL, 64);
-        for (int r = 0; r < mt; r++) {
-            int32_t pair;
-            memcpy(&pair, xr + r * k + 2 * i, 4);
-            __m512bh xv;
-            const __m512i b = _mm512_set1_epi32(pair);
-            memcpy(&xv, &b, 64);
-            for (int q = 0; q < np; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xv, wv[q]);
-        }
-    }
-    for (int q = 0; q < np; q++) {
-        const int64_t col = (p0 + q) * PANEL, width = n - col < PANEL ? n - col : PANEL;
-        vf b = {0};
-        if (bias != NULL) {
-            bf16 tmp[PANEL] = {0};
-            memcpy(tmp, bias + col, 2 * width);
-            b = vload_bf16(tmp);
-        }
-        for (int r = 0; r < mt; r++) {
-            const vf v = (vf)acc[r][q] + b;
-            if (width == PANEL) {
-                vstore_bf16(y + (m0 + r) * n + col, v);
-            } else {
-                bf16 tmp[PANEL];
-                vstore_bf16(tmp, v);
-                memcpy(y + (m0 + r) * n + col, tmp, 2 * width);
-            }
-        }
-    }
-}
-
-#define SMALL_TILE_CASE(MT, NP) \
-    case (MT) * 8 + (NP): small_tile(x, m0, packed, p0, n, k, bias, y, MT, NP); break;
-#define SMALL_TILE_ROW(MT) SMALL_TILE_CASE(MT, 1) SMALL_TILE_CASE(MT, 2) SMALL_TILE_CASE(MT, 3) SMALL_TILE_CASE(MT, 4)
-#endif
-
-/* y [rows, n] = x [rows, k] W^T + bias, x rows contiguous, W packed by pack_bf16_linear, k even, bias NULL or
- * [n]. Threads split the output panels; each streams its share of the weights. */
-void linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
-                       bf16 *y) {
-#if HAVE_DPBF16
-    const int64_t panels = (n + PANEL - 1) / PANEL, tiles = (panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
-#pragma omp parallel for schedule(static) if (n * k > PAR_MIN_WORK)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t p0 = t * PANELS_PER_TILE;
-        const int np = panels - p0 < PANELS_PER_TILE ? (int)(panels - p0) : PANELS_PER_TILE;
-        for (int64_t m0 = 0; m0 < rows; m0 += ROWS_PER_TILE) {
-            const int mt = rows - m0 < ROWS_PER_TILE ? (int)(rows - m0) : ROWS_PER_TILE;
-            switch (mt * 8 + np) {
-                SMALL_TILE_ROW(1) SMALL_TILE_ROW(2) SMALL_TILE_ROW(3) SMALL_TILE_ROW(4)
-                default: break;
-            }
-        }
-    }
-#else
-    (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
-#endif
-}
-
-/* ---- fp32 linear: y = x W^T + bias on weights packed once into column panels ----
- * Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the bias at the end:
- * the same operations in the same order whatever the row count, the rows beside it or the thread that runs
- * it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant) by construction,
- * at every row count including 1, with no padding or tiling rules. The kernel is a plain register-blocked
- * outer product (F32_ROWS rows x F32_PANEL columns of accumulators, the weights' panel streamed with a
- * software prefetch F32_PREFETCH k-steps ahead): a decode step of a few rows reads the weights from memory,
- * and the prefetch keeps that stream near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x
- * its time at 8 rows (figures in cpu_linear.py's docstring, which also says which models use it).
- * Threads split the panels, so each weight byte is read once per chunk of rows; the rows go in chunks whose
- * activations stay in L2. */
-#define F32_ROWS 8
-#define F32_VECS 3
-#define F32_PANEL (16 * F32_VECS)
-#define F32_PREFETCH 32
-#define F32_CHUNK_BYTES (1024 * 1024)
-
-/* The outputs per panel of pack_f32_linear's layout, or 0 where linear_f32 does not run (no AVX-512). */
+/* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512). */
 int f32_linear_panel(void) {
 #if defined(__AVX512F__)
-    return F32_PANEL;
+    return PANEL_WIDTH;
 #else
     return 0;
 #endif
 }
 
-/* packed[p][i][j] = w[F32_PANEL p + j][i] (0 past n): ceil(n / F32_PANEL) panels of k x F32_PANEL. */
-void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) {
-    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+/* Whether the CPU has AVX512_BF16 (the attention kernel's bf16 dot products). */
+int has_dpbf16(void) { return HAVE_DPBF16; }
+
+/* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
+ * elements of `es` bytes (4: fp32, 2: bf16). */
+static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const int64_t es) {
+    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < k; i++)
-            for (int64_t j = 0; j < F32_PANEL; j++) {
-                const int64_t row = p * F32_PANEL + j;
-                packed[(p * k + i) * F32_PANEL + j] = row < n ? w[row * k + i] : 0.0f;
+            for (int64_t j = 0; j < PANEL_WIDTH; j++) {
+                const int64_t row = p * PANEL_WIDTH + j;
+                char *dst = (char *)packed + ((p * k + i) * PANEL_WIDTH + j) * es;
+                if (row < n)
+                    memcpy(dst, (const char *)w + (row * k + i) * es, es);
+                else
+                    memset(dst, 0, es);
             }
 }
+void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) { pack_linear(w, n, k, packed, 4); }
+void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) { pack_linear(w, n, k, packed, 2); }
 
 #if defined(__AVX512F__)
-/* rows x width outputs at y (row stride ldy) from rows of x (stride ldx) and one packed panel; `next`, if not
- * NULL, is the panel after it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait on
- * memory for its weights). */
-ALWAYS void f32_tile(const int rows, const float *x, int64_t ldx, const float *panel, int64_t k, float *y,
-                     int64_t ldy, int64_t width, const float *bias, const float *next) {
-    __m512 acc[F32_ROWS][F32_VECS];
+/* rows x width outputs at y (row stride ldy) from fp32 rows of x (stride ldx) and one packed panel of fp32
+ * (bf = 0) or bf16 (bf = 1) weights; y and bias in the weights' dtype. `next`, if not NULL, is the panel after
+ * it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait on memory for its weights):
+ * this tile, number `tile` of the `tiles` that share it (the panel's first PANEL_FETCHERS), fetches its part,
+ * so that the memory stream goes on while the later tiles compute from cache (fetched by the first tile alone, a 16-row call took the time of
+ * the stream plus that of the second tile's compute). */
+ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *panel, int64_t k, void *y,
+                       int64_t ldy, int64_t width, const void *bias, const void *next, int64_t tile, int64_t tiles,
+                       const int bf) {
+    const int64_t step = PANEL_WIDTH * (bf ? 2 : 4); /* bytes of one k-step of a panel: 192 or 96 */
+    const char *pw = panel, *pn = next;
+    /* k-step i of this tile fetches row fetch_row of the next panel when i == fetch_at: rows at even steps
+     * over the panel's tiles x k steps */
+    int64_t fetch_row = (tile * k + tiles - 1) / tiles, fetch_at = fetch_row * tiles - tile * k;
+    __m512 acc[PANEL_ROWS][PANEL_VECS];
     for (int r = 0; r < rows; r++)
-        for (int q = 0; q < F32_VECS; q++) acc[r][q] = _mm512_setzero_ps();
+        for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t i = 0; i < k; i++) {
-        __m512 w[F32_VECS];
-        for (int q = 0; q < F32_VECS; q++) {
-            _mm_prefetch((const char *)(panel + (i + F32_PREFETCH) * F32_PANEL + 16 * q), _MM_HINT_T0);
-            w[q] = _mm512_loadu_ps(panel + i * F32_PANEL + 16 * q);
+        __m512 w[PANEL_VECS];
+        for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pw + (i + PANEL_PREFETCH) * step + b, _MM_HINT_T0);
+        for (int q = 0; q < PANEL_VECS; q++)
+            w[q] = bf ? (__m512)vload_bf16((const bf16 *)(pw + i * step) + 16 * q)
+                      : _mm512_loadu_ps((const float *)(pw + i * step) + 16 * q);
+        if (pn != NULL && i == fetch_at) {
+            for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pn + fetch_row * step + b, _MM_HINT_T1);
+            fetch_row++;
+            fetch_at += tiles;
         }
-        if (next != NULL)
-            for (int q = 0; q < F32_VECS; q++) _mm_prefetch((const char *)(next + i * F32_PANEL + 16 * q), _MM_HINT_T1);
         for (int r = 0; r < rows; r++) {
             const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-            for (int q = 0; q < F32_VECS; q++) acc[r][q] = _mm512_fmadd_ps(xv, w[q], acc[r][q]);
+            for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = _mm512_fmadd_ps(xv, w[q], acc[r][q]);
         }
     }
-    for (int q = 0; q < F32_VECS; q++) {
+    for (int q = 0; q < PANEL_VECS; q++) {
         const int64_t left = width - 16 * q;
         if (left <= 0) break;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, bias + 16 * q) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r][q], b));
+        if (!bf) {
+            const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * q) : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++)
+                _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r][q], b));
+            continue;
+        }
+        bf16 tmp[16] = {0};
+        if (bias != NULL) memcpy(tmp, (const bf16 *)bias + 16 * q, 2 * (left < 16 ? left : 16));
+        const vf b = bias != NULL ? vload_bf16(tmp) : (vf){0};
+        for (int r = 0; r < rows; r++) {
+            bf16 *dst = (bf16 *)y + r * ldy + 16 * q;
+            if (left >= 16) {
+                vstore_bf16(dst, (vf)acc[r][q] + b);
+            } else {
+                vstore_bf16(tmp, (vf)acc[r][q] + b);
+                memcpy(dst, tmp, 2 * left);
+            }
+        }
     }
 }
-#define F32_TILE(R) \
-    case R: f32_tile(R, x + i * ldx, ldx, panel, k, y + i * n + col, n, width, b, i == m0 ? next : NULL); break;
+#define PANEL_TILE(R) \
+    case R: \
+        panel_tile(R, x + i * ldx, ldx, panel, k, (char *)y + (i * n + col) * es, n, width, b, \
+                   (i - m0) / PANEL_ROWS < fetchers ? next : NULL, (i - m0) / PANEL_ROWS, fetchers, bf); \
+        break;
+
+/* y [rows, n] (contiguous) = x [rows, k] (fp32, row stride ldx) W^T + bias, W packed by pack_linear. */
+ALWAYS void linear_panels(const float *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
+                          const void *bias, void *y, const int bf) {
+    const int64_t es = bf ? 2 : 4;
+    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
+    if (chunk < PANEL_ROWS) chunk = PANEL_ROWS;
+    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
+    chunk = ((rows + chunks - 1) / chunks + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+#pragma omp parallel if (n * k > PAR_MIN_WORK)
+    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const char *panel = (const char *)packed + p * k * PANEL_WIDTH * es;
+            const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
+            const void *b = bias != NULL ? (const char *)bias + col * es : NULL;
+            const void *next = p + 1 < panels ? panel + k * PANEL_WIDTH * es : NULL;
+            const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
+            const int64_t fetchers = tiles < PANEL_FETCHERS ? tiles : PANEL_FETCHERS; /* tiles that fetch `next` */
+            for (int64_t i = m0; i < end; i += PANEL_ROWS) {
+                switch (end - i < PANEL_ROWS ? end - i : PANEL_ROWS) {
+                    PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7)
+                    PANEL_TILE(8)
+                    default: break;
+                }
+            }
+        }
+    }
+}
 #endif
 
 /* y [rows, n] (contiguous) = x [rows, k] (row stride ldx) W^T + bias; W packed by pack_f32_linear; bias NULL
@@ -980,29 +958,27 @@ ALWAYS void f32_tile(const int rows, const float *x, int64_t ldx, const float *p
 void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                 const float *bias, float *y) {
 #if defined(__AVX512F__)
-    if (rows <= 0) return;
-    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
-    int64_t chunk = F32_CHUNK_BYTES / (4 * k) / F32_ROWS * F32_ROWS;
-    if (chunk < F32_ROWS) chunk = F32_ROWS;
-    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
-    chunk = ((rows + chunks - 1) / chunks + F32_ROWS - 1) / F32_ROWS * F32_ROWS;
-#pragma omp parallel if (n * k > PAR_MIN_WORK)
-    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
-        const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const float *panel = packed + p * k * F32_PANEL;
-            const int64_t col = p * F32_PANEL, width = n - col < F32_PANEL ? n - col : F32_PANEL;
-            const float *b = bias != NULL ? bias + col : NULL, *next = p + 1 < panels ? panel + k * F32_PANEL : NULL;
-            for (int64_t i = m0; i < end; i += F32_ROWS) {
-                switch (end - i < F32_ROWS ? end - i : F32_ROWS) {
-                    F32_TILE(1) F32_TILE(2) F32_TILE(3) F32_TILE(4) F32_TILE(5) F32_TILE(6) F32_TILE(7) F32_TILE(8)
-                    default: break;
-                }
-            }
-        }
-    }
+    if (rows > 0) linear_panels(x, ldx, rows, packed, n, k, bias, y, 0);
 #else
     (void)x, (void)ldx, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
 #endif
+}
+
+/* The same for bf16: x [rows, k] bf16 (rows contiguous), W packed by pack_bf16_linear, bias NULL or [n] bf16,
+ * y [rows, n] bf16. Returns 0, or 1 if the widened copy of x could not be allocated (y is then not written). */
+int linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
+                      bf16 *y) {
+#if defined(__AVX512F__)
+    if (rows <= 0) return 0;
+    float *xf = malloc(sizeof(float) * rows * k);
+    if (xf == NULL) return 1;
+    int64_t i = 0;
+    for (; i + VW <= rows * k; i += VW) vstore(xf + i, vload_bf16(x + i));
+    for (; i < rows * k; i++) xf[i] = bf16_to_f(x[i]);
+    linear_panels(xf, k, rows, packed, n, k, bias, y, 1);
+    free(xf);
+#else
+    (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+#endif
+    return 0;
 }
