@@ -208,28 +208,40 @@ static void key_offsets(const int32_t *table, int64_t n, int64_t bs, int64_t row
     }
 }
 
-/* a[j] = the partial sums (one vector) of q.K[j] for the m keys at off[0..m): fp32 FMAs, or vdpbf16ps on bf16
- * pairs (exact products, fp32 sums) when qb is set. Each key also prefetches the K and V rows of the key
- * PREFETCH_KEYS further on (if that is below `ahead`): the rows of a paged context are scattered, and the
- * hardware prefetchers do not follow a block table. */
-#define PREFETCH_KEYS 32
-ALWAYS void prefetch_row(const void *p, const int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+/* The K and V rows a tile will read next, fetched a cache line at a time as it computes: the rows of a paged
+ * context are scattered, so the hardware prefetchers do not follow them, and fetching a chunk's rows all at
+ * once stalls on the line fill buffers (the perf profile of a decode step had ~40% of the kernel's time on
+ * prefetch instructions so issued) while the chunk's compute waits. The cursor walks keys [key, end) line by
+ * line, K's line and V's together. */
+typedef struct {
+    const char *k, *v;  /* the task's first kv head in key 0's row (an element offset of off[] from there) */
+    const int64_t *off; /* the tile's key offsets (key_offsets) */
+    int64_t key, end, line, lines, elsize;
+} Fetch;
+ALWAYS void fetch_lines(Fetch *f, int64_t n) {
+    for (int64_t i = 0; i < n && f->key < f->end; i++) {
+        const int64_t at = f->off[f->key] * f->elsize + 64 * f->line;
+        __builtin_prefetch(f->k + at);
+        __builtin_prefetch(f->v + at);
+        if (++f->line == f->lines) {
+            f->line = 0;
+            f->key++;
+        }
+    }
 }
+
+/* a[j] = the partial sums (one vector) of q.K[j] for the m keys at off[0..m): fp32 FMAs, or vdpbf16ps on bf16
+ * pairs (exact products, fp32 sums) when qb is set. Each key fetches one more line of what comes next (f). */
 #if HAVE_DPBF16
 #define QB_PARAM , const __m512bh *qb
 #else
 #define QB_PARAM , const void *qb
 #endif
-ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const void *k0, const void *v0,
-                       int64_t width, const int64_t *off, const int64_t m, int64_t ahead, const int64_t d,
-                       const int bf) {
+ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const int64_t *off, const int64_t m,
+                       Fetch *f, const int64_t d, const int bf) {
 #pragma GCC unroll 16
     for (int64_t j = 0; j < m; j++) {
-        if (j + PREFETCH_KEYS < ahead) {
-            prefetch_row(at(k0, off[j + PREFETCH_KEYS], bf), width);
-            prefetch_row(at(v0, off[j + PREFETCH_KEYS], bf), width);
-        }
+        fetch_lines(f, 1);
         const void *kt = at(kh, off[j], bf);
 #if HAVE_DPBF16
         if (qb != NULL) {
@@ -252,9 +264,8 @@ ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const void 
 /* sc[t] = scale * q.K[t] for t in [t0, t1), t0 a multiple of VW. A key's score depends on q and K[t] only:
  * with sums16 each lane of the result is the tree sum of its own key's partial sums, so which keys share
  * a group (or sit in a group's padded tail) never changes a score. sc has room up to t1 rounded up to VW. */
-ALWAYS void chunk_scores(const void *qj, const void *kh, const void *k0, const void *v0, int64_t width,
-                         const int64_t *off, int64_t t0, int64_t t1, int64_t prefetch_to, float *sc, const int64_t d,
-                         float scale, const int bf) {
+ALWAYS void chunk_scores(const void *qj, const void *kh, const int64_t *off, int64_t t0, int64_t t1, Fetch *f,
+                         float *sc, const int64_t d, float scale, const int bf) {
 #if HAVE_SHUFFLE
     if (d % VW == 0 && d <= 16 * VW) {
 #if HAVE_DPBF16
@@ -274,9 +285,9 @@ ALWAYS void chunk_scores(const void *qj, const void *kh, const void *k0, const v
             const int64_t m = t1 - g0 < VW ? t1 - g0 : VW;
             vf a[VW];
             if (m == VW) /* a constant trip count: unrolled, a[] stays in registers */
-                group_dots(a, qv, qbp, kh, k0, v0, width, off + g0, VW, prefetch_to - g0, d, bf);
+                group_dots(a, qv, qbp, kh, off + g0, VW, f, d, bf);
             else
-                group_dots(a, qv, qbp, kh, k0, v0, width, off + g0, m, prefetch_to - g0, d, bf);
+                group_dots(a, qv, qbp, kh, off + g0, m, f, d, bf);
             for (int64_t j = m; j < VW; j++) a[j] = (vf){0};
             vstore(sc + g0, sums16(a) * scale);
         }
@@ -284,6 +295,7 @@ ALWAYS void chunk_scores(const void *qj, const void *kh, const void *k0, const v
     }
 #endif
     for (int64_t t = t0; t < t1; t++) {
+        fetch_lines(f, 1);
         const void *kt = at(kh, off[t], bf);
         if (d % VW == 0 && d <= 16 * VW) {
             vf a = ldv(qj, 0, bf) * ldv(kt, 0, bf);
@@ -339,13 +351,14 @@ static inline void unpermute(const float *a, float *dst) { /* 32 accumulated dim
 }
 
 ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
-                     float *acc, const int64_t nh, const int64_t d, const int bf) {
+                     float *acc, Fetch *f, const int64_t nh, const int64_t d, const int bf) {
     if (d % VW == 0 && nh * d <= 16 * VW) {
         const int64_t nv = d / VW;
         vf a[16], x[16];
         for (int64_t h = 0; h < nh; h++)
             for (int64_t c = 0; c < nv; c++) a[h * nv + c] = vload(acc + h * d + c * VW);
         for (int64_t t = t0; t < t1; t++) {
+            fetch_lines(f, 1);
             const void *vt = at(vh, off[t], bf);
 #if defined(__AVX512BW__)
             if (PV_PERMUTED(d, bf)) {
@@ -369,6 +382,7 @@ ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t 
     for (int64_t h = 0; h < nh; h++) {
         float *ah = acc + h * d;
         for (int64_t t = t0; t < t1; t++) {
+            fetch_lines(f, 1);
             const void *vt = at(vh, off[t], bf);
             const float w = p[h * cap + t];
             for (int64_t i = 0; i < d; i++) ah[i] += w * ld1(vt, i, bf);
@@ -379,27 +393,27 @@ ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t 
 /* The g heads of one row's GQA group, in register-sized runs of heads (a run's heads are independent:
  * the split never changes a head's sums). */
 ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
-                     float *acc, int64_t g, const int64_t d, const int bf) {
+                     float *acc, Fetch *f, int64_t g, const int64_t d, const int bf) {
     if (d == 64) {
         for (int64_t j = 0; j < g; j += 4) {
             const float *pj = p + j * cap;
             float *aj = acc + j * d;
             switch (g - j < 4 ? g - j : 4) {
-                case 1: chunk_pv(pj, cap, vh, off, t0, t1, aj, 1, 64, bf); break;
-                case 2: chunk_pv(pj, cap, vh, off, t0, t1, aj, 2, 64, bf); break;
-                case 3: chunk_pv(pj, cap, vh, off, t0, t1, aj, 3, 64, bf); break;
-                default: chunk_pv(pj, cap, vh, off, t0, t1, aj, 4, 64, bf); break;
+                case 1: chunk_pv(pj, cap, vh, off, t0, t1, aj, f, 1, 64, bf); break;
+                case 2: chunk_pv(pj, cap, vh, off, t0, t1, aj, f, 2, 64, bf); break;
+                case 3: chunk_pv(pj, cap, vh, off, t0, t1, aj, f, 3, 64, bf); break;
+                default: chunk_pv(pj, cap, vh, off, t0, t1, aj, f, 4, 64, bf); break;
             }
         }
     } else if (d == 128) {
         for (int64_t j = 0; j < g; j += 2) {
             if (g - j == 1)
-                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 1, 128, bf);
+                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, f, 1, 128, bf);
             else
-                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 2, 128, bf);
+                chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, f, 2, 128, bf);
         }
     } else {
-        for (int64_t j = 0; j < g; j++) chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, 1, d, bf);
+        for (int64_t j = 0; j < g; j++) chunk_pv(p + j * cap, cap, vh, off, t0, t1, acc + j * d, f, 1, d, bf);
     }
 }
 
@@ -412,33 +426,43 @@ static int by_cost_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Scratch of one thread: scores [TILE_ROWS * g][cap], accumulators [TILE_ROWS * g][d], sums, key offsets. */
+/* Scratch of one thread: scores [TILE_ROWS * g][cap], accumulators [TILE_ROWS * g][d], sums, the key offsets
+ * of its task and of its next one. */
 typedef struct {
     float *sc, *acc, *inv;
-    int64_t *off;
+    int64_t *off, *next_off;
 } Scratch;
 
-/* Rows [first, first + rows) of one sequence, kv heads [h0, h1). Scratch lanes are (row, query head). */
+/* The fetch cursor of a task's keys, its first chunk to come, with the task's key offsets written to off. */
+static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k, const void *v, const int32_t *bt,
+                        int64_t bt_stride, int64_t row, int64_t bs, int64_t d, int64_t *off, const int bf) {
+    key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, row, off);
+    const int64_t width = (h1 - h0) * d * (bf ? 2 : 4); /* bytes of a key's K (or V) row the task reads */
+    const Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), off, 0, KEY_CHUNK < tile->max_len ? KEY_CHUNK : tile->max_len,
+                     0, (width + 63) / 64, bf ? 2 : 4};
+    return f;
+}
+
+/* Rows [first, first + rows) of one sequence, kv heads [h0, h1), its key offsets in s.off and its first chunk
+ * fetched. Scratch lanes are (row, query head). Each chunk fetches the next one's rows as it computes, and the
+ * last one and the weighted sums of V fetch the first chunk of the thread's next task (`next`). */
 ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q, int64_t q_stride, const void *k,
-                        const void *v, const int32_t *bt, int64_t bt_stride, const int32_t *row_len, void *out,
-                        int64_t hq, int64_t g, int64_t row, int64_t bs, int64_t cap, float scale, Scratch s,
-                        const int64_t d, const int bf) {
+                        const void *v, const int32_t *row_len, void *out, int64_t hq, int64_t g, int64_t cap,
+                        float scale, Scratch s, Fetch *next, const int64_t d, const int bf) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len;
-    const int64_t width = (h1 - h0) * d * (bf ? 2 : 4); /* bytes of a key's K (or V) row this task reads */
-    key_offsets(bt + tile->seq * bt_stride, max_len, bs, row, s.off);
-    const void *k0 = at(k, h0 * d, bf), *v0 = at(v, h0 * d, bf);
-    for (int64_t t = 0; t < PREFETCH_KEYS && t < max_len; t++) prefetch_row(at(k0, s.off[t], bf), width);
+    Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), s.off, KEY_CHUNK < max_len ? KEY_CHUNK : max_len, 0, 0,
+               (h1 - h0) * d * (bf ? 2 : 4) / 64 + ((h1 - h0) * d * (bf ? 2 : 4) % 64 != 0), bf ? 2 : 4};
     for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
-        int64_t prefetch_to = max_len; /* the first row and head to read a chunk fetch the keys after it */
+        f.end = c0 + 2 * KEY_CHUNK < max_len ? c0 + 2 * KEY_CHUNK : max_len;
+        Fetch *fp = c0 + KEY_CHUNK >= max_len && f.key >= f.end ? next : &f;
         for (int64_t h = h0; h < h1; h++) {
             const void *kh = at(k, h * d, bf);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t n = row_len[first + r], t1 = c0 + KEY_CHUNK < n ? c0 + KEY_CHUNK : n;
                 if (n <= c0) continue;
-                for (int64_t j = h * g; j < (h + 1) * g; j++, prefetch_to = 0) {
+                for (int64_t j = h * g; j < (h + 1) * g; j++) {
                     const void *qj = at(q, (first + r) * q_stride + j * d, bf);
-                    chunk_scores(qj, kh, k0, v0, width, s.off, c0, t1, prefetch_to, s.sc + (r * hq + j) * cap, d,
-                                 scale, bf);
+                    chunk_scores(qj, kh, s.off, c0, t1, fp, s.sc + (r * hq + j) * cap, d, scale, bf);
                 }
             }
         }
@@ -456,7 +480,7 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t n = row_len[first + r], t1 = c0 + KEY_CHUNK < n ? c0 + KEY_CHUNK : n;
                 const int64_t lane = r * hq + h * g;
-                if (n > c0) group_pv(s.sc + lane * cap, cap, vh, s.off, c0, t1, s.acc + lane * d, g, d, bf);
+                if (n > c0) group_pv(s.sc + lane * cap, cap, vh, s.off, c0, t1, s.acc + lane * d, next, g, d, bf);
             }
         }
     }
@@ -490,22 +514,23 @@ typedef struct {
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
  * passed through it would stay a run-time value in the hot loops; these two functions fix it again. */
-ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, const int bf) {
+ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next,
+                        const int bf) {
     if (c->d == 64)
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
-                    c->row, c->bs, c->cap, c->scale, s, 64, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
+                    next, 64, bf);
     else if (c->d == 128)
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
-                    c->row, c->bs, c->cap, c->scale, s, 128, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
+                    next, 128, bf);
     else
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->bt, c->bt_stride, c->row_len, c->out, c->hq, c->g,
-                    c->row, c->bs, c->cap, c->scale, s, c->d, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
+                    next, c->d, bf);
 }
-static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s) {
-    attend_task(c, tile, h0, h1, s, 0);
+static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next) {
+    attend_task(c, tile, h0, h1, s, next, 0);
 }
-static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s) {
-    attend_task(c, tile, h0, h1, s, 1);
+static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next) {
+    attend_task(c, tile, h0, h1, s, next, 1);
 }
 
 /* out[i, hq, d] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (its block
@@ -541,27 +566,51 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     const int64_t tasks_per_tile = hkv / heads_per_task, num_tasks = num_tiles * tasks_per_tile;
     const int64_t lanes = TILE_ROWS * hq;
     int failed = 0;
+    int64_t claimed = 0; /* tasks handed out: a dynamic schedule, each thread claiming its next task one ahead */
 #pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
     {
         Scratch s = {malloc(sizeof(float) * (lanes * cap + lanes * d + lanes)), NULL, NULL,
-                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1))};
-        failed = s.sc == NULL || s.off == NULL;
+                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), malloc(sizeof(int64_t) * (cap > 0 ? cap : 1))};
+        failed = s.sc == NULL || s.off == NULL || s.next_off == NULL;
+        int64_t task = num_tasks;
         if (!failed) {
             s.acc = s.sc + lanes * cap;
             s.inv = s.acc + lanes * d;
+#pragma omp atomic capture
+            task = claimed++;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++) {
-            if (failed) continue;
+        Fetch ahead = {0}; /* the fetch cursor of `task`'s first chunk */
+        if (task < num_tasks) {
+            const int64_t h0 = task % tasks_per_tile * heads_per_task;
+            ahead = task_fetch(&tiles[task / tasks_per_tile], h0, h0 + heads_per_task, k, v, bt, bt_stride, hkv * d, bs,
+                               d, s.off, bf);
+        }
+        while (task < num_tasks) {
+            fetch_lines(&ahead, ahead.end * ahead.lines); /* what the task before did not fetch of its first chunk */
+            int64_t following;
+#pragma omp atomic capture
+            following = claimed++;
+            Fetch next = {0};
+            if (following < num_tasks) {
+                const int64_t h0 = following % tasks_per_tile * heads_per_task;
+                next = task_fetch(&tiles[following / tasks_per_tile], h0, h0 + heads_per_task, k, v, bt, bt_stride,
+                                  hkv * d, bs, d, s.next_off, bf);
+            }
             const Tile *tile = &tiles[task / tasks_per_tile];
             const int64_t h0 = task % tasks_per_tile * heads_per_task, h1 = h0 + heads_per_task;
             if (bf)
-                attend_task_bf16(&call, tile, h0, h1, s);
+                attend_task_bf16(&call, tile, h0, h1, s, &next);
             else
-                attend_task_fp32(&call, tile, h0, h1, s);
+                attend_task_fp32(&call, tile, h0, h1, s, &next);
+            int64_t *swap = s.off;
+            s.off = s.next_off;
+            s.next_off = swap;
+            ahead = next;
+            task = following;
         }
         free(s.sc);
         free(s.off);
+        free(s.next_off);
     }
     free(tiles);
     return failed;
