@@ -443,15 +443,14 @@ static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k,
     return f;
 }
 
-/* Rows [first, first + rows) of one sequence, kv heads [h0, h1), its key offsets in s.off and its first chunk
- * fetched. Scratch lanes are (row, query head). Each chunk fetches the next one's rows as it computes, and the
- * last one and the weighted sums of V fetch the first chunk of the thread's next task (`next`). */
+/* Rows [first, first + rows) of one sequence, kv heads [h0, h1), its key offsets in s.off and `f` its fetch
+ * cursor, past the first chunk. Scratch lanes are (row, query head). Each chunk fetches the next one's rows as
+ * it computes, and the last one and the weighted sums of V fetch the first chunk of the thread's next task
+ * (`next`). */
 ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q, int64_t q_stride, const void *k,
                         const void *v, const int32_t *row_len, void *out, int64_t hq, int64_t g, int64_t cap,
-                        float scale, Scratch s, Fetch *next, const int64_t d, const int bf) {
+                        float scale, Scratch s, Fetch f, Fetch *next, const int64_t d, const int bf) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len;
-    Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), s.off, KEY_CHUNK < max_len ? KEY_CHUNK : max_len, 0, 0,
-               (h1 - h0) * d * (bf ? 2 : 4) / 64 + ((h1 - h0) * d * (bf ? 2 : 4) % 64 != 0), bf ? 2 : 4};
     for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
         f.end = c0 + 2 * KEY_CHUNK < max_len ? c0 + 2 * KEY_CHUNK : max_len;
         Fetch *fp = c0 + KEY_CHUNK >= max_len && f.key >= f.end ? next : &f;
@@ -506,31 +505,33 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
 /* The arguments every task of one call shares. */
 typedef struct {
     const void *q, *k, *v;
-    const int32_t *bt, *row_len;
+    const int32_t *row_len;
     void *out;
-    int64_t q_stride, bt_stride, hq, g, row, bs, cap, d;
+    int64_t q_stride, hq, g, cap, d;
     float scale;
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
  * passed through it would stay a run-time value in the hot loops; these two functions fix it again. */
-ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next,
-                        const int bf) {
+ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
+                        Fetch *next, const int bf) {
     if (c->d == 64)
         attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    next, 64, bf);
+                    own, next, 64, bf);
     else if (c->d == 128)
         attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    next, 128, bf);
+                    own, next, 128, bf);
     else
         attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    next, c->d, bf);
+                    own, next, c->d, bf);
 }
-static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next) {
-    attend_task(c, tile, h0, h1, s, next, 0);
+static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
+                             Fetch *next) {
+    attend_task(c, tile, h0, h1, s, own, next, 0);
 }
-static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch *next) {
-    attend_task(c, tile, h0, h1, s, next, 1);
+static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
+                             Fetch *next) {
+    attend_task(c, tile, h0, h1, s, own, next, 1);
 }
 
 /* out[i, hq, d] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (its block
@@ -559,7 +560,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     /* largest first, so that the dynamic schedule ends on small tasks (the order changes no result) */
     qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
     cap = (cap + VW - 1) / VW * VW;
-    const AttentionCall call = {q, k, v, bt, row_len, out, q_stride, bt_stride, hq, g, hkv * d, bs, cap, d, scale};
+    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
@@ -599,9 +600,9 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
             const Tile *tile = &tiles[task / tasks_per_tile];
             const int64_t h0 = task % tasks_per_tile * heads_per_task, h1 = h0 + heads_per_task;
             if (bf)
-                attend_task_bf16(&call, tile, h0, h1, s, &next);
+                attend_task_bf16(&call, tile, h0, h1, s, ahead, &next);
             else
-                attend_task_fp32(&call, tile, h0, h1, s, &next);
+                attend_task_fp32(&call, tile, h0, h1, s, ahead, &next);
             int64_t *swap = s.off;
             s.off = s.next_off;
             s.next_off = swap;
