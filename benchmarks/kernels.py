@@ -4,8 +4,9 @@ Prints ms per call and GFLOP/s (4 * heads * head_dim flops per query-key pair: q
   - decode steps: S sequences, one query each, over a context of C keys (fp32 and bf16);
   - prefill steps: P prompts of L tokens, causal, against what the torch path does instead (one
     `F.scaled_dot_product_attention` per prompt on its new K/V).
-With --baseline REF the `paged_decode` kernel of cpu_kernels.c as of git REF (e.g. `main`) is built and timed
-beside the current one, in the same process and interleaved, so that a busy machine slows both alike.
+With --baseline REF the attention kernel of cpu_kernels.c as of git REF (e.g. `main`: its `paged_attention`,
+or the older `paged_decode` for decode cases) is built and timed beside the current one, in the same process
+and interleaved, so that a busy machine slows both alike.
 Each figure is the best of --repeats rounds; with --threads 1 the clock is this thread's CPU time (what a
 busy machine's other processes take is not counted), else the wall clock. The shapes default to SmolLM2-135M's (9 query heads, 3 kv
 heads, head_dim 64).
@@ -46,13 +47,24 @@ def _seconds(fn: Callable[[], object], budget_s: float = 0.05) -> float:
 def _baseline(ref: str) -> ctypes.CDLL | None:
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+    if b"int paged_attention(" in src:
+        return cpu_kernels.build(src, {"paged_attention": cpu_kernels._SIGNATURES["paged_attention"]})
     if b"int paged_decode(" not in src:
-        print(f"{ref}: its {_SRC} has no paged_decode; no baseline")
+        print(f"{ref}: its {_SRC} has neither paged_attention nor paged_decode; no baseline")
         return None
     lib = cpu_kernels.build(src, _OLD_DECODE)
     if lib is not None:
         lib.paged_decode.restype = ctypes.c_int  # it reports a failed allocation
     return lib
+
+
+def _old_attention(old: ctypes.CDLL, q, kv, tables, rows, lens, scale, out) -> None:
+    """The baseline's paged_attention, called as cpu_kernels.paged_attention calls the current one."""
+    n, hq, d = q.shape
+    k_ptr = kv.data_ptr()
+    old.paged_attention(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv.stride(0) * kv.element_size(), tables.data_ptr(),
+                        tables.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), n, hq, kv.shape[3], d,
+                        kv.shape[2], scale, int(q.dtype == torch.bfloat16))
 
 
 def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):
@@ -76,6 +88,9 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, args, old: ctypes.C
         cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out)
 
     def base():
+        if hasattr(old, "paged_attention"):
+            _old_attention(old, q, kv, tables, rows, lens, scale, out)
+            return
         k_ptr = kv.data_ptr()
         v_ptr = k_ptr + kv.stride(0) * kv.element_size()
         old.paged_decode(q.data_ptr(), q.stride(0), k_ptr, v_ptr, tables.data_ptr(), tables.stride(0),
@@ -96,7 +111,7 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, args, old: ctypes.C
     return line
 
 
-def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args) -> str:
+def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args, old: ctypes.CDLL | None) -> str:
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     kv, tables = _pool(num_prompts, length, hkv, d, bs, dtype, g)
@@ -122,19 +137,25 @@ def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args) -> str
                                                enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
 
-    best = {"new": float("inf"), "sdpa": float("inf")}
+    with_old = old is not None and hasattr(old, "paged_attention")
+    best = {"new": float("inf"), "sdpa": float("inf"), "old": float("inf")}
     for _ in range(args.repeats):
         best["new"] = min(best["new"], _seconds(new))
         best["sdpa"] = min(best["sdpa"], _seconds(sdpa))
+        if with_old:
+            best["old"] = min(best["old"], _seconds(lambda: _old_attention(old, q, kv, tables, rows, lens, scale, out)))
     flops = 4 * hq * d * num_prompts * length * (length + 1) // 2
-    return (f"prefill {str(dtype)[6:]:8s} {num_prompts:3d} x {length:5d} tokens: kernel {1e3 * best['new']:8.3f} ms "
+    line = (f"prefill {str(dtype)[6:]:8s} {num_prompts:3d} x {length:5d} tokens: kernel {1e3 * best['new']:8.3f} ms "
             f"{flops / best['new'] / 1e9:6.1f} GFLOP/s | SDPA per prompt {1e3 * best['sdpa']:8.3f} ms "
             f"{flops / best['sdpa'] / 1e9:6.1f} GFLOP/s | kernel/SDPA time {best['new'] / best['sdpa']:.2f}")
+    if with_old:
+        line += f" | old {1e3 * best['old']:8.3f} ms, speed-up {best['old'] / best['new']:.2f}x"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, threads=2, repeats=5, block_size=16)
-    ap.add_argument("--baseline", metavar="REF", help="also time the paged_decode kernel of git REF (e.g. main)")
+    ap.add_argument("--baseline", metavar="REF", help="also time the attention kernel of git REF (e.g. main)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -160,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         for case in filter(None, args.prefill.split(",")):
             prompts, length = map(int, case.split("x"))
-            print(prefill_case(prompts, length, dtype, args), flush=True)
+            print(prefill_case(prompts, length, dtype, args, old), flush=True)
     return 0
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from batchrun.model import cpu_kernels
 from benchmarks.report import compare_outputs
 from benchmarks.worker import metrics_delta
 from benchmarks.workload import (
@@ -217,3 +218,28 @@ def test_phases_times_each_phase_on_fresh_prompts():
         phases.time.perf_counter = real
     assert got["decode_ms_4"] == pytest.approx(1.0) and got["decode_ms_64"] == pytest.approx(1.0)
     assert got["prefill_tok_s"] == pytest.approx(64 * 128 / (1e-3 + 64 * 128 * 1e-6))
+
+
+@pytest.mark.skipif(not cpu_kernels.has_f32_linear(), reason="needs the C kernels built for a CPU with AVX-512")
+def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(capsys):
+    """benchmarks.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
+    count, each with the oneDNN and baseline ratios (ratios only: no timing is asserted)."""
+    from benchmarks import linears
+
+    assert linears.main(["--rows", "1,9", "--layers", "2", "--repeats", "1", "--hidden", "32", "--intermediate",
+                         "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "100",
+                         "--baseline", "HEAD"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " rows " in ln]
+    assert len(lines) == 4 and all("batchrun/oneDNN time" in ln and "batchrun/baseline" in ln for ln in lines)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler for the CPU kernels")
+def test_attention_benchmark_runs_against_a_git_baseline(capsys):
+    """benchmarks.kernels with --baseline HEAD: the baseline's paged_attention is built and timed on decode and
+    prefill cases beside the current one."""
+    from benchmarks import kernels
+
+    assert kernels.main(["--decode", "2x20", "--prefill", "1x24", "--dtypes", "float32", "--repeats", "1",
+                         "--baseline", "HEAD"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out.split("decode")[1] and "speed-up" in out.split("prefill")[1]

@@ -206,7 +206,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 
 # The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears and its lm_head,
-# 2 threads, weights streamed, median of 5 (`/tmp/s8/rows16b.py` in issue 15's note, 2026-12-02): 0.55x
+# 2 threads, weights streamed, median of 5 (2026-12-02; `python -m benchmarks.linears` measures it): 0.55x
 # oneDNN's reordered bf16 weights' time at 1 row, 0.65x at 8, 0.87x at 12, 0.99x at 16, 0.72-0.82x at 20-24
 # (oneDNN's AMX kernels are slow at row counts that are not a multiple of 16), 2.0x at 32 and past it.
 SMALL_ROWS = 24
