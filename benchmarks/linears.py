@@ -68,8 +68,10 @@ def _kernel_pass(lib, packs: list[torch.Tensor], weights: list[torch.Tensor], xs
 
 def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
     g = torch.Generator().manual_seed(0)
-    shapes = [s for s in _shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim)
-              for _ in range(args.layers)] + [(args.vocab, args.hidden)]
+    # layer by layer, as a forward calls them (grouping the calls by shape flatters oneDNN at few rows)
+    shapes = [s for _ in range(args.layers)
+              for s in _shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim)]
+    shapes.append((args.vocab, args.hidden))
     weights = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for n, k in shapes]
     onednn = [OneDNNLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)) for w in weights]
     libs = {"batchrun": cpu_kernels._library(), **({"baseline": old} if old is not None else {})}
