@@ -205,10 +205,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
                                    index.data_ptr(), len(rows), min(vocab, logits.shape[-1], 32 * bitmask.shape[-1]))
 
 
-# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears and its lm_head,
-# 2 threads, weights streamed, median of 5 (2026-12-02; `python -m benchmarks.linears` measures it): 0.55x
-# oneDNN's reordered bf16 weights' time at 1 row, 0.65x at 8, 0.87x at 12, 0.99x at 16, 0.72-0.82x at 20-24
-# (oneDNN's AMX kernels are slow at row counts that are not a multiple of 16), 2.0x at 32 and past it.
+# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears and its lm_head in
+# a forward's order, 2 threads, weights streamed, median of 5 (`python -m benchmarks.linears`, 2026-12-02
+# 03:00): 0.52x oneDNN's reordered bf16 weights' time at 1 row, 0.64x at 8, 0.98x at 16, 0.87x at 24, 1.13x at
+# 32, 2.9x at 64 (an earlier run of the same kind: 0.55x, 0.65x, 0.99x, 0.72x, 2.0x).
 SMALL_ROWS = 24
 
 

@@ -19,12 +19,12 @@ stay those transformers computes (the greedy parity tests).
 
 A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left,
 and its draft rows) goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16_small, on CPUs with
-AVX-512): oneDNN's bf16 kernels take about the same time for 1 row as for 24 there, reading the weights at
-about half the memory bandwidth. The C kernel is the fp32 one (linear_f32) on bf16 panels, widened to fp32 as
-they load: 0.55x oneDNN's time at 1 row, 0.65x at 8, 0.72-0.99x at 12-24 (cpu_kernels.SMALL_ROWS has the
-figures), and 0.58-0.88x the time of the AVX512_BF16 dot-product kernel it replaced at 4-16 rows (0.89-1.02x
-at 1 row; that one went up to 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more
-for its lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+AVX-512): oneDNN's bf16 kernels read SmolLM2's weights at 9 GB/s for 1 row, where this kernel reads 17. It is
+the fp32 one (linear_f32) on bf16 panels, widened to fp32 as they load: 0.52-0.98x oneDNN's time at 1 to 24
+rows (cpu_kernels.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
+replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
+6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
+lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
