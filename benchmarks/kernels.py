@@ -44,9 +44,14 @@ def _seconds(fn: Callable[[], object], budget_s: float = 0.05) -> float:
     return elapsed / calls
 
 
-def _baseline(ref: str) -> ctypes.CDLL | None:
+def revision_source(ref: str) -> bytes:
+    """cpu_kernels.c as of git revision `ref` (what --baseline builds, here and in benchmarks.linears)."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+    return subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+
+
+def _baseline(ref: str) -> ctypes.CDLL | None:
+    src = revision_source(ref)
     if b"int paged_attention(" in src:
         return cpu_kernels.build(src, {"paged_attention": cpu_kernels._SIGNATURES["paged_attention"]})
     if b"int paged_decode(" not in src:

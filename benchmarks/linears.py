@@ -14,9 +14,7 @@ VM's speed drifts over minutes, and the ratios are what to read. The shapes defa
 from __future__ import annotations
 
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,17 +22,16 @@ from torch import nn
 from batchrun.model import cpu_kernels
 from batchrun.model.cpu_linear import OneDNNLinear
 from benchmarks.cli_args import parser
+from benchmarks.kernels import revision_source
 
-_SRC = "batchrun/model/csrc/cpu_kernels.c"
 _LINEARS = ("pack_f32_linear", "linear_f32", "pack_bf16_linear", "linear_bf16_small", "f32_linear_panel")
 
 
 def _baseline(ref: str):
     """The panel kernels of git REF's cpu_kernels.c, or None where REF lacks them."""
-    root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+    src = revision_source(ref)
     if b"void linear_f32(" not in src:
-        print(f"{ref}: its {_SRC} has no linear_f32; no baseline")
+        print(f"{ref}: its cpu_kernels.c has no linear_f32; no baseline")
         return None
     return cpu_kernels.build(src, {n: cpu_kernels._SIGNATURES[n] for n in _LINEARS if n.encode() + b"(" in src})
 

@@ -8,7 +8,7 @@ from torch import nn
 from batchrun.model import cpu_kernels
 from batchrun.model.cpu_linear import OneDNNLinear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_small_bf16_linear(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_f32_linear(),
                                 reason="needs the C kernels built for a CPU with AVX-512")
 
 
@@ -17,7 +17,7 @@ def test_small_linear_is_the_fp32_sum_of_exact_bf16_products_rounded_once(n, k):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    packed = cpu_kernels.pack_bf16_linear(w)
+    packed = cpu_kernels.pack_linear(w)
     for rows in (1, 3, 8, 9, 17, cpu_kernels.SMALL_ROWS):  # one row tile of 8, two, three
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T + bias.double()

@@ -43,7 +43,6 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, _B],
     "logits_top": [_P, _P, _I, _I, _I, _P],
     "apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
-    "has_dpbf16": [],
     "pack_bf16_linear": [_P, _I, _I, _P],
     "linear_bf16_small": [_P, _I, _P, _I, _I, _P, _P],
     "f32_linear_panel": [],
@@ -101,7 +100,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "has_dpbf16", "f32_linear_panel", "linear_bf16_small"):  # these answer an int
+    for name in ("paged_attention", "f32_linear_panel", "linear_bf16_small"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -212,21 +211,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 SMALL_ROWS = 24
 
 
-def has_small_bf16_linear() -> bool:
-    """Whether linear_bf16_small runs here (the kernels are built, for a CPU with AVX-512)."""
-    return has_f32_linear()
-
-
-def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] packed for linear_bf16_small: the panels of linear_f32's layout, in bf16."""
-    n, k = weight.shape
-    w = weight.detach().contiguous()
-    panel = _library().f32_linear_panel()
-    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.bfloat16)
-    _library().pack_bf16_linear(w.data_ptr(), n, k, packed.data_ptr())
-    return packed
-
-
 def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] bf16 times the packed weight: [rows, out_features] bf16, with fp32 sums (over k in order, so
@@ -242,17 +226,20 @@ def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def has_f32_linear() -> bool:
-    """Whether linear_f32 runs here (the kernels are built, for a CPU with AVX-512)."""
+    """Whether the panel linears (linear_f32, and linear_bf16_small on bf16 panels) run here: the kernels are
+    built, for a CPU with AVX-512."""
     return available() and _library().f32_linear_panel() > 0
 
 
-def pack_f32_linear(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [N, K] packed for linear_f32: panels of the kernel's width of outputs, each K x width."""
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 or bf16 weight [N, K] packed for linear_f32 or linear_bf16_small: panels of the kernel's width of
+    outputs, each K x width, in the weight's dtype."""
     n, k = weight.shape
     w = weight.detach().contiguous()
     panel = _library().f32_linear_panel()
-    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.float32)
-    _library().pack_f32_linear(w.data_ptr(), n, k, packed.data_ptr())
+    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=w.dtype)
+    pack = _library().pack_f32_linear if w.dtype == torch.float32 else _library().pack_bf16_linear
+    pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 

@@ -83,7 +83,7 @@ class PackedF32Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = cpu_kernels.pack_f32_linear(linear.weight)
+        self.packed = cpu_kernels.pack_linear(linear.weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ class OneDNNLinear(nn.Module):
         # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
         # (cpu_kernels.linear_bf16_small): a second copy of the weights. Not in the batch-invariant mode, whose
         # rows must all go through one kernel.
-        self.small = cpu_kernels.pack_bf16_linear(linear.weight) if not invariant and _takes_small(linear) else None
+        self.small = cpu_kernels.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -137,7 +137,7 @@ def _takes_small(linear: nn.Linear) -> bool:
     BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
     return (linear.weight.dtype == torch.bfloat16
             and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
-            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_small_bf16_linear())
+            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_f32_linear())
 
 
 def own_f32_kernel(model: nn.Module) -> bool:

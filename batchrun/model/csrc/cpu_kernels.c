@@ -884,9 +884,6 @@ int f32_linear_panel(void) {
 #endif
 }
 
-/* Whether the CPU has AVX512_BF16 (the attention kernel's bf16 dot products). */
-int has_dpbf16(void) { return HAVE_DPBF16; }
-
 /* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
  * elements of `es` bytes (4: fp32, 2: bf16). */
 static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const int64_t es) {
