@@ -14,10 +14,34 @@ import pytest
 import torch
 
 from kernels import paged_decode_attention, paged_prefill_attention
+from kernels._common import interpreting
 
 TILE = 16
 PARTITION = 32  # a 100-token context is split into 4 partitions
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _row_invariant_interpreted_dot(monkeypatch):
+    """Under the interpreter, `tl.dot` is NumPy's matmul, i.e. the host's OpenBLAS, whose sgemm kernels for
+    some CPUs sum a row differently by its place in the tile (measured: OpenBLAS 0.3.31's Haswell and Zen
+    kernels on an AMD EPYC, 224 of 448 rows of 16-64-row products differ from the row computed alone; its
+    SkylakeX and Sandybridge kernels, none). A GPU's MMA treats every row alike, and these tests are about the
+    kernels' structure, not the host BLAS: so here the interpreted dot sums in float64 (fp32 products are exact
+    there) and rounds once, which gives a row the same bits wherever it sits."""
+    if not interpreting():
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    original = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _pool(seq_lens: list[int], block_size: int = 8, num_kv_heads: int = 2, head_dim: int = 32,
