@@ -15,7 +15,7 @@ from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
-from batchrun.model.cpu_linear import own_f32_kernel, reorder_linears, use_onednn
+from batchrun.model.cpu_linear import own_kernel, reorder_linears, use_onednn
 from batchrun.model.loader import load_config, load_model, resolve_path
 from batchrun.model.locate import locate_model
 from batchrun.model.memory import cpu_default_bytes, profile_cuda_kv_bytes
@@ -121,7 +121,7 @@ class LLM:
                              batch_invariant=self.batch_invariant)
         n_params = sum(p.numel() for p in loaded.model.parameters())
         if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant):
-            kernel = "batchrun's fp32 kernel" if own_f32_kernel(loaded.model) else "oneDNN"
+            kernel = "batchrun's panel kernel" if own_kernel(loaded.model) else "oneDNN"
             log.info("%d linear layers reordered for %s%s (see batchrun/model/cpu_linear.py)",
                      reorder_linears(loaded.model, self.batch_invariant), kernel,
                      ", batch invariant" if self.batch_invariant else "")

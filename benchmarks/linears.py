@@ -3,8 +3,9 @@
 Times one pass over a model's linears as a decode or prefill step makes it: --layers distinct copies of each
 layer shape (so that the weights stream from memory, as in a step, instead of sitting in cache) and the
 lm_head, at each row count, through
-  - batchrun's panel kernels (cpu_kernels.linear_f32 for fp32, cpu_kernels.linear_bf16_small for bf16);
-  - oneDNN on its reordered weights (OneDNNLinear's matmul), what they stand in for;
+  - batchrun's panel kernels (cpu_kernels.linear_f32 for fp32, cpu_kernels.linear_bf16 for bf16);
+  - oneDNN on its reordered weights (OneDNNLinear's matmul), what they stand in for; for bf16 on a CPU where
+    oneDNN has no bf16 kernels (no AVX512-BF16 or AMX), torch's F.linear instead;
   - with --baseline REF, the same kernels as built from git REF's cpu_kernels.c (when REF has them).
 The systems run in turn within each of --repeats rounds, and each figure is the median of its rounds: this
 VM's speed drifts over minutes, and the ratios are what to read. The shapes default to SmolLM2-135M's (hidden
@@ -17,6 +18,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from batchrun.model import cpu_kernels
@@ -24,7 +26,8 @@ from batchrun.model.cpu_linear import OneDNNLinear
 from benchmarks.cli_args import parser
 from benchmarks.kernels import revision_source
 
-_LINEARS = ("pack_f32_linear", "linear_f32", "pack_bf16_linear", "linear_bf16_small", "f32_linear_panel")
+# linear_bf16 was linear_bf16_small before it served every row count
+_LINEARS = ("pack_f32_linear", "linear_f32", "pack_bf16_linear", "linear_bf16", "linear_bf16_small", "f32_linear_panel")
 
 
 def _baseline(ref: str):
@@ -58,7 +61,8 @@ def _kernel_pass(lib, packs: list[torch.Tensor], weights: list[torch.Tensor], xs
     for w, p in zip(weights, packs):
         n, k = w.shape
         if bf:
-            lib.linear_bf16_small(xs[k].data_ptr(), rows, p.data_ptr(), n, k, None, y.data_ptr())
+            linear_bf16 = getattr(lib, "linear_bf16", None) or lib.linear_bf16_small
+            linear_bf16(xs[k].data_ptr(), rows, p.data_ptr(), n, k, None, y.data_ptr())
         else:
             lib.linear_f32(xs[k].data_ptr(), k, rows, p.data_ptr(), n, k, None, y.data_ptr())
 
@@ -70,7 +74,12 @@ def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
               for s in _shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim)]
     shapes.append((args.vocab, args.hidden))
     weights = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for n, k in shapes]
-    onednn = [OneDNNLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)) for w in weights]
+    onednn_dtype = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    reference = "oneDNN" if onednn_dtype else "F.linear"
+    if onednn_dtype:
+        matmuls = [OneDNNLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype))._matmul for w in weights]
+    else:
+        matmuls = [lambda x, w=w: F.linear(x, w) for w in weights]
     libs = {"batchrun": cpu_kernels._library(), **({"baseline": old} if old is not None else {})}
     packs = {name: [_packed(lib, w) for w in weights] for name, lib in libs.items()}
     bf = dtype == torch.bfloat16
@@ -79,21 +88,21 @@ def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {w.shape[1] for w in weights}}
         y = torch.empty(rows, max(w.shape[0] for w in weights), dtype=dtype)
-        systems = [*libs, "oneDNN"]
+        systems = [*libs, reference]
         times: dict[str, list[float]] = {name: [] for name in systems}
         for r in range(args.repeats):
             for name in systems[:: 1 if r % 2 == 0 else -1]:  # alternate the order between rounds
                 t = time.perf_counter()
-                if name == "oneDNN":
-                    for w, m in zip(weights, onednn):
-                        m._matmul(xs[w.shape[1]])
+                if name == reference:
+                    for w, matmul in zip(weights, matmuls):
+                        matmul(xs[w.shape[1]])
                 else:
                     _kernel_pass(libs[name], packs[name], weights, xs, y, bf)
                 times[name].append(time.perf_counter() - t)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         line = (f"{str(dtype)[6:]:8s} rows {rows:5d}: batchrun {1e3 * med['batchrun']:8.2f} ms "
-                f"({weight_bytes / med['batchrun'] / 1e9:5.1f} GB/s of weights) | oneDNN {1e3 * med['oneDNN']:8.2f} ms"
-                f" | batchrun/oneDNN time {med['batchrun'] / med['oneDNN']:.2f}")
+                f"({weight_bytes / med['batchrun'] / 1e9:5.1f} GB/s of weights) | {reference} "
+                f"{1e3 * med[reference]:8.2f} ms | batchrun/{reference} time {med['batchrun'] / med[reference]:.2f}")
         if "baseline" in med:
             line += f" | baseline {1e3 * med['baseline']:8.2f} ms, batchrun/baseline {med['batchrun'] / med['baseline']:.2f}"
         lines.append(line)
@@ -115,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
     args = ap.parse_args(argv)
-    if not cpu_kernels.has_f32_linear():
-        print("batchrun's panel kernels are not available here (no compiler, or a CPU without AVX-512)")
+    if not cpu_kernels.has_panel_linears():
+        print("batchrun's panel kernels are not available here (no compiler, or a CPU without AVX-512 or AVX2)")
         return 1
     torch.set_num_threads(args.threads)
     old = _baseline(args.baseline) if args.baseline else None

@@ -220,7 +220,7 @@ def test_phases_times_each_phase_on_fresh_prompts():
     assert got["prefill_tok_s"] == pytest.approx(64 * 128 / (1e-3 + 64 * 128 * 1e-6))
 
 
-@pytest.mark.skipif(not cpu_kernels.has_f32_linear(), reason="needs the C kernels built for a CPU with AVX-512")
+@pytest.mark.skipif(not cpu_kernels.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(capsys):
     """benchmarks.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
     count, each with the oneDNN and baseline ratios (ratios only: no timing is asserted)."""

@@ -1,4 +1,4 @@
-"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedF32Linear; fp32 models past 256 MiB of linear weights,
+"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedLinear; fp32 models past 256 MiB of linear weights,
 or any with BATCHRUN_F32_LINEAR=1): close
 to the exact product, each row's bits independent of the rows beside it at every row count, and a model on it
 keeps greedy parity with transformers and its tokens whatever the batch."""
@@ -11,10 +11,10 @@ from torch import nn
 
 from batchrun import LLM, SamplingParams
 from batchrun.model import cpu_kernels
-from batchrun.model.cpu_linear import PackedF32Linear
+from batchrun.model.cpu_linear import PackedLinear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_f32_linear(),
-                                reason="needs the C kernels built for a CPU with AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_panel_linears(),
+                                reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 
 # (in, out): SmolLM2-135M's layer shapes, and widths that are not multiples of the 48-output panels
 SHAPES = [(576, 960), (1536, 576), (33, 577), (7, 47)]
@@ -31,7 +31,7 @@ def test_product_is_as_close_to_the_exact_one_as_mkls(in_features, out_features,
     x = torch.randn(64, in_features, generator=g)
     exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
     mkl_error = (F.linear(x, linear.weight, linear.bias).double() - exact).abs().max().item()
-    error = (PackedF32Linear(linear)(x).double() - exact).abs().max().item()
+    error = (PackedLinear(linear)(x).double() - exact).abs().max().item()
     # a sum in order over K rounds a little more than MKL's blocked sums (1-3x here); a wrong kernel is off by O(1)
     assert error <= 8 * mkl_error + 1e-6
 
@@ -39,7 +39,7 @@ def test_product_is_as_close_to_the_exact_one_as_mkls(in_features, out_features,
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
 def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
     g = torch.Generator().manual_seed(1)
-    layer = PackedF32Linear(nn.Linear(in_features, out_features))
+    layer = PackedLinear(nn.Linear(in_features, out_features))
     wide = torch.randn(max(ROW_COUNTS), in_features + 5, generator=g)
     x = wide[:, 3 : 3 + in_features]  # rows with a stride, as the views of a fused projection come
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
@@ -50,7 +50,7 @@ def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
 
 
 def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch):
-    from batchrun.model.cpu_linear import ONEDNN_MIN_BYTES, own_f32_kernel
+    from batchrun.model.cpu_linear import ONEDNN_MIN_BYTES, own_kernel
 
     small = nn.Sequential(nn.Linear(64, 64))
     def big(dtype=torch.float32):  # exactly the threshold's bytes of fp32 weights (no memory: on the meta device)
@@ -58,16 +58,18 @@ def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch)
 
     monkeypatch.delenv("BATCHRUN_F32_LINEAR", raising=False)
     monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
-    assert own_f32_kernel(big()) and not own_f32_kernel(small) and not own_f32_kernel(big(torch.bfloat16))
+    assert own_kernel(big()) and not own_kernel(small)
+    # bf16 models take it (at any size) only where oneDNN has no bf16 kernels: tests/test_small_bf16_linear.py
+    assert own_kernel(big(torch.bfloat16)) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")  # oneDNN asked for by name
-    assert not own_f32_kernel(big())
+    assert not own_kernel(big())
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
-    assert own_f32_kernel(big()) and own_f32_kernel(small)
+    assert own_kernel(big()) and own_kernel(small)
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "0")
-    assert not own_f32_kernel(big())
+    assert not own_kernel(big())
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "yes")
     with pytest.raises(ValueError, match="BATCHRUN_F32_LINEAR"):
-        own_f32_kernel(big())
+        own_kernel(big())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -80,7 +82,7 @@ def test_a_model_on_it_keeps_greedy_parity_and_its_tokens_in_any_batch(make_ckpt
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
     llm = LLM(str(path), num_kv_blocks=600)
     layer = llm.engine.runner.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, PackedF32Linear) and isinstance(layer.mlp.down_proj, PackedF32Linear)
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
     alone = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0] for p in targets]
     assert [o.token_ids for o in alone] == refs
     others = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 3, 250)]

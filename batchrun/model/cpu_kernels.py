@@ -44,7 +44,7 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "logits_top": [_P, _P, _I, _I, _I, _P],
     "apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
     "pack_bf16_linear": [_P, _I, _I, _P],
-    "linear_bf16_small": [_P, _I, _P, _I, _I, _P, _P],
+    "linear_bf16": [_P, _I, _P, _I, _I, _P, _P],
     "f32_linear_panel": [],
     "pack_f32_linear": [_P, _I, _I, _P],
     "linear_f32": [_P, _I, _I, _P, _I, _I, _P, _P],
@@ -100,7 +100,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "f32_linear_panel", "linear_bf16_small"):  # these answer an int
+    for name in ("paged_attention", "f32_linear_panel", "linear_bf16"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -204,35 +204,36 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
                                    index.data_ptr(), len(rows), min(vocab, logits.shape[-1], 32 * bitmask.shape[-1]))
 
 
-# The most rows OneDNNLinear gives linear_bf16_small. Measured on SmolLM2's 120 layer linears and its lm_head in
-# a forward's order, 2 threads, weights streamed, median of 5 (`python -m benchmarks.linears`, 2026-12-02
-# 03:00): 0.52x oneDNN's reordered bf16 weights' time at 1 row, 0.64x at 8, 0.98x at 16, 0.87x at 24, 1.13x at
-# 32, 2.9x at 64 (an earlier run of the same kind: 0.55x, 0.65x, 0.99x, 0.72x, 2.0x).
+# The most rows OneDNNLinear gives linear_bf16 where oneDNN has bf16 kernels (elsewhere every row count goes to
+# it: cpu_linear.py). Measured on SmolLM2's 120 layer linears and its lm_head in a forward's order, 2 threads,
+# weights streamed, median of 5, on an AVX512-BF16/AMX Xeon (`python -m benchmarks.linears`, 2026-12-02 03:00):
+# 0.52x oneDNN's reordered bf16 weights' time at 1 row, 0.64x at 8, 0.98x at 16, 0.87x at 24, 1.13x at 32, 2.9x
+# at 64 (an earlier run of the same kind: 0.55x, 0.65x, 0.99x, 0.72x, 2.0x).
 SMALL_ROWS = 24
 
 
-def linear_bf16_small(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] bf16 times the packed weight: [rows, out_features] bf16, with fp32 sums (over k in order, so
     a row's result does not depend on the other rows)."""
     rows, k = x.shape
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if _library().linear_bf16_small(x.data_ptr(), rows, packed.data_ptr(), out_features, k,
-                                    None if bias is None else bias.data_ptr(), out.data_ptr()):
-        raise MemoryError("linear_bf16_small: no memory for the widened rows")
+    if _library().linear_bf16(x.data_ptr(), rows, packed.data_ptr(), out_features, k,
+                              None if bias is None else bias.data_ptr(), out.data_ptr()):
+        raise MemoryError("linear_bf16: no memory for the widened rows")
     return out
 
 
-def has_f32_linear() -> bool:
-    """Whether the panel linears (linear_f32, and linear_bf16_small on bf16 panels) run here: the kernels are
-    built, for a CPU with AVX-512."""
+def has_panel_linears() -> bool:
+    """Whether the panel linears (linear_f32, and linear_bf16 on bf16 panels) run here: the kernels are built, for
+    a CPU with AVX-512, or AVX2 and FMA."""
     return available() and _library().f32_linear_panel() > 0
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 or bf16 weight [N, K] packed for linear_f32 or linear_bf16_small: panels of the kernel's width of
+    """An fp32 or bf16 weight [N, K] packed for linear_f32 or linear_bf16: panels of the kernel's width of
     outputs, each K x width, in the weight's dtype."""
     n, k = weight.shape
     w = weight.detach().contiguous()

@@ -75,21 +75,22 @@ _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count wo
 INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
 
 
-class PackedF32Linear(nn.Module):
-    """y = x W^T + b for fp32, through batchrun's own kernel (cpu_kernels.linear_f32) on W packed once into its
-    column panels; the packed copy replaces the original. Batch invariant at every row count by construction
-    (each output is one multiply-add chain over the inputs in order), so it needs no padding or tiling."""
+class PackedLinear(nn.Module):
+    """y = x W^T + b for fp32 or bf16, through batchrun's own kernel (cpu_kernels.linear_f32 / linear_bf16) on W
+    packed once into its column panels; the packed copy replaces the original. Batch invariant at every row count
+    by construction (each output is one multiply-add chain over the inputs in order), so it needs no padding or
+    tiling."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = cpu_kernels.pack_linear(linear.weight)
         self.bias = linear.bias
+        self._kernel = cpu_kernels.linear_f32 if linear.weight.dtype == torch.float32 else cpu_kernels.linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        return cpu_kernels.linear_f32(flat, self.packed, self.out_features, self.bias).view(*x.shape[:-1],
-                                                                                           self.out_features)
+        return self._kernel(flat, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 class OneDNNLinear(nn.Module):
@@ -107,8 +108,8 @@ class OneDNNLinear(nn.Module):
         self.min_rows, self.max_rows = INVARIANT_ROWS.get(linear.weight.dtype, (1, None)) if invariant \
             else (1, None)
         # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
-        # (cpu_kernels.linear_bf16_small): a second copy of the weights. Not in the batch-invariant mode, whose
-        # rows must all go through one kernel.
+        # (cpu_kernels.linear_bf16): a second copy of the weights. Not in the batch-invariant mode, whose rows must
+        # all go through one kernel.
         self.small = cpu_kernels.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ class OneDNNLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
         if self.small is not None and rows <= cpu_kernels.SMALL_ROWS and x.dim() == 2:
-            return cpu_kernels.linear_bf16_small(x, self.small, self.out_features, self.bias)
+            return cpu_kernels.linear_bf16(x, self.small, self.out_features, self.bias)
         if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
             return self._matmul(x)
         flat = x.reshape(rows, self.in_features)
@@ -133,23 +134,32 @@ class OneDNNLinear(nn.Module):
 
 
 def _takes_small(linear: nn.Linear) -> bool:
-    """Whether linear_bf16_small can stand in for this linear at a few rows (bf16, a CPU with AVX-512;
+    """Whether linear_bf16 can stand in for this linear at a few rows (bf16, the panel kernels built;
     BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
     return (linear.weight.dtype == torch.bfloat16
             and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
-            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_f32_linear())
+            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_panel_linears())
 
 
-def own_f32_kernel(model: nn.Module) -> bool:
-    """Whether the model's fp32 linears go to PackedF32Linear rather than oneDNN (the C kernels built for a CPU
-    with AVX-512). BATCHRUN_F32_LINEAR=auto (the default): when their weights pass ONEDNN_MIN_BYTES, so that a
-    decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32
-    model; 0: none."""
+def own_kernel(model: nn.Module) -> bool:
+    """Whether the model's linears go to PackedLinear (the C kernels built for a CPU with AVX-512, or AVX2 and FMA).
+
+    bf16: where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3), always; there torch's
+    bf16 F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
+    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed.
+    fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
+    decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
+    0: none."""
     choice = os.environ.get("BATCHRUN_F32_LINEAR", "auto")
     if choice not in ("auto", "0", "1"):
         raise ValueError(f"BATCHRUN_F32_LINEAR must be auto, 0 or 1, got {choice!r}")
     linears = [m for _, _, m in _linears(model)]
-    if choice == "0" or not linears or linears[0].weight.dtype != torch.float32 or not cpu_kernels.has_f32_linear():
+    if not linears or not cpu_kernels.has_panel_linears():
+        return False
+    dtype = linears[0].weight.dtype
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
                              and _weight_bytes(linears) >= ONEDNN_MIN_BYTES)
@@ -193,17 +203,19 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         if choice == "mkl":
             log.warning("BATCHRUN_CPU_MATMUL=mkl ignored: the batch-invariant mode needs oneDNN's linears")
         choice = "onednn"
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl" or \
-            not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl":
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if own_kernel(model):
+        return True
+    if not torch.backends.mkldnn.is_available() or \
+            (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
     linears = _linears(model)
     if not linears:
         return False
     weight_bytes = _weight_bytes([m for _, _, m in linears])
     wanted = choice == "onednn" or dtype == torch.bfloat16 or weight_bytes >= ONEDNN_MIN_BYTES
-    works = wanted and (own_f32_kernel(model) or _works(linears[0][2]))
+    works = wanted and _works(linears[0][2])
     if batch_invariant and not works:
         log.warning("batch_invariant: oneDNN's linears do not work here, so MKL's are used, whose kernels change "
                     "with the number of rows: a row's logits can depend on its batch")
@@ -211,12 +223,12 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
 
 
 def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
-    """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedF32Linear where own_f32_kernel says (in bf16
+    """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedLinear where own_kernel says (in bf16
     models, and in batch-invariant mode, the tied lm_head too); returns how many."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
-    own = own_f32_kernel(model)
+    own = own_kernel(model)
     linears = _linears(model, with_tied=with_tied)
     for parent, name, linear in linears:
-        setattr(parent, name, PackedF32Linear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
+        setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
     return len(linears)

@@ -21,8 +21,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+/* CPUs with AVX2 and FMA but not AVX-512 (e.g. AMD Zen 2 / 3): the attention's dot products and weighted sums
+ * of V take 8-float paths written for their 16 registers (see chunk_scores8); the 16-float vectors below
+ * would take two registers each there, and the 16-key score tree would not fit. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_ATTENTION 1
+#else
+#define HAVE_AVX2_ATTENTION 0
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
@@ -261,11 +269,93 @@ ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const int64
     }
 }
 
+#if HAVE_AVX2_ATTENTION
+/* 8 fp32 (bf = 0) or bf16 (bf = 1) values from element i of p, as fp32. */
+ALWAYS __m256 ld8(const void *p, int64_t i, const int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Lane j = the sum of a[j]'s 8 lanes, taken as ((0+1)+(2+3)) + ((4+5)+(6+7)) for every j: which vectors share
+ * the call never changes a lane's sum (the 8-lane counterpart of sums16). */
+static inline __m256 sums8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* a[j] = the partial sums of q.K[j] for the m <= 8 keys at off[0..m) (zeros past m); q's d / 8 vectors in qv. */
+ALWAYS void dots8(__m256 *a, const __m256 *qv, const void *kh, const int64_t *off, const int64_t m, Fetch *f,
+                  const int64_t d, const int bf) {
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; j++) {
+        if (j >= m) {
+            a[j] = _mm256_setzero_ps();
+            continue;
+        }
+        fetch_lines(f, 1);
+        const void *kt = at(kh, off[j], bf);
+        __m256 acc = _mm256_mul_ps(qv[0], ld8(kt, 0, bf));
+        for (int64_t c = 1; c < d / 8; c++) acc = _mm256_fmadd_ps(qv[c], ld8(kt, 8 * c, bf), acc);
+        a[j] = acc;
+    }
+}
+
+/* chunk_scores for d a multiple of 8, up to 128, in groups of 8 keys: q's vectors (8 registers at d = 64) and
+ * the group's 8 partial sums fill AVX2's 16 registers, and K's loads go straight into the multiply-adds. */
+ALWAYS void chunk_scores8(const void *qj, const void *kh, const int64_t *off, int64_t t0, int64_t t1, Fetch *f,
+                          float *sc, const int64_t d, float scale, const int bf) {
+    __m256 qv[16];
+    for (int64_t c = 0; c < d / 8; c++) qv[c] = ld8(qj, 8 * c, bf);
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int64_t g0 = t0; g0 < t1; g0 += 8) {
+        __m256 a[8];
+        if (t1 - g0 >= 8) /* a constant trip count: unrolled, a[] stays in registers */
+            dots8(a, qv, kh, off + g0, 8, f, d, bf);
+        else
+            dots8(a, qv, kh, off + g0, t1 - g0, f, d, bf);
+        _mm256_storeu_ps(sc + g0, _mm256_mul_ps(sums8(a), sv));
+    }
+}
+
+/* chunk_pv for d a multiple of 8 and nh <= 3 heads, a slab of 32 dims at a time: the nh x 4 accumulators and
+ * a weight fit the 16 registers (V's vectors are loaded again for each head, from L1: holding them too spilled
+ * an accumulator). Each dim's sum is the same multiply-add chain over the keys in order as chunk_pv's. */
+ALWAYS void chunk_pv8(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
+                      float *acc, Fetch *f, const int64_t nh, const int64_t d, const int bf) {
+    for (int64_t s0 = 0; s0 < d; s0 += 32) {
+        const int64_t nv = (d - s0 < 32 ? d - s0 : 32) / 8;
+        __m256 a[3][4];
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t c = 0; c < nv; c++) a[h][c] = _mm256_loadu_ps(acc + h * d + s0 + 8 * c);
+        for (int64_t t = t0; t < t1; t++) {
+            fetch_lines(f, 1);
+            const void *vt = at(vh, off[t], bf);
+            for (int64_t h = 0; h < nh; h++) {
+                const __m256 w = _mm256_broadcast_ss(p + h * cap + t);
+                for (int64_t c = 0; c < nv; c++) a[h][c] = _mm256_fmadd_ps(w, ld8(vt, s0 + 8 * c, bf), a[h][c]);
+            }
+        }
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(acc + h * d + s0 + 8 * c, a[h][c]);
+    }
+}
+#endif
+
 /* sc[t] = scale * q.K[t] for t in [t0, t1), t0 a multiple of VW. A key's score depends on q and K[t] only:
  * with sums16 each lane of the result is the tree sum of its own key's partial sums, so which keys share
  * a group (or sit in a group's padded tail) never changes a score. sc has room up to t1 rounded up to VW. */
 ALWAYS void chunk_scores(const void *qj, const void *kh, const int64_t *off, int64_t t0, int64_t t1, Fetch *f,
                          float *sc, const int64_t d, float scale, const int bf) {
+#if HAVE_AVX2_ATTENTION
+    if (d % 8 == 0 && d <= 128) {
+        chunk_scores8(qj, kh, off, t0, t1, f, sc, d, scale, bf);
+        return;
+    }
+#endif
 #if HAVE_SHUFFLE
     if (d % VW == 0 && d <= 16 * VW) {
 #if HAVE_DPBF16
@@ -309,8 +399,59 @@ ALWAYS void chunk_scores(const void *qj, const void *kh, const int64_t *off, int
     }
 }
 
+#if HAVE_AVX2_ATTENTION
+/* exp_v on 8 lanes (the same range reduction and polynomial), for softmax_numerators8. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    const __m256 n = _mm256_floor_ps(t);
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+/* softmax_numerators on 8 lanes: the 16-float vectors' exp spills AVX2's registers to the stack. */
+static float softmax_numerators8(float *x, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + t));
+    float lanes[8], m = -INFINITY, sum = 0.0f;
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mb));
+        _mm256_storeu_ps(x + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (t < n) {
+        float buf[8] = {0};
+        memcpy(buf, x + t, sizeof(float) * (n - t));
+        _mm256_storeu_ps(buf, exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), mb)));
+        memcpy(x + t, buf, sizeof(float) * (n - t));
+    }
+    for (; t < n; t++) sum += x[t];
+    _mm256_storeu_ps(lanes, acc);
+    return sum + (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+}
+#endif
+
 /* x[t] = exp(x[t] - max x) in place for t < n (n >= 1); returns their sum, taken in a fixed order. */
 static float softmax_numerators(float *x, int64_t n) {
+#if HAVE_AVX2_ATTENTION
+    return softmax_numerators8(x, n);
+#endif
     vf mv = vsplat(-INFINITY);
     int64_t t = 0;
     for (; t + VW <= n; t += VW) {
@@ -394,6 +535,20 @@ ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t 
  * the split never changes a head's sums). */
 ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
                      float *acc, Fetch *f, int64_t g, const int64_t d, const int bf) {
+#if HAVE_AVX2_ATTENTION
+    if (d % 8 == 0) {
+        for (int64_t j = 0; j < g; j += 3) {
+            const float *pj = p + j * cap;
+            float *aj = acc + j * d;
+            switch (g - j < 3 ? g - j : 3) {
+                case 1: chunk_pv8(pj, cap, vh, off, t0, t1, aj, f, 1, d, bf); break;
+                case 2: chunk_pv8(pj, cap, vh, off, t0, t1, aj, f, 2, d, bf); break;
+                default: chunk_pv8(pj, cap, vh, off, t0, t1, aj, f, 3, d, bf); break;
+            }
+        }
+        return;
+    }
+#endif
     if (d == 64) {
         for (int64_t j = 0; j < g; j += 4) {
             const float *pj = p + j * cap;
@@ -868,21 +1023,49 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
  * few-row calls of a bf16 decode step, where oneDNN's AMX kernels read the weights at about half the memory
  * bandwidth (cpu_kernels.SMALL_ROWS says up to which row count it wins). The bf16 rows of x are widened once
  * per call into a scratch buffer. */
+/* The register tile of one ISA: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES outputs (AVX-512: 8 x 3 x 16,
+ * 24 of its 32 registers; AVX2 + FMA: 4 x 3 x 8, 12 of its 16 registers, the other 4 for the panel's vectors and
+ * the broadcast row value). pv_* are the few vector operations the tile needs. The arithmetic of an output is
+ * the same on both (one multiply-add chain over k): only how many outputs and rows a tile holds differs. */
+#if defined(__AVX512F__)
+#define HAVE_PANELS 1
 #define PANEL_ROWS 8
-#define PANEL_VECS 3
-#define PANEL_WIDTH (16 * PANEL_VECS)
-#define PANEL_PREFETCH 32
+#define PV_LANES 16
 #define PANEL_CHUNK_BYTES (1024 * 1024)
+typedef __m512 pv;
+static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
+static inline pv pv_set1(float x) { return _mm512_set1_ps(x); }
+static inline pv pv_fma(pv a, pv b, pv c) { return _mm512_fmadd_ps(a, b, c); }
+ALWAYS pv pv_load(const void *p, const int bf) {
+    return bf ? (__m512)vload_bf16((const bf16 *)p) : _mm512_loadu_ps((const float *)p);
+}
+#define PV_IN_REGISTER(v) (void)(v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_PANELS 1
+#define PANEL_ROWS 4
+#define PV_LANES 8
+#define PANEL_CHUNK_BYTES (256 * 1024) /* half of a Zen 3 core's L2 */
+typedef __m256 pv;
+static inline pv pv_zero(void) { return _mm256_setzero_ps(); }
+static inline pv pv_set1(float x) { return _mm256_set1_ps(x); }
+static inline pv pv_fma(pv a, pv b, pv c) { return _mm256_fmadd_ps(a, b, c); }
+ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
+/* GCC folds each of a k-step's 3 weight loads into its 4 multiply-adds (12 loads instead of 3): an L1-resident
+ * slice then ran at 0.70-0.75x the speed of loading them once (a microbenchmark of the 4 x 24 tile, in turn). */
+#define PV_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define HAVE_PANELS 0
+#define PANEL_ROWS 1
+#define PV_LANES 1
+#define PANEL_CHUNK_BYTES 1
+#endif
+#define PANEL_VECS 3
+#define PANEL_WIDTH (PV_LANES * PANEL_VECS)
+#define PANEL_PREFETCH 32
 #define PANEL_FETCHERS 8 /* the most row tiles of a panel that share fetching the next one */
 
-/* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512). */
-int f32_linear_panel(void) {
-#if defined(__AVX512F__)
-    return PANEL_WIDTH;
-#else
-    return 0;
-#endif
-}
+/* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512 or AVX2). */
+int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
 
 /* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
  * elements of `es` bytes (4: fp32, 2: bf16). */
@@ -903,100 +1086,218 @@ static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const
 void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) { pack_linear(w, n, k, packed, 4); }
 void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) { pack_linear(w, n, k, packed, 2); }
 
+#if HAVE_PANELS
+/* rows x PV_LANES outputs of vector q of a tile plus the bias, stored at y (row stride ldy) in the weights'
+ * dtype; only the first `left` (< PV_LANES: the last panel's tail) when fewer remain. */
+ALWAYS void panel_store(pv *acc, int rows, int64_t q, void *y, int64_t ldy, int64_t left, const void *bias,
+                        const int bf) {
 #if defined(__AVX512F__)
-/* rows x width outputs at y (row stride ldy) from fp32 rows of x (stride ldx) and one packed panel of fp32
- * (bf = 0) or bf16 (bf = 1) weights; y and bias in the weights' dtype. `next`, if not NULL, is the panel after
- * it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait on memory for its weights):
- * this tile, number `tile` of the `tiles` that share it (the panel's first PANEL_FETCHERS), fetches its part,
- * so that the memory stream goes on while the later tiles compute from cache (fetched by the first tile alone, a 16-row call took the time of
- * the stream plus that of the second tile's compute). */
-ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *panel, int64_t k, void *y,
-                       int64_t ldy, int64_t width, const void *bias, const void *next, int64_t tile, int64_t tiles,
-                       const int bf) {
-    const int64_t step = PANEL_WIDTH * (bf ? 2 : 4); /* bytes of one k-step of a panel: 192 or 96 */
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    if (!bf) {
+        const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * q) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r * PANEL_VECS], b));
+        return;
+    }
+#endif
+    const int64_t es = bf ? 2 : 4, n = left < PV_LANES ? left : PV_LANES;
+    float b[PV_LANES] = {0}, out[PV_LANES];
+    for (int64_t j = 0; bias != NULL && j < n; j++) b[j] = ld1(bias, PV_LANES * q + j, bf);
+    for (int r = 0; r < rows; r++) {
+        pv v = acc[r * PANEL_VECS];
+        memcpy(out, &v, sizeof out);
+        char *dst = (char *)y + (r * ldy + PV_LANES * q) * es;
+        if (!bf && n == PV_LANES) {
+            for (int j = 0; j < PV_LANES; j++) out[j] += b[j];
+            memcpy(dst, out, sizeof out);
+        } else {
+            for (int64_t j = 0; j < n; j++) st1(dst, j, out[j] + b[j], bf);
+        }
+    }
+}
+
+/* rows x width outputs at y (row stride ldy, dtype ybf) from fp32 rows of x (stride ldx) and kn k-steps of one
+ * packed panel, fp32 (wbf = 0) or bf16 (wbf = 1) weights, x and w at the tile's first k-step. When those are not
+ * all of the k (the chunk is blocked in k), the sums so far come from `part` (unless `first`) and go back to it
+ * (unless `last`), fp32 (rows x PANEL_WIDTH): the chain of multiply-adds is the same as in one pass. `next`, if
+ * not NULL, is the panel after it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait
+ * on memory for its weights): this tile, number `tile` of the `tiles` that share it (the panel's first
+ * PANEL_FETCHERS), fetches its part, so that the memory stream goes on while the later tiles compute from cache
+ * (fetched by the first tile alone, a 16-row call took the time of the stream plus that of the second tile's
+ * compute). Without `stream` (the weights are in L1) it fetches nothing. */
+ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *panel, int64_t kn, float *part,
+                       int first, int last, void *y, int64_t ldy, int64_t width, const void *bias, const void *next,
+                       int64_t tile, int64_t tiles, int stream, const int wbf, const int ybf) {
+    const int64_t step = PANEL_WIDTH * (wbf ? 2 : 4); /* bytes of one k-step of a panel */
     const char *pw = panel, *pn = next;
     /* k-step i of this tile fetches row fetch_row of the next panel when i == fetch_at: rows at even steps
      * over the panel's tiles x k steps */
-    int64_t fetch_row = (tile * k + tiles - 1) / tiles, fetch_at = fetch_row * tiles - tile * k;
-    __m512 acc[PANEL_ROWS][PANEL_VECS];
+    int64_t fetch_row = (tile * kn + tiles - 1) / tiles, fetch_at = fetch_row * tiles - tile * kn;
+    pv acc[PANEL_ROWS][PANEL_VECS];
     for (int r = 0; r < rows; r++)
-        for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = _mm512_setzero_ps();
+        for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = first ? pv_zero() : pv_load(part + r * PANEL_WIDTH + PV_LANES * q, 0);
+    if (!stream) {
 #pragma GCC unroll 4
-    for (int64_t i = 0; i < k; i++) {
-        __m512 w[PANEL_VECS];
+        for (int64_t i = 0; i < kn; i++) {
+            pv w[PANEL_VECS];
+            for (int q = 0; q < PANEL_VECS; q++) {
+                w[q] = pv_load(pw + i * step + PV_LANES * q * (wbf ? 2 : 4), wbf);
+                PV_IN_REGISTER(w[q]);
+            }
+            for (int r = 0; r < rows; r++) {
+                const pv xv = pv_set1(x[r * ldx + i]);
+                for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = pv_fma(xv, w[q], acc[r][q]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; stream && i < kn; i++) {
+        pv w[PANEL_VECS];
         for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pw + (i + PANEL_PREFETCH) * step + b, _MM_HINT_T0);
-        for (int q = 0; q < PANEL_VECS; q++)
-            w[q] = bf ? (__m512)vload_bf16((const bf16 *)(pw + i * step) + 16 * q)
-                      : _mm512_loadu_ps((const float *)(pw + i * step) + 16 * q);
+        for (int q = 0; q < PANEL_VECS; q++) w[q] = pv_load(pw + i * step + PV_LANES * q * (wbf ? 2 : 4), wbf);
         if (pn != NULL && i == fetch_at) {
             for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pn + fetch_row * step + b, _MM_HINT_T1);
             fetch_row++;
             fetch_at += tiles;
         }
         for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-            for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = _mm512_fmadd_ps(xv, w[q], acc[r][q]);
+            const pv xv = pv_set1(x[r * ldx + i]);
+            for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = pv_fma(xv, w[q], acc[r][q]);
         }
+    }
+    if (!last) {
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < PANEL_VECS; q++) memcpy(part + r * PANEL_WIDTH + PV_LANES * q, &acc[r][q], sizeof(pv));
+        return;
     }
     for (int q = 0; q < PANEL_VECS; q++) {
-        const int64_t left = width - 16 * q;
+        const int64_t left = width - PV_LANES * q;
         if (left <= 0) break;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        if (!bf) {
-            const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * q) : _mm512_setzero_ps();
-            for (int r = 0; r < rows; r++)
-                _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r][q], b));
-            continue;
-        }
-        bf16 tmp[16] = {0};
-        if (bias != NULL) memcpy(tmp, (const bf16 *)bias + 16 * q, 2 * (left < 16 ? left : 16));
-        const vf b = bias != NULL ? vload_bf16(tmp) : (vf){0};
-        for (int r = 0; r < rows; r++) {
-            bf16 *dst = (bf16 *)y + r * ldy + 16 * q;
-            if (left >= 16) {
-                vstore_bf16(dst, (vf)acc[r][q] + b);
-            } else {
-                vstore_bf16(tmp, (vf)acc[r][q] + b);
-                memcpy(dst, tmp, 2 * left);
-            }
-        }
+        panel_store(&acc[0][q], rows, q, y, ldy, left, bias, ybf);
     }
 }
+
+/* panel_tile with rows and dtypes constants, compiled on its own: inlined into the chunk loop, its 16 live vectors
+ * (AVX2) got spilled to the stack in some of the instantiations (bf16 weights widened per slice ran at half the
+ * fp32 speed). */
+#define PANEL_TILE_FN(R, W, Y) \
+    static __attribute__((noinline)) void panel_tile_##R##_##W##Y( \
+        const float *x, int64_t ldx, const void *panel, int64_t kn, float *part, int first, int last, void *y, \
+        int64_t ldy, int64_t width, const void *bias, const void *next, int64_t tile, int64_t tiles, int stream) { \
+        panel_tile(R, x, ldx, panel, kn, part, first, last, y, ldy, width, bias, next, tile, tiles, stream, W, Y); \
+    }
+#define PANEL_TILE_FNS(R) PANEL_TILE_FN(R, 0, 0) PANEL_TILE_FN(R, 1, 1) PANEL_TILE_FN(R, 0, 1)
+PANEL_TILE_FNS(1) PANEL_TILE_FNS(2) PANEL_TILE_FNS(3) PANEL_TILE_FNS(4)
+#if PANEL_ROWS > 4
+PANEL_TILE_FNS(5) PANEL_TILE_FNS(6) PANEL_TILE_FNS(7) PANEL_TILE_FNS(8)
+#endif
+
+/* The row tiles of a chunk, rows [m0, end), on k-steps [k0, k1) of one panel (w at k0). */
+ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, const void *w, int64_t k, int64_t k0,
+                        int64_t k1, float *part, void *y, int64_t n, int64_t col, int64_t width, const void *bias,
+                        const void *next, int blocked, const int wbf, const int ybf) {
+    const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t fetchers = tiles < PANEL_FETCHERS ? tiles : PANEL_FETCHERS; /* tiles that fetch `next` */
+    for (int64_t i = m0; i < end; i += PANEL_ROWS) {
+        const int64_t t = (i - m0) / PANEL_ROWS;
+        const float *xt = xc + (i - m0) * ldc + k0;
+        float *pt = part + (i - m0) * PANEL_WIDTH;
+        void *yt = (char *)y + (i * n + col) * (ybf ? 2 : 4);
+        /* a blocked chunk's first tile brings the slice into L1; the ones after it find it there */
+        const int stream = !blocked || (i == m0 && wbf == ybf), first = k0 == 0, last = k1 == k;
+        const void *nt = !blocked && t < fetchers ? next : NULL;
 #define PANEL_TILE(R) \
     case R: \
-        panel_tile(R, x + i * ldx, ldx, panel, k, (char *)y + (i * n + col) * es, n, width, b, \
-                   (i - m0) / PANEL_ROWS < fetchers ? next : NULL, (i - m0) / PANEL_ROWS, fetchers, bf); \
+        if (wbf != ybf) \
+            panel_tile_##R##_01(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
+        else if (wbf) \
+            panel_tile_##R##_11(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
+        else \
+            panel_tile_##R##_00(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
         break;
+        switch (end - i < PANEL_ROWS ? end - i : PANEL_ROWS) {
+            PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4)
+#if PANEL_ROWS > 4
+            PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7) PANEL_TILE(8)
+#endif
+            default: break;
+        }
+#undef PANEL_TILE
+    }
+}
 
-/* y [rows, n] (contiguous) = x [rows, k] (fp32, row stride ldx) W^T + bias, W packed by pack_linear. */
-ALWAYS void linear_panels(const float *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
-                          const void *bias, void *y, const int bf) {
-    const int64_t es = bf ? 2 : 4;
-    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
-    int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
-    if (chunk < PANEL_ROWS) chunk = PANEL_ROWS;
-    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
-    chunk = ((rows + chunks - 1) / chunks + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
-#pragma omp parallel if (n * k > PAR_MIN_WORK)
+/* A chunk of at least PANEL_BLOCK_TILES row tiles (compute-bound: the weights are read from cache, not memory)
+ * walks each panel in slices of PANEL_KC k-steps, every tile of the chunk in turn on one slice, so that the slice
+ * stays in L1 (fp32: 16 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
+ * slice is widened to fp32 once, not by every tile. Measured on AVX2 (AMD EPYC, 2 threads, SmolLM2's layer
+ * shapes at 512-2048 rows): 1.64x oneDNN's time in one pass, 1.05x blocked. AVX-512 CPUs keep one pass
+ * (PANEL_KC 0): measured there, k-blocking did not pay. */
+#define PANEL_BLOCK_TILES 4
+#if PV_LANES == 8
+#define PANEL_KC (16384 / (PANEL_WIDTH * 4) / 8 * 8)
+#else
+#define PANEL_KC 0
+#endif
+
+/* One thread's share of linear_panels, inside its parallel region (panels split by `omp for`), the dtype a
+ * constant: a flag passed into the region would stay a run-time test in the k loop. bf16 rows of x are widened
+ * a chunk at a time into xf (chunk x k fp32, shared by the threads), by one thread while the others wait; in a
+ * blocked chunk each bf16 weight slice is widened into wf (PANEL_KC x PANEL_WIDTH fp32, the thread's own). */
+ALWAYS void panel_rows(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
+                       const void *bias, void *y, int64_t chunk, float *xf, float *part, float *wf, const int bf) {
+    const int64_t es = bf ? 2 : 4, panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int blocked = part != NULL;
+    const int64_t kc = blocked ? PANEL_KC : k, ldc = bf ? k : ldx;
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+        const float *xc = bf ? xf : (const float *)x + m0 * ldx; /* the chunk's fp32 rows, ldc apart */
+        if (bf) {
+#pragma omp single
+            for (int64_t i = 0; i < (end - m0) * k; i++) xf[i] = bf16_to_f(((const bf16 *)x)[m0 * ldx + i]);
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const char *panel = (const char *)packed + p * k * PANEL_WIDTH * es;
             const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
             const void *b = bias != NULL ? (const char *)bias + col * es : NULL;
             const void *next = p + 1 < panels ? panel + k * PANEL_WIDTH * es : NULL;
-            const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
-            const int64_t fetchers = tiles < PANEL_FETCHERS ? tiles : PANEL_FETCHERS; /* tiles that fetch `next` */
-            for (int64_t i = m0; i < end; i += PANEL_ROWS) {
-                switch (end - i < PANEL_ROWS ? end - i : PANEL_ROWS) {
-                    PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7)
-                    PANEL_TILE(8)
-                    default: break;
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t k1 = k0 + kc < k ? k0 + kc : k;
+                const char *w = panel + k0 * PANEL_WIDTH * es;
+                if (bf && blocked) {
+                    for (int64_t i = 0; i < (k1 - k0) * PANEL_WIDTH; i++) wf[i] = bf16_to_f(((const bf16 *)w)[i]);
+                    panel_tiles(xc, ldc, m0, end, wf, k, k0, k1, part, y, n, col, width, b, next, 1, 0, 1);
+                } else {
+                    panel_tiles(xc, ldc, m0, end, w, k, k0, k1, part, y, n, col, width, b, next, blocked, bf, bf);
                 }
             }
         }
     }
+}
+
+/* y [rows, n] (contiguous) = x [rows, k] W^T + bias, W packed by pack_linear; x, W, bias and y fp32 (bf = 0;
+ * x's rows ldx apart) or bf16 (bf = 1; x's rows contiguous, ldx = k). Returns 0, or 1 if the bf16 rows' fp32
+ * scratch could not be allocated (y is then not written). */
+static int linear_panels(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
+                         const void *bias, void *y, int bf) {
+    int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
+    if (chunk < PANEL_ROWS) chunk = PANEL_ROWS;
+    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
+    chunk = ((rows + chunks - 1) / chunks + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+    const int blocked = PANEL_KC > 0 && k > PANEL_KC && (chunk < rows ? chunk : rows) >= PANEL_BLOCK_TILES * PANEL_ROWS;
+    float *xf = bf ? malloc(sizeof(float) * (chunk < rows ? chunk : rows) * k) : NULL;
+    if (bf && xf == NULL) return 1;
+#pragma omp parallel if (n * k > PAR_MIN_WORK)
+    {
+        /* the row tiles' partial sums between k slices, chunk x PANEL_WIDTH fp32, and a widened bf16 weight slice
+         * (without them, one pass) */
+        float *part = blocked ? malloc(sizeof(float) * (chunk + PANEL_KC) * PANEL_WIDTH) : NULL;
+        BY_DTYPE(bf, panel_rows, x, ldx, rows, packed, n, k, bias, y, chunk, xf, part,
+                 part != NULL ? part + chunk * PANEL_WIDTH : NULL);
+        free(part);
+    }
+    free(xf);
+    return 0;
 }
 #endif
 
@@ -1004,7 +1305,7 @@ ALWAYS void linear_panels(const float *x, int64_t ldx, int64_t rows, const void 
  * or [n]. A no-op where f32_linear_panel() is 0, or for 0 rows. */
 void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                 const float *bias, float *y) {
-#if defined(__AVX512F__)
+#if HAVE_PANELS
     if (rows > 0) linear_panels(x, ldx, rows, packed, n, k, bias, y, 0);
 #else
     (void)x, (void)ldx, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
@@ -1012,18 +1313,11 @@ void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, 
 }
 
 /* The same for bf16: x [rows, k] bf16 (rows contiguous), W packed by pack_bf16_linear, bias NULL or [n] bf16,
- * y [rows, n] bf16. Returns 0, or 1 if the widened copy of x could not be allocated (y is then not written). */
-int linear_bf16_small(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
-                      bf16 *y) {
-#if defined(__AVX512F__)
-    if (rows <= 0) return 0;
-    float *xf = malloc(sizeof(float) * rows * k);
-    if (xf == NULL) return 1;
-    int64_t i = 0;
-    for (; i + VW <= rows * k; i += VW) vstore(xf + i, vload_bf16(x + i));
-    for (; i < rows * k; i++) xf[i] = bf16_to_f(x[i]);
-    linear_panels(xf, k, rows, packed, n, k, bias, y, 1);
-    free(xf);
+ * y [rows, n] bf16; each output's fp32 sum is rounded to bf16 once. Returns 0, or 1 if the scratch for x's
+ * widened rows (a chunk of them at a time) could not be allocated (y is then not written). */
+int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias, bf16 *y) {
+#if HAVE_PANELS
+    if (rows > 0) return linear_panels(x, k, rows, packed, n, k, bias, y, 1);
 #else
     (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
 #endif
