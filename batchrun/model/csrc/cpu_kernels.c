@@ -40,23 +40,28 @@
 
 #define PAR_MIN_WORK 32768 /* below this many floats an op runs on one thread: waking the pool costs more */
 
-/* Explicit 16-float vectors (GCC/Clang vector extensions): the compiler maps them onto AVX-512, AVX2 or
- * SSE registers. GCC does not vectorise a scalar exp written with a float/int bit cast, so exp is written
- * on vectors directly. */
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint16_t bf16;
+/* Explicit vectors of VW floats (GCC/Clang vector extensions): 16 on AVX-512, 8 elsewhere, one register each.
+ * GCC does not vectorise a scalar exp written with a float/int bit cast, so exp is written on vectors directly.
+ * (16-float vectors on AVX2 were split into scalar compares and divides in exp_v: silu_mul took 2.9 ns an
+ * element.) */
+#if defined(__AVX512F__)
 #define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef uint16_t bf16;
 #define ALWAYS static inline __attribute__((always_inline))
 
-static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+ALWAYS vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+ALWAYS void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* bf16 <-> fp32: a bf16 is the top half of an fp32, so widening is a shift; narrowing rounds to nearest
  * even (NaNs are not special-cased: the models' activations are finite). */
-static inline vf vload_bf16(const bf16 *p) {
+ALWAYS vf vload_bf16(const bf16 *p) {
 #if defined(__AVX512F__) /* one vpmovzxwd (GCC splits the generic conversion into 256-bit halves) */
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #else
@@ -65,7 +70,7 @@ static inline vf vload_bf16(const bf16 *p) {
     return (vf)(__builtin_convertvector(h, vu) << 16);
 #endif
 }
-static inline void vstore_bf16(bf16 *p, vf v) {
+ALWAYS void vstore_bf16(bf16 *p, vf v) {
 #if HAVE_DPBF16
     __m256bh h = _mm512_cvtneps_pbh((__m512)v);
     memcpy(p, &h, sizeof h);
@@ -114,14 +119,19 @@ ALWAYS vf rnd(vf v, const int bf) {
     return (vf)(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
 }
 ALWAYS float rnd1(float x, const int bf) { return bf ? round_bf16(x) : x; }
-static inline vf vsplat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-static inline float hsum(vf v) {
-#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector: a log-depth tree of lane swaps */
+ALWAYS vf vsplat(float x) { return (vf){0} + x; }
+ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+ALWAYS float hsum(vf v) {
+#if (defined(__clang__) || __GNUC__ >= 12) && VW == 16 /* __builtin_shufflevector: a log-depth tree of lane swaps */
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    return v[0];
+#elif defined(__clang__) || __GNUC__ >= 12
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0);
     return v[0];
 #else
     float s = 0.0f;
@@ -130,12 +140,12 @@ static inline float hsum(vf v) {
 #endif
 }
 
-#if defined(__clang__) || __GNUC__ >= 12
+#if (defined(__clang__) || __GNUC__ >= 12) && VW == 16
 #define HAVE_SHUFFLE 1
 /* sums16(a)[j] = hsum(a[j]) for 16 vectors: a tree of 15 shuffle-and-add pairs instead of 16 separate
  * horizontal sums (64 shuffles and adds), the cost that dominates a decode dot product of 64 dims. Each
  * level halves the partial sums per token and doubles the tokens per vector, in order. */
-static inline vf sums16(vf *a) {
+ALWAYS vf sums16(vf *a) {
     vf r1[8], r2[4], r3[2];
     for (int i = 0; i < 8; i++)
         r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -160,7 +170,7 @@ static inline vf sums16(vf *a) {
 
 /* exp(x), within 2 ulp of expf for x in [-87, 88] (Cephes' single-precision method: range reduction by
  * ln 2 and a degree-6 polynomial); x is clamped to that range, so exp(-inf) gives ~1e-38, not 0. */
-static inline vf exp_v(vf x) {
+ALWAYS vf exp_v(vf x) {
     x = vselect(x < -87.0f, vsplat(-87.0f), x);
     x = vselect(x > 88.0f, vsplat(88.0f), x);
     const vf t = x * 1.44269504088896341f + 0.5f;
@@ -996,9 +1006,9 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
         for (; t + 32 <= vocab; t += 32) {
             const uint32_t bits = m[t / 32];
             if (bits == 0xffffffffu) continue;
-            for (int h = 0; h < 2; h++) {
-                const vi off = (vi)((((vu){0} + (bits >> (16 * h))) >> lane) & 1u) == 0;
-                vstore(x + t + 16 * h, vselect(off, neg_inf, vload(x + t + 16 * h)));
+            for (int h = 0; h < 32 / VW; h++) {
+                const vi off = (vi)((((vu){0} + (bits >> (VW * h))) >> lane) & 1u) == 0;
+                vstore(x + t + VW * h, vselect(off, neg_inf, vload(x + t + VW * h)));
             }
         }
         for (; t < vocab; t++)
