@@ -210,6 +210,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"{env['transformers']}, Python {env['python']}; started {res['started']}",
              *[f"- Matmul peak ({dt} {p['matmul_n']}x{p['matmul_n']}, {env['threads']} threads, best of "
                f"{p['samples']}): {p['peak_flops'] / 1e9:.1f} GFLOP/s (median {p['median_flops'] / 1e9:.1f})"
+               + (f"; measured in {p['measured_as']}: this CPU has no {dt} matmul instructions"
+                  if p.get("measured_as", dt) != dt else "")
                for dt, p in res.get("peaks", {"float32": peak}).items()],
              *([f"- vLLM CPU: {res['vllm']['error']}"] if res.get("vllm", {}).get("error") else []),
              f"- Load average at start / end: {env['loadavg_start']} / {env.get('loadavg_end', 'n/a')}"

@@ -47,8 +47,14 @@ def task_peak(spec: dict[str, Any]) -> Result:
     """
     n, seconds = spec["n"], spec["seconds"]
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    c = torch.empty(n, n, dtype=dtype)
+    measured = dtype
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # No bf16 matmul instructions (no AVX512-BF16 or AMX, e.g. AMD Zen 3): bf16 work runs on the fp32 FMAs
+        # (batchrun widens bf16 weights as it loads them), so the fp32 peak is the bf16 one. torch's own bf16 mm
+        # falls back to a path so slow here that a 4096^3 product did not finish in 30 minutes.
+        measured = torch.float32
+    a, b = torch.randn(n, n, dtype=measured), torch.randn(n, n, dtype=measured)
+    c = torch.empty(n, n, dtype=measured)
     for _ in range(2):
         torch.mm(a, b, out=c)
     rates: list[float] = []
@@ -58,8 +64,8 @@ def task_peak(spec: dict[str, Any]) -> Result:
         torch.mm(a, b, out=c)
         rates.append(2.0 * n**3 / (time.perf_counter() - t))
     return {"matmul_n": n, "dtype": str(dtype).removeprefix("torch."), "peak_flops": max(rates),
-            "median_flops": statistics.median(rates),
-            "samples": len(rates)}
+            "median_flops": statistics.median(rates), "samples": len(rates),
+            "measured_as": str(measured).removeprefix("torch.")}
 
 
 # ---- batchrun -------------------------------------------------------------------------------------------

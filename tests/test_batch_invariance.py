@@ -19,10 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun import LLM, SamplingParams
+from batchrun.model import cpu_kernels
 from batchrun.model.cpu_linear import OneDNNLinear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# bf16 models have invariant linears through oneDNN's bf16 kernels, or else (no AVX512-BF16 or AMX) through
+# batchrun's bf16 panels (cpu_linear.own_kernel)
+BF16_MODEL = BF16 or cpu_kernels.has_panel_linears()
 
 MAX_TOKENS = 8
 # The targets also return their chosen tokens' log-probs, compared bitwise: a function of the logits, so a
@@ -105,7 +109,7 @@ def _others(rng: random.Random, targets: list[list[int]], vocab: int,
 
 @onednn
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not BF16, reason="no oneDNN bf16 kernels on this CPU"))])
+    not BF16_MODEL, reason="no batch-invariant bf16 linears here (no oneDNN bf16 kernels, no C kernels)"))])
 @pytest.mark.parametrize(("name", "settings", "seed"), SCENARIOS, ids=SCENARIO_IDS)
 def test_tokens_do_not_depend_on_the_batch(references, dtype, name, settings, seed):
     path, refs = references

@@ -1,5 +1,6 @@
 """Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
-batch-invariant mode), batchrun's own fp32 kernel for fp32 models whose weights do not stay in cache.
+batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache and for
+bf16 models on CPUs where oneDNN has no bf16 kernels.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
@@ -18,19 +19,26 @@ plain one; vocab x hidden x 2 bytes more). fp32 models keep a tied lm_head on F.
 stay those transformers computes (the greedy parity tests).
 
 A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left,
-and its draft rows) goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16_small, on CPUs with
-AVX-512): oneDNN's bf16 kernels read SmolLM2's weights at 9 GB/s for 1 row, where this kernel reads 17. It is
+and its draft rows) goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16): oneDNN's bf16 kernels read SmolLM2's weights at 9 GB/s for 1 row, where this kernel reads 17. It is
 the fp32 one (linear_f32) on bf16 panels, widened to fp32 as they load: 0.52-0.98x oneDNN's time at 1 to 24
 rows (cpu_kernels.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
 replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
 lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
 
+On a CPU without AVX512-BF16 or AMX (AMD Zen 3 here), oneDNN has no bf16 kernels and torch's bf16 F.linear
+falls back to a path that ran at 16 GFLOP/s (SmolLM2's gate|up at 8-512 rows, 2 threads), 0.13x its fp32 speed.
+There every linear of a bf16 model, the tied lm_head's packed copy too, goes to the same panels at every row count
+(PackedLinear, own_kernel): on SmolLM2's linears 0.21-0.26x F.linear's time at 8-2048 rows, 0.64x at 1 row
+(`python -m benchmarks.linears`, AMD EPYC, 2026-12-02), at the fp32 kernel's speed where compute-bound and twice
+it where the weights stream.
+
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
-fp32 models whose linear weights pass ONEDNN_MIN_BYTES go to batchrun's own kernel instead (PackedF32Linear,
-cpu_kernels.linear_f32, on CPUs with AVX-512): its weights stream with a software prefetch, which oneDNN's fp32
-kernels lack. Each output is one multiply-add chain over the inputs in order, so it is batch invariant at every
+fp32 models whose linear weights pass ONEDNN_MIN_BYTES go to batchrun's own kernel instead (PackedLinear,
+cpu_kernels.linear_f32, on CPUs with AVX-512, or AVX2 and FMA): its weights stream with a software prefetch, which
+oneDNN's fp32 kernels lack. On the AVX2 machine (AMD EPYC, `python -m benchmarks.linears --dtypes float32`): 0.33-0.74x
+oneDNN's time at 1-64 rows, 1.01x at 512 and 2048 (with the k-blocked chunks of cpu_kernels.c; 1.64x before). Each output is one multiply-add chain over the inputs in order, so it is batch invariant at every
 row count, 1 included. Measured on SmolLM2-135M's and small-llama's layer shapes (30 and 12 layers, weights
 streamed from memory as in a step), 2 threads, oneDNN's calls in turn with it, median of 7 pairs: 0.46-0.74x
 oneDNN's time at 8 rows, 0.84-0.98x at 128, 0.95-1.05x at 1024 and 0.75-1.08x at 4096 (the 4096-row gate|up

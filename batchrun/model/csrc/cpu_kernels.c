@@ -1016,7 +1016,7 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
     }
 }
 
-/* ---- linears on weights packed once into column panels: fp32, and bf16 for a few rows ----------------
+/* ---- linears on weights packed once into column panels: fp32 and bf16 ----------------------------------
  * y = x W^T + bias. Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the
  * bias at the end: the same operations in the same order whatever the row count, the rows beside it or the
  * thread that runs it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant)
@@ -1028,11 +1028,11 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
  * cpu_linear.py's docstring, which also says which models use it). Threads split the panels, so each weight
  * byte is read once per chunk of rows; the rows go in chunks whose activations stay in L2.
  *
- * bf16 weights (linear_bf16_small) go through the same kernel, widened to fp32 as they are loaded (a shift):
- * bf16 x bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the
- * few-row calls of a bf16 decode step, where oneDNN's AMX kernels read the weights at about half the memory
- * bandwidth (cpu_kernels.SMALL_ROWS says up to which row count it wins). The bf16 rows of x are widened once
- * per call into a scratch buffer. */
+ * bf16 weights (linear_bf16) go through the same kernel, widened to fp32 as they are loaded (a shift): bf16 x
+ * bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the few-row
+ * calls of a bf16 decode step where oneDNN's AMX kernels read the weights at about half the memory bandwidth
+ * (cpu_kernels.SMALL_ROWS says up to which row count it wins), and every call where oneDNN has no bf16 kernels
+ * (cpu_linear.own_kernel). The bf16 rows of x are widened a chunk at a time into a scratch buffer. */
 /* The register tile of one ISA: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES outputs (AVX-512: 8 x 3 x 16,
  * 24 of its 32 registers; AVX2 + FMA: 4 x 3 x 8, 12 of its 16 registers, the other 4 for the panel's vectors and
  * the broadcast row value). pv_* are the few vector operations the tile needs. The arithmetic of an output is
@@ -1238,13 +1238,13 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
 
 /* A chunk of at least PANEL_BLOCK_TILES row tiles (compute-bound: the weights are read from cache, not memory)
  * walks each panel in slices of PANEL_KC k-steps, every tile of the chunk in turn on one slice, so that the slice
- * stays in L1 (fp32: 16 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
+ * stays in L1 (fp32: 24 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
  * slice is widened to fp32 once, not by every tile. Measured on AVX2 (AMD EPYC, 2 threads, SmolLM2's layer
  * shapes at 512-2048 rows): 1.64x oneDNN's time in one pass, 1.05x blocked. AVX-512 CPUs keep one pass
  * (PANEL_KC 0): measured there, k-blocking did not pay. */
 #define PANEL_BLOCK_TILES 4
 #if PV_LANES == 8
-#define PANEL_KC (16384 / (PANEL_WIDTH * 4) / 8 * 8)
+#define PANEL_KC (24576 / (PANEL_WIDTH * 4) / 8 * 8)
 #else
 #define PANEL_KC 0
 #endif
