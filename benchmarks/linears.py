@@ -36,7 +36,8 @@ def _baseline(ref: str):
     if b"void linear_f32(" not in src:
         print(f"{ref}: its cpu_kernels.c has no linear_f32; no baseline")
         return None
-    return cpu_kernels.build(src, {n: cpu_kernels._SIGNATURES[n] for n in _LINEARS if n.encode() + b"(" in src})
+    signatures = {**cpu_kernels._SIGNATURES, "linear_bf16_small": cpu_kernels._SIGNATURES["linear_bf16"]}
+    return cpu_kernels.build(src, {n: signatures[n] for n in _LINEARS if n.encode() + b"(" in src})
 
 
 def _packed(lib, weight: torch.Tensor) -> torch.Tensor:
