@@ -94,9 +94,9 @@ class BlockMachine(RuleBasedStateMachine):
                 del self.tokens[seq], self.computed[seq]
             assert not self.bm.pending
             return
-        for seq, prompt, start, end in admitted:
+        for seq, _prompt, start, end in admitted:
             self._write(seq, start, end)
-        for seq, prompt, start, end in admitted:
+        for seq, prompt, _start, end in admitted:
             self.tokens[seq] = prompt[:end]
             self.computed[seq] = end
             self.bm.commit(seq, prompt, end)

@@ -149,7 +149,7 @@ def close_bf16(got: torch.Tensor, ref: torch.Tensor, ulps: float = 1.5) -> bool:
                                          (6, 2, 80, 16), (4, 2, 40, 8)])
 def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
     rng = random.Random(hq * 1000 + d + bs)
-    seqs, step = [], []
+    seqs = []
     for i in range(rng.randint(1, 4)):  # decodes: one new token after a cached context
         n = rng.randint(1, 150)
         seqs.append((make_seq(n, hq, hkv, d, dtype, 100 + i), n - 1, n))
@@ -166,7 +166,7 @@ def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
     got = run_step(backend, pool, seqs)
     fp32 = lambda s: Seq(s.q.float(), s.k.float(), s.v.float(), s.blocks)  # noqa: E731
     ref = run_step(REFERENCE, ref_pool, [(fp32(s), a, b) for s, a, b in seqs])
-    for (s, a, b), x, y in zip(seqs, got, ref):
+    for (_s, a, b), x, y in zip(seqs, got, ref):
         assert x.dtype == dtype and x.shape == (b - a, hq, d)
         if dtype == BF:
             if backend is KERNEL or a == b - 1:  # the kernel's rows (a decode row is the kernel's on both)

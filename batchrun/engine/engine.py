@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from batchrun.beam_search import BeamSearchParams
 from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.contract import (GrammarState, SamplingRequest, ScheduledSeq, SchedulerOutput, StepExecutor,
-                                      StepOutput)
+from batchrun.engine.contract import (
+    GrammarState,
+    SamplingRequest,
+    ScheduledSeq,
+    SchedulerOutput,
+    StepExecutor,
+    StepOutput,
+)
 from batchrun.engine.detokenizer import Detokenizer
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.ngram import NgramDrafter

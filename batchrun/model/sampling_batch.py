@@ -15,7 +15,6 @@ import torch
 from batchrun.engine.contract import SamplingRequest, StepOutput
 from batchrun.model.sampler import SamplingBatch, argmax_rows, sample
 
-
 _params_of = attrgetter("params")
 
 
