@@ -1,7 +1,7 @@
 """bf16 on the CPU (oneDNN bf16 linears and the few-row bf16 linear kernel, or batchrun's bf16 panels for every
-linear where oneDNN has no bf16 kernels; the bf16 C kernels, a bf16 KV cache,
-an fp32 residual stream) against the fp32 transformers
-model on the real SmolLM2-135M-Instruct weights: teacher-forced top-1 agreement over 1,024 positions.
+linear where oneDNN has no bf16 kernels; the bf16 C kernels, a bf16 KV cache, an fp32 residual stream) against
+the fp32 transformers model on the real SmolLM2-135M-Instruct weights: teacher-forced top-1 agreement over 1,024
+positions.
 
 Greedy continuations (fp32, by batchrun, which is token-identical to transformers: test_real_model.py) are
 fed back one token per decode step through batchrun's bf16 runner, so every position runs the bf16 paged
