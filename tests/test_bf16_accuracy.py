@@ -70,9 +70,9 @@ def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path, monke
     positions = sum(len(r) for r in ref)
     assert positions >= 1000
     # all 16 sequences per decode step through oneDNN's linears (the few-row kernel's limit lowered below 16
-    # for it), then 16 and 4 through the few-row kernel (cpu_kernels.SMALL_ROWS: two row tiles, and one). Where
-    # oneDNN has no bf16 kernels every linear is on the panels (PackedLinear), which give a row the same bits in
-    # any group: one pass says it all.
+    # for it), then 16 and 4 through the few-row kernel (cpu_kernels.SMALL_ROWS; on the fp32 panels two row tiles
+    # and one, on AMX one 16-row tile). Where oneDNN has no bf16 kernels every linear is on the panels
+    # (PackedLinear), which give a row the same bits in any group: one pass says it all.
     assert cpu_kernels.SMALL_ROWS >= len(prompts)
     ways = ((len(prompts), len(prompts) // 2), (len(prompts), cpu_kernels.SMALL_ROWS), (4, cpu_kernels.SMALL_ROWS))
     if isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear):

@@ -44,7 +44,7 @@ def test_onednn_linear_takes_the_small_kernel_for_a_few_rows_only_outside_the_in
     calls = []
     small = cpu_kernels.linear_bf16
     monkeypatch.setattr(cpu_kernels, "linear_bf16", lambda *a: calls.append(a[0].shape[0]) or small(*a))
-    for rows in (1, cpu_kernels.SMALL_ROWS, cpu_kernels.SMALL_ROWS + 1, 64):
+    for rows in (1, cpu_kernels.SMALL_ROWS, cpu_kernels.SMALL_ROWS + 1, cpu_kernels.SMALL_ROWS + 40):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         ref = F.linear(x.float(), lin.weight.float())
         for module in (fast, invariant):

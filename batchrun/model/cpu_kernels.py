@@ -46,6 +46,7 @@ _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store
     "pack_bf16_linear": [_P, _I, _I, _P],
     "linear_bf16": [_P, _I, _P, _I, _I, _P, _P],
     "f32_linear_panel": [],
+    "amx_linears": [],
     "pack_f32_linear": [_P, _I, _I, _P],
     "linear_f32": [_P, _I, _I, _P, _I, _I, _P, _P],
 }
@@ -62,9 +63,13 @@ def _cpu_signature() -> str:
 
 @cache
 def _library() -> ctypes.CDLL | None:
+    global SMALL_ROWS
     if os.environ.get("BATCHRUN_CPU_KERNELS", "1") == "0":
         return None
-    return build(_SRC.read_bytes(), _SIGNATURES)
+    lib = build(_SRC.read_bytes(), _SIGNATURES)
+    if lib is not None and lib.amx_linears():
+        SMALL_ROWS = AMX_SMALL_ROWS
+    return lib
 
 
 def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
@@ -100,7 +105,7 @@ def build(src: bytes, signatures: dict[str, list]) -> ctypes.CDLL | None:
     for name, args in signatures.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
-    for name in ("paged_attention", "f32_linear_panel", "linear_bf16"):  # these answer an int
+    for name in ("paged_attention", "f32_linear_panel", "linear_bf16", "amx_linears"):  # these answer an int
         if name in signatures:
             getattr(so, name).restype = ctypes.c_int
     return so
@@ -205,11 +210,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 
 # The most rows OneDNNLinear gives linear_bf16 where oneDNN has bf16 kernels (elsewhere every row count goes to
-# it: cpu_linear.py). Measured on SmolLM2's 120 layer linears and its lm_head in a forward's order, 2 threads,
-# weights streamed, median of 5, on an AVX512-BF16/AMX Xeon (`python -m benchmarks.linears`, 2026-12-02 03:00):
-# 0.52x oneDNN's reordered bf16 weights' time at 1 row, 0.64x at 8, 0.98x at 16, 0.87x at 24, 1.13x at 32, 2.9x
-# at 64 (an earlier run of the same kind: 0.55x, 0.65x, 0.99x, 0.72x, 2.0x).
+# it: cpu_linear.py); set when the library is built. Measured on SmolLM2's 120 layer linears and its lm_head in a
+# forward's order, 2 threads, weights streamed, on an AVX512-BF16/AMX Xeon (`python -m benchmarks.linears`):
+# - on the fp32 panels (bf16 widened; CPUs with AVX512-BF16 but no AMX), median of 5, 2026-12-02 03:00: 0.52x
+#   oneDNN's reordered bf16 weights' time at 1 row, 0.64x at 8, 0.98x at 16, 0.87x at 24, 1.13x at 32, 2.9x at 64;
+# - on AMX tiles (amx_panel), median of 3, 2026-12-02 14:50: 0.65-0.78x at 1-32 rows (11.2-11.5 ms from 1 to 16
+#   rows, where the fp32 panels took 10.4-18.4 ms), 0.94-0.95x at 48 and 64, 1.01-1.16x at 96-256.
 SMALL_ROWS = 24
+AMX_SMALL_ROWS = 64
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -25,6 +25,10 @@ rows (cpu_kernels.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AV
 replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
 lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+On a CPU with AMX the same call runs on AMX tiles instead (cpu_kernels.c, amx_panel; weights packed in AMX's pair
+layout), up to cpu_kernels.AMX_SMALL_ROWS = 64 rows: a pass over SmolLM2's linears took 11.2-11.5 ms from 1 to 16
+rows where the widened panels took 10.4-18.4 ms (the 9.2-row decode tail: 15.3), 0.65-0.87x oneDNN's time at 1-64
+rows (`python -m benchmarks.linears`, 2026-12-02).
 
 On a CPU without AVX512-BF16 or AMX (AMD Zen 3 here), oneDNN has no bf16 kernels and torch's bf16 F.linear
 falls back to a path that ran at 16 GFLOP/s (SmolLM2's gate|up at 8-512 rows, 2 threads), 0.13x its fp32 speed.

@@ -16,6 +16,7 @@
  * vdpbf16ps and the stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. Layouts:
  *   KV pool of one layer: K [num_blocks, block_size, num_kv_heads, head_dim], V the same.
  *   q / k / v rows: token-major with a row stride (they are views into the fused qkv projection). */
+#define _GNU_SOURCE /* syscall() */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -36,6 +37,20 @@
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux hands out AMX's tile state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
+ * oneDNN asks too, and asking again is harmless. */
+static int amx_allowed(void) {
+    static int state = 0; /* 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state > 0;
+}
+#else
+#define HAVE_AMX 0
 #endif
 
 #define PAR_MIN_WORK 32768 /* below this many floats an op runs on one thread: waking the pool costs more */
@@ -1077,16 +1092,22 @@ ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
 /* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512 or AVX2). */
 int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
 
+/* bf16 weights on CPUs with AMX, k a multiple of its tiles' 32: pairs of k-steps interleaved (see amx_panel). */
+#define AMX_PANELS(k, es) (HAVE_AMX && (es) == 2 && (k) % 32 == 0 && amx_allowed())
+
 /* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
- * elements of `es` bytes (4: fp32, 2: bf16). */
+ * elements of `es` bytes (4: fp32, 2: bf16); with AMX_PANELS, packed[p][i / 2][j][i % 2] instead (the same size). */
 static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const int64_t es) {
     const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int dp = AMX_PANELS(k, es);
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < k; i++)
             for (int64_t j = 0; j < PANEL_WIDTH; j++) {
                 const int64_t row = p * PANEL_WIDTH + j;
-                char *dst = (char *)packed + ((p * k + i) * PANEL_WIDTH + j) * es;
+                const int64_t at = dp ? p * k * PANEL_WIDTH + (i / 2 * PANEL_WIDTH + j) * 2 + i % 2
+                                      : (p * k + i) * PANEL_WIDTH + j;
+                char *dst = (char *)packed + at * es;
                 if (row < n)
                     memcpy(dst, (const char *)w + (row * k + i) * es, es);
                 else
@@ -1236,6 +1257,149 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
     }
 }
 
+#if HAVE_AMX
+/* bf16 linears on AMX (AMX_PANELS). A decode step's 2-24 rows make a pass over the weights compute-bound on
+ * vector units (widened to fp32, 9 rows took 1.5x the time of 1 row over SmolLM2's linears; vdpbf16ps does no
+ * more flops a cycle than fp32 multiply-adds on this CPU and was slower still), where one AMX tile product does
+ * 16 rows x 16 outputs x 32 k-steps. Each panel is three B tiles wide (16 pairs of k-steps x 16 outputs,
+ * vdpbf16ps's pair layout, rows PANEL_WIDTH * 4 bytes apart); the rows go in tiles of 16, three C tiles of fp32
+ * sums each, over k in chunks of 32. With one row tile a panel streams once, with the panel kernel's software
+ * prefetch. With more, the panel goes in k blocks of AMX_KB chunks that stay in L1 while every row tile of the
+ * call's row chunk takes them in turn (its sums parked in `part` between blocks), instead of each row tile
+ * reading the whole panel again from L2 (64 rows: 17.5-18.5 ms against 20.1 over SmolLM2's linears). Past
+ * about 128 rows oneDNN's AMX kernels are as fast or faster (cpu_kernels.AMX_SMALL_ROWS); here a pass at 128
+ * rows takes about the weight stream's time plus the compute's (30 ms against 11 + 17), and prefetching the
+ * next k block during the other row tiles' compute did not change that. An output's sum is the same chain of tile
+ * products whatever the row count, so a row's result does not depend on the other rows. */
+#define AMX_ROWS 16
+#define AMX_K 32
+#define AMX_KB 8                        /* chunks of a k block: 24 KiB of the panel */
+#define AMX_CHUNK_BYTES (256 * 1024)    /* the rows of x a row chunk holds (they stay in L2) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tmm0-2: the C tiles of one row tile, tmm3: its A tile (16 rows x 32 k), tmm4-6: the panel's B tiles. */
+static void amx_configure(void) {
+    TileConfig c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Rows [r0, r0 + 16) of y, panel columns [col, col + width), from the fp32 sums (16 x PANEL_WIDTH) plus b. */
+static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int64_t n, int64_t col, int64_t width,
+                      const vf *b) {
+    for (int64_t r = 0; r < AMX_ROWS && r0 + r < rows; r++) {
+        bf16 *out = y + (r0 + r) * n + col, row[PANEL_WIDTH];
+        bf16 *dst = width == PANEL_WIDTH ? out : row;
+        for (int q = 0; q < PANEL_VECS; q++)
+            vstore_bf16(dst + PV_LANES * q, vload(sums + r * PANEL_WIDTH + PV_LANES * q) + b[q]);
+        if (dst != out) memcpy(out, row, 2 * width);
+    }
+}
+
+/* One panel (col, width outputs) for rows [m0, end) of y: row tile i's A rows at a[i] (k bf16 each, k * 2 bytes
+ * apart), bias or NULL, part: (end - m0) x PANEL_WIDTH fp32 of scratch. A thread's panels are consecutive in
+ * memory, so the prefetch runs on into the next one. */
+static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char *panel, int64_t k, bf16 *y,
+                      int64_t n, int64_t col, int64_t width, const bf16 *bias, float *part) {
+    const int64_t pair_row = PANEL_WIDTH * 4, chunk = AMX_K / 2 * pair_row; /* bytes of one k chunk of the panel */
+    const int64_t chunks = k / AMX_K, tiles = (end - m0 + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t kb = tiles == 1 ? chunks : AMX_KB;
+    float sums[AMX_ROWS * PANEL_WIDTH];
+    vf b[PANEL_VECS];
+    for (int q = 0; q < PANEL_VECS; q++) {
+        bf16 lanes[PV_LANES] = {0};
+        const int64_t left = width - PV_LANES * q;
+        if (bias != NULL && left > 0) memcpy(lanes, bias + col + PV_LANES * q, 2 * (left < PV_LANES ? left : PV_LANES));
+        b[q] = vload_bf16(lanes);
+    }
+    for (int64_t c0 = 0; c0 < chunks; c0 += kb) {
+        const int64_t c1 = c0 + kb < chunks ? c0 + kb : chunks;
+        for (int64_t t = 0; t < tiles; t++) {
+            float *pt = part + t * AMX_ROWS * PANEL_WIDTH;
+            if (c0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+            } else {
+                _tile_loadd(0, pt, PANEL_WIDTH * 4);
+                _tile_loadd(1, pt + 16, PANEL_WIDTH * 4);
+                _tile_loadd(2, pt + 32, PANEL_WIDTH * 4);
+            }
+            for (int64_t c = c0; c < c1; c++) {
+                const char *w = panel + c * chunk;
+                if (t == 0) /* the first row tile brings the block into L1; the others find it there */
+                    for (int64_t at = 0; at < chunk; at += 64) _mm_prefetch(w + 2 * chunk + at, _MM_HINT_T0);
+                _tile_loadd(3, a[t] + c * AMX_K, k * 2);
+                _tile_loadd(4, w, pair_row);
+                _tile_loadd(5, w + 64, pair_row);
+                _tile_loadd(6, w + 128, pair_row);
+                _tile_dpbf16ps(0, 3, 4);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_dpbf16ps(2, 3, 6);
+            }
+            float *dst = c1 == chunks ? sums : pt;
+            _tile_stored(0, dst, PANEL_WIDTH * 4);
+            _tile_stored(1, dst + 16, PANEL_WIDTH * 4);
+            _tile_stored(2, dst + 32, PANEL_WIDTH * 4);
+            if (c1 == chunks) amx_store(sums, m0 + t * AMX_ROWS, end, y, n, col, width, b);
+        }
+    }
+}
+
+/* y [rows, n] = x [rows, k] W^T + bias on AMX_PANELS weights, in row chunks of about AMX_CHUNK_BYTES of x (a
+ * last row tile of fewer than 16 rows through a zero-padded copy); 0, or 1 without scratch memory (y is then
+ * not written). */
+static int linear_amx(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
+                      bf16 *y) {
+    const int64_t full = rows / AMX_ROWS * AMX_ROWS, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS;
+    int64_t chunk_tiles = AMX_CHUNK_BYTES / (2 * k * AMX_ROWS);
+    if (chunk_tiles < 1) chunk_tiles = 1;
+    const int64_t chunk = chunk_tiles * AMX_ROWS;
+    bf16 *tail = malloc(sizeof(bf16) * AMX_ROWS * k);
+    const bf16 **a = malloc(sizeof(bf16 *) * tiles);
+    if (tail == NULL || a == NULL) {
+        free(tail);
+        free(a);
+        return 1;
+    }
+    memset(tail, 0, sizeof(bf16) * AMX_ROWS * k);
+    memcpy(tail, x + full * k, sizeof(bf16) * (rows - full) * k);
+    for (int64_t t = 0; t < tiles; t++) a[t] = t * AMX_ROWS < full ? x + t * AMX_ROWS * k : tail;
+    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    int failed = 0;
+#pragma omp parallel if (n * k > PAR_MIN_WORK) reduction(| : failed)
+    {
+        float *part = malloc(sizeof(float) * (rows < chunk ? tiles * AMX_ROWS : chunk) * PANEL_WIDTH);
+        failed = part == NULL;
+        if (!failed) amx_configure();
+        for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+            const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                if (part == NULL) continue;
+                const char *panel = (const char *)packed + p * k * PANEL_WIDTH * 2;
+                const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
+                amx_panel(a + m0 / AMX_ROWS, m0, end, panel, k, y, n, col, width, bias, part);
+            }
+        }
+        if (!failed) _tile_release();
+        free(part);
+    }
+    free(tail);
+    free(a);
+    return failed;
+}
+#endif
+
 /* A chunk of at least PANEL_BLOCK_TILES row tiles (compute-bound: the weights are read from cache, not memory)
  * walks each panel in slices of PANEL_KC k-steps, every tile of the chunk in turn on one slice, so that the slice
  * stays in L1 (fp32: 24 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
@@ -1322,10 +1486,23 @@ void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, 
 #endif
 }
 
+/* Whether bf16 linears with k a multiple of 32 run on AMX tiles here (the library built for a CPU with AMX, and
+ * the kernel allowing the process its tile state). */
+int amx_linears(void) {
+#if HAVE_AMX
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
+
 /* The same for bf16: x [rows, k] bf16 (rows contiguous), W packed by pack_bf16_linear, bias NULL or [n] bf16,
  * y [rows, n] bf16; each output's fp32 sum is rounded to bf16 once. Returns 0, or 1 if the scratch for x's
  * widened rows (a chunk of them at a time) could not be allocated (y is then not written). */
 int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias, bf16 *y) {
+#if HAVE_AMX
+    if (AMX_PANELS(k, 2)) return rows > 0 ? linear_amx(x, rows, packed, n, k, bias, y) : 0;
+#endif
 #if HAVE_PANELS
     if (rows > 0) return linear_panels(x, k, rows, packed, n, k, bias, y, 1);
 #else
