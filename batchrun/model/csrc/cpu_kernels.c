@@ -13,7 +13,9 @@
  * runs inside one must be entered through a function per dtype, as paged_attention does, for the flag to be
  * a constant there). On CPUs with AVX512_BF16 (the library is built with
  * -march=native for the CPU it runs on, keyed by its flags) the q.K dot products of bf16 attention use
- * vdpbf16ps and the stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. Layouts:
+ * vdpbf16ps and the stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. On CPUs with AMX,
+ * bf16 attention and the bf16 linears of up to AMX_SMALL_ROWS rows run on AMX tiles (amx_attend_head,
+ * amx_panel). Layouts:
  *   KV pool of one layer: K [num_blocks, block_size, num_kv_heads, head_dim], V the same.
  *   q / k / v rows: token-major with a row stride (they are views into the fused qkv projection). */
 #define _GNU_SOURCE /* syscall() */
@@ -48,6 +50,23 @@ static int amx_allowed(void) {
     static int state = 0; /* 1 granted, -1 refused */
     if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
     return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tmm0-2: the C tiles of one row tile, tmm3: its A tile (16 rows x 32 k), tmm4-6: the panel's B tiles. */
+static void amx_configure(void) {
+    TileConfig c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
 }
 #else
 #define HAVE_AMX 0
@@ -207,10 +226,10 @@ ALWAYS vf exp_v(vf x) {
 }
 
 /* exp of up to VW floats (a loop tail): padded through a vector. */
-static inline void exp_tail(const float *x, float *out, int64_t k, float shift) {
+static inline void exp_tail(const float *x, float *out, int64_t k, float shift, float scale) {
     float buf[VW] = {0};
     memcpy(buf, x, sizeof(float) * k);
-    const vf e = exp_v(vload(buf) - shift);
+    const vf e = exp_v((vload(buf) - shift) * scale);
     memcpy(buf, &e, sizeof buf);
     memcpy(out, buf, sizeof(float) * k);
 }
@@ -472,9 +491,11 @@ static float softmax_numerators8(float *x, int64_t n) {
 }
 #endif
 
-/* x[t] = exp(x[t] - max x) in place for t < n (n >= 1); returns their sum, taken in a fixed order. */
-static float softmax_numerators(float *x, int64_t n) {
+/* x[t] = exp(scale * (x[t] - max x)) in place for t < n (n >= 1); returns their sum, taken in a fixed order.
+ * (Scores come scaled, scale 1, except from amx_attend_head.) */
+static float softmax_numerators(float *x, int64_t n, float scale) {
 #if HAVE_AVX2_ATTENTION
+    (void)scale; /* always 1 here: amx_attend_head needs AVX-512 */
     return softmax_numerators8(x, n);
 #endif
     vf mv = vsplat(-INFINITY);
@@ -488,11 +509,11 @@ static float softmax_numerators(float *x, int64_t n) {
     for (; t < n; t++) m = x[t] > m ? x[t] : m;
     vf acc = {0};
     for (t = 0; t + VW <= n; t += VW) {
-        const vf e = exp_v(vload(x + t) - m);
+        const vf e = exp_v((vload(x + t) - m) * scale);
         vstore(x + t, e);
         acc += e;
     }
-    if (t < n) exp_tail(x + t, x + t, n - t, m);
+    if (t < n) exp_tail(x + t, x + t, n - t, m, scale);
     for (; t < n; t++) sum += x[t];
     return sum + hsum(acc);
 }
@@ -611,6 +632,7 @@ static int by_cost_descending(const void *a, const void *b) {
 typedef struct {
     float *sc, *acc, *inv;
     int64_t *off, *next_off;
+    void *amx; /* amx_attend_head's buffers (AMX_ATTENTION only) */
 } Scratch;
 
 /* The fetch cursor of a task's keys, its first chunk to come, with the task's key offsets written to off. */
@@ -649,7 +671,7 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
     for (int64_t r = 0; r < rows; r++) {
         const int64_t n = row_len[first + r];
         for (int64_t j = h0 * g; j < h1 * g; j++) {
-            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(s.sc + (r * hq + j) * cap, n) : 0.0f;
+            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(s.sc + (r * hq + j) * cap, n, 1.0f) : 0.0f;
             memset(s.acc + (r * hq + j) * d, 0, sizeof(float) * d);
         }
     }
@@ -682,6 +704,159 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
     }
 }
 
+#if HAVE_AMX
+/* bf16 attention on AMX tiles, for every query row of a call alike (decode and prefill), where head_dim is a
+ * multiple of 32. The vector kernel above spends two thirds of its
+ * time reducing each (query, key) dot product across a vector, and as much again on p.V multiply-adds; here a
+ * (row, query head) lane of a kv head's GQA group is a row of a 16-lane tile, and one tile product gives 16 lanes
+ * x 16 keys of scores over 32 dims, or 16 lanes x 16 dims of p.V over 32 keys:
+ *   scores: A = the lanes' queries (16 x 32 dims), B = 16 keys' K with their pairs of dims key-interleaved
+ *           (vdpbf16ps's pair layout; a 16 x 16 transpose of K's 32-bit pairs per key group and kv head);
+ *   softmax: over each lane's keys [0, n), in fp32, as the vector kernel's (softmax_numerators);
+ *   p.V:    A = the lanes' p (16 x 32 keys, zero past n) as two bf16 terms, p's rounding and the rest (so that
+ *           p keeps 16 bits: rounded to bf16 alone, the outputs drifted past 1.5 bf16 ulps of the fp32
+ *           reference in tests/test_cpu_attention.py), B = V with pairs of keys interleaved.
+ * Each lane's sums are chains of tile products over 32 dims, then 32 keys, in order from key 0: a function of
+ * the lane's own query, keys and values, whatever rows share the tiles (keys past a row's length add p = 0 exactly),
+ * so a row's output does not depend on its batch here either. The sums and the softmax are fp32. */
+#define AMX_ATTENTION(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 512 && amx_allowed())
+
+typedef struct {
+    bf16 *qa, *kt, *pb, *vb; /* lanes' queries [lanes][d]; one key group's K [d / 2][16][2]; p's two terms
+                                [2][lanes][cap32]; V [cap32 / 2][d][2] */
+    float *ob;               /* one lane tile's p.V sums [16][d] */
+} AmxBuffers;
+
+/* The lanes x key-pair layout of 16 keys' K: rows[i] holds key i's pairs (32-bit) [16c, 16c + 16); out row j
+ * gets pair 16c + j of the 16 keys. */
+static inline void transpose16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit lanes: [r0 r4 r8 r12] -> rows */
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* One kv head h of a tile: lanes (r, j) for r < rows, j < g, lane r * g + j. sc: [16 * g][cap] fp32 scores,
+ * inv: the lanes' 1 / sums. `f` fetches the task's K/V ahead, `next` the next task's first chunk. */
+static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t q_stride, const bf16 *k,
+                            const bf16 *v, const int32_t *row_len, bf16 *out, int64_t hq, int64_t g, int64_t cap,
+                            float scale, const int64_t *off, float *sc, float *inv, AmxBuffers b,
+                            Fetch *f, Fetch *next, int64_t d) {
+    const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, lanes = rows * g;
+    const int64_t lane_tiles = (lanes + 15) / 16, cap32 = (cap + 31) / 32 * 32, key_chunks = (max_len + 31) / 32;
+    /* (the padding lanes of the last lane tile keep whatever they hold: their sums are never read) */
+    for (int64_t l = 0; l < lanes; l++) memcpy(b.qa + l * d, q + (first + l / g) * q_stride + (h * g + l % g) * d, 2 * d);
+    /* scores */
+    for (int64_t t0 = 0; t0 < max_len; t0 += 16) {
+        const int64_t m = max_len - t0 < 16 ? max_len - t0 : 16; /* keys past the tile's are zeros */
+        for (int64_t c = 0; c < d / 32; c++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                if (c == 0) fetch_lines(f, f->lines); /* a key's lines at a time: a burst stalls on the fill buffers */
+                r[i] = i < m ? _mm512_loadu_si512(k + off[t0 + i] + h * d + 32 * c) : _mm512_setzero_si512();
+            }
+            transpose16x16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(b.kt + (16 * c + i) * 32, r[i]);
+        }
+        for (int64_t mt = 0; mt < lane_tiles; mt++) {
+            _tile_zero(0);
+            for (int64_t c = 0; c < d / 32; c++) {
+                _tile_loadd(1, b.qa + mt * 16 * d + 32 * c, d * 2);
+                _tile_loadd(2, b.kt + c * 16 * 32, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, sc + mt * 16 * cap + t0, cap * 4);
+        }
+    }
+    /* softmax, and p in bf16 (zero past each lane's keys) */
+    for (int64_t l = 0; l < lanes; l++) {
+        const int64_t n = row_len[first + l / g];
+        float *x = sc + l * cap;
+        inv[l] = n > 0 ? 1.0f / softmax_numerators(x, n, scale) : 0.0f;
+        for (int64_t t = 0; t < key_chunks * 32; t += 16) {
+            const int64_t m = n - t < 0 ? 0 : n - t < 16 ? n - t : 16;
+            const vf p = m > 0 ? (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << m) - 1), x + t) : (vf){0};
+            vstore_bf16(b.pb + l * cap32 + t, p);
+            vstore_bf16(b.pb + (lane_tiles * 16 + l) * cap32 + t, p - vload_bf16(b.pb + l * cap32 + t));
+        }
+    }
+    /* V with pairs of keys interleaved (zero past the tile's keys) */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t t = 0; t < key_chunks * 32; t += 2) {
+        fetch_lines(next, 1);
+        bf16 *dst = b.vb + t * d;
+        const bf16 *v0 = t < max_len ? v + off[t] + h * d : NULL, *v1 = t + 1 < max_len ? v + off[t + 1] + h * d : NULL;
+        for (int64_t e = 0; e < d; e += 32) {
+            const __m512i a = v0 != NULL ? _mm512_loadu_si512(v0 + e) : _mm512_setzero_si512();
+            const __m512i c = v1 != NULL ? _mm512_loadu_si512(v1 + e) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(a, lo, c));
+            _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, c));
+        }
+    }
+    /* p.V, 64 dims (four C tiles) at a time, and the outputs */
+    for (int64_t mt = 0; mt < lane_tiles; mt++) {
+        for (int64_t e0 = 0; e0 < d; e0 += 64) {
+            const int64_t nc = (d - e0) / 16 < 4 ? (d - e0) / 16 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kc = 0; kc < key_chunks; kc++) {
+                const bf16 *vbc = b.vb + kc * 32 * d + 2 * e0; /* pair rows d * 4 bytes apart */
+                _tile_loadd(4, b.pb + mt * 16 * cap32 + 32 * kc, cap32 * 2);
+                _tile_loadd(6, b.pb + (lane_tiles + mt) * 16 * cap32 + 32 * kc, cap32 * 2);
+                _tile_loadd(5, vbc, d * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(0, 6, 5);
+                _tile_loadd(5, vbc + 32, d * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_dpbf16ps(1, 6, 5);
+                if (nc > 2) {
+                    _tile_loadd(5, vbc + 64, d * 4);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_dpbf16ps(2, 6, 5);
+                    _tile_loadd(5, vbc + 96, d * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_dpbf16ps(3, 6, 5);
+                }
+            }
+            _tile_stored(0, b.ob + e0, d * 4);
+            _tile_stored(1, b.ob + e0 + 16, d * 4);
+            if (nc > 2) {
+                _tile_stored(2, b.ob + e0 + 32, d * 4);
+                _tile_stored(3, b.ob + e0 + 48, d * 4);
+            }
+        }
+        for (int64_t l = mt * 16; l < lanes && l < mt * 16 + 16; l++) {
+            bf16 *o = out + ((first + l / g) * hq + h * g + l % g) * d;
+            const vf s = vsplat(inv[l]);
+            for (int64_t e = 0; e < d; e += 16) vstore_bf16(o + e, vload(b.ob + (l - mt * 16) * d + e) * s);
+        }
+    }
+}
+#endif
+
 /* The arguments every task of one call shares. */
 typedef struct {
     const void *q, *k, *v;
@@ -689,12 +864,22 @@ typedef struct {
     void *out;
     int64_t q_stride, hq, g, cap, d;
     float scale;
+    int amx; /* AMX_ATTENTION */
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
  * passed through it would stay a run-time value in the hot loops; these two functions fix it again. */
 ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                         Fetch *next, const int bf) {
+#if HAVE_AMX
+    if (bf && c->amx) {
+        own.end = tile->max_len; /* fetched key group by key group, all of it */
+        for (int64_t h = h0; h < h1; h++)
+            amx_attend_head(tile, h, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
+                            s.off, s.sc, s.inv, *(AmxBuffers *)s.amx, &own, next, c->d);
+        return;
+    }
+#endif
     if (c->d == 64)
         attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
                     own, next, 64, bf);
@@ -740,7 +925,12 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     /* largest first, so that the dynamic schedule ends on small tasks (the order changes no result) */
     qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
     cap = (cap + VW - 1) / VW * VW;
-    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale};
+#if HAVE_AMX
+    const int amx = AMX_ATTENTION(d, bf);
+#else
+    const int amx = 0;
+#endif
+    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
@@ -751,8 +941,26 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
 #pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
     {
         Scratch s = {malloc(sizeof(float) * (lanes * cap + lanes * d + lanes)), NULL, NULL,
-                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), malloc(sizeof(int64_t) * (cap > 0 ? cap : 1))};
+                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), NULL};
         failed = s.sc == NULL || s.off == NULL || s.next_off == NULL;
+#if HAVE_AMX
+        AmxBuffers amx_buffers = {0};
+        if (amx && !failed) { /* lanes of one kv head: TILE_ROWS * g, a multiple of 16 */
+            const int64_t cap32 = (cap + 31) / 32 * 32, head_lanes = TILE_ROWS * g;
+            bf16 *buf = malloc(sizeof(bf16) * (head_lanes * d + 16 * d + 2 * head_lanes * cap32 + cap32 * d));
+            float *ob = malloc(sizeof(float) * 16 * d);
+            if (buf == NULL || ob == NULL) {
+                free(buf);
+                free(ob);
+                failed = 1;
+            } else {
+                amx_buffers = (AmxBuffers){buf, buf + head_lanes * d, buf + head_lanes * d + 16 * d,
+                                           buf + head_lanes * d + 16 * d + 2 * head_lanes * cap32, ob};
+                s.amx = &amx_buffers;
+                amx_configure();
+            }
+        }
+#endif
         int64_t task = num_tasks;
         if (!failed) {
             s.acc = s.sc + lanes * cap;
@@ -792,6 +1000,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
         free(s.sc);
         free(s.off);
         free(s.next_off);
+#if HAVE_AMX
+        if (s.amx != NULL) {
+            _tile_release();
+            free(amx_buffers.qa);
+            free(amx_buffers.ob);
+        }
+#endif
     }
     free(tiles);
     return failed;
@@ -899,7 +1114,7 @@ ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int
         if (i < inter) {
             float neg[VW], e[VW];
             for (int64_t j = 0; i + j < inter; j++) neg[j] = -ld1(g, i + j, bf);
-            exp_tail(neg, e, inter - i, 0.0f);
+            exp_tail(neg, e, inter - i, 0.0f, 1.0f);
             for (int64_t j = 0; i + j < inter; j++)
                 st1(o, i + j, rnd1(ld1(g, i + j, bf) / (1.0f + e[j]), bf) * ld1(u, i + j, bf), bf);
         }
@@ -1275,23 +1490,6 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
 #define AMX_K 32
 #define AMX_KB 8                        /* chunks of a k block: 24 KiB of the panel */
 #define AMX_CHUNK_BYTES (256 * 1024)    /* the rows of x a row chunk holds (they stay in L2) */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* tmm0-2: the C tiles of one row tile, tmm3: its A tile (16 rows x 32 k), tmm4-6: the panel's B tiles. */
-static void amx_configure(void) {
-    TileConfig c = {0};
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* Rows [r0, r0 + 16) of y, panel columns [col, col + width), from the fp32 sums (16 x PANEL_WIDTH) plus b. */
 static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int64_t n, int64_t col, int64_t width,
