@@ -45,10 +45,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 /* Linux hands out AMX's tile state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
- * oneDNN asks too, and asking again is harmless. */
+ * oneDNN asks too, and asking again is harmless. BATCHRUN_AMX=0 keeps the kernels off AMX (the AVX-512 paths,
+ * as on a CPU without it). First asked outside any parallel region (packing a linear, or paged_attention). */
 static int amx_allowed(void) {
-    static int state = 0; /* 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    static int state = 0; /* 1 granted, -1 refused or turned off */
+    if (state == 0) {
+        const char *env = getenv("BATCHRUN_AMX");
+        state = (env == NULL || strcmp(env, "0") != 0) && syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    }
     return state > 0;
 }
 
@@ -1308,7 +1312,11 @@ ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
 int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
 
 /* bf16 weights on CPUs with AMX, k a multiple of its tiles' 32: pairs of k-steps interleaved (see amx_panel). */
-#define AMX_PANELS(k, es) (HAVE_AMX && (es) == 2 && (k) % 32 == 0 && amx_allowed())
+#if HAVE_AMX
+#define AMX_PANELS(k, es) ((es) == 2 && (k) % 32 == 0 && amx_allowed())
+#else
+#define AMX_PANELS(k, es) 0
+#endif
 
 /* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
  * elements of `es` bytes (4: fp32, 2: bf16); with AMX_PANELS, packed[p][i / 2][j][i % 2] instead (the same size). */
