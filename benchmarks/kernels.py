@@ -9,7 +9,8 @@ or the older `paged_decode` for decode cases) is built and timed beside the curr
 and interleaved, so that a busy machine slows both alike.
 Each figure is the best of --repeats rounds; with --threads 1 the clock is this thread's CPU time (what a
 busy machine's other processes take is not counted), else the wall clock. The shapes default to SmolLM2-135M's (9 query heads, 3 kv
-heads, head_dim 64).
+heads, head_dim 64). The kernel runs as a bf16 engine's default does: on a CPU with AMX, prefill tiles on AMX and
+decode rows on the vector kernel (cpu_kernels.AMX_PREFILL_LANES).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import AMX_PREFILL_LANES
 from benchmarks.cli_args import parser
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -52,8 +54,9 @@ def revision_source(ref: str) -> bytes:
 
 def _baseline(ref: str) -> ctypes.CDLL | None:
     src = revision_source(ref)
-    if b"int paged_attention(" in src:
-        return cpu_kernels.build(src, {"paged_attention": cpu_kernels._SIGNATURES["paged_attention"]})
+    if b"int paged_attention(" in src:  # (without the amx_lanes argument before 2026-12-02)
+        signature = cpu_kernels._SIGNATURES["paged_attention"][: None if b"amx_lanes" in src else -1]
+        return cpu_kernels.build(src, {"paged_attention": signature})
     if b"int paged_decode(" not in src:
         print(f"{ref}: its {_SRC} has neither paged_attention nor paged_decode; no baseline")
         return None
@@ -69,7 +72,8 @@ def _old_attention(old: ctypes.CDLL, q, kv, tables, rows, lens, scale, out) -> N
     k_ptr = kv.data_ptr()
     old.paged_attention(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv.stride(0) * kv.element_size(), tables.data_ptr(),
                         tables.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), n, hq, kv.shape[3], d,
-                        kv.shape[2], scale, int(q.dtype == torch.bfloat16))
+                        kv.shape[2], scale, int(q.dtype == torch.bfloat16),
+                        *([AMX_PREFILL_LANES] if len(old.paged_attention.argtypes) == 17 else []))
 
 
 def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):
@@ -90,7 +94,7 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, args, old: ctypes.C
     scale = d**-0.5
 
     def new():
-        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out)
+        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
 
     def base():
         if hasattr(old, "paged_attention"):
@@ -132,7 +136,7 @@ def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args, old: c
     scale = d**-0.5
 
     def new():
-        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out)
+        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
 
     def sdpa():
         for i in range(num_prompts):

@@ -20,7 +20,9 @@ from batchrun.model.attention import AttentionMetadata, TorchBackend
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
 BF = torch.bfloat16
-KERNEL = TorchBackend(cpu_kernels=True)
+KERNEL = TorchBackend(cpu_kernels=True)  # batch invariant: on a CPU with AMX, every bf16 row on AMX tiles
+# bf16's default (not batch invariant): on a CPU with AMX, prefill tiles on AMX, decode rows on the vector kernel
+PREFILL_AMX = TorchBackend(cpu_kernels=True, batch_invariant=False)
 # bf16 not run batch invariant: prefill rows to SDPA, decode rows to the kernel (backends.select_backend)
 SPLIT = TorchBackend(cpu_kernels=True, sdpa_prefill=True)
 REFERENCE = TorchBackend(cpu_kernels=False)
@@ -143,7 +145,7 @@ def close_bf16(got: torch.Tensor, ref: torch.Tensor, ulps: float = 1.5) -> bool:
     return bool((err <= ulps * 2.0**-8 * (ref.float().abs() + 0.05)).all())
 
 
-@pytest.mark.parametrize("backend", [KERNEL, SPLIT], ids=["kernel", "sdpa-prefill"])
+@pytest.mark.parametrize("backend", [KERNEL, PREFILL_AMX, SPLIT], ids=["kernel", "kernel-prefill-amx", "sdpa-prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 64, 8), (8, 2, 128, 8), (4, 4, 128, 16),
                                          (6, 2, 80, 16), (4, 2, 40, 8)])
@@ -169,7 +171,7 @@ def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
     for (_s, a, b), x, y in zip(seqs, got, ref):
         assert x.dtype == dtype and x.shape == (b - a, hq, d)
         if dtype == BF:
-            if backend is KERNEL or a == b - 1:  # the kernel's rows (a decode row is the kernel's on both)
+            if backend is not SPLIT or a == b - 1:  # the kernel's rows (a decode row is the kernel's on all)
                 assert close_bf16(x, y), (a, b, (x.float() - y).abs().max())
             else:  # SDPA's bf16 path rounds its probabilities to bf16 before P.V: its own accuracy, not ours
                 assert torch.allclose(x.float(), y, atol=1e-2, rtol=2e-2), (a, b, (x.float() - y).abs().max())
@@ -178,7 +180,8 @@ def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
 
 
 def test_the_backend_choice_keeps_every_row_on_the_kernel():
-    """Every dtype and mode sends prefill rows to the kernel too (SDPA was slower for them inside the engine)."""
+    """Every dtype and mode sends prefill rows to the kernel too (SDPA was slower for them inside the engine), and
+    only the batch-invariant mode keeps decode rows on AMX."""
     from batchrun.model import cpu_kernels
     from batchrun.model.backends import select_backend
 
@@ -187,3 +190,5 @@ def test_the_backend_choice_keeps_every_row_on_the_kernel():
         for invariant in (False, True):
             backend = select_backend("torch", cpu, dtype, batch_invariant=invariant)
             assert backend.cpu_kernels == cpu_kernels.available() and not backend.sdpa_prefill
+            # AMX (bf16, where the CPU has it): every row when invariant, else prefill tiles only
+            assert backend.amx_lanes == (1 if invariant else cpu_kernels.AMX_PREFILL_LANES)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import AMX_PREFILL_LANES
 
 
 @dataclass
@@ -120,18 +121,22 @@ class TorchBackend(AttentionBackend):
     a chunk of one, after a prefix-cache hit or as a decode, next to any other rows (issue 14).
 
     `sdpa_prefill` (not chosen by backends.select_backend; kept for comparison): the prefill rows go to SDPA
-    and only the decode and draft-checking rows to the C kernel. Measured alone, SDPA's bf16 path is the faster
-    one (benchmarks.kernels, one thread: the kernel took 1.37x SDPA's time for 64 prompts of 96 tokens), but
-    inside the engine it is not: in four 4096-token bf16 SmolLM2 prefill steps, attention took 233-446 ms on
-    the kernel against 427-513 ms on SDPA (paired runs, 2026-12-01). Its result for a row also depends on
+    and only the decode and draft-checking rows to the C kernel. Measured alone, SDPA's bf16 path was the faster
+    one before the kernel's AMX path (benchmarks.kernels, one thread: the kernel took 1.37x SDPA's time for 64
+    prompts of 96 tokens), but inside the engine it was not: in four 4096-token bf16 SmolLM2 prefill steps,
+    attention took 233-446 ms on the kernel against 427-513 ms on SDPA (paired runs, 2026-12-01). On AMX the
+    kernel takes 0.77x SDPA's time for 4 prompts of 128 tokens, 1.02x at 2 x 512 and 1.49x at 1 x 2048
+    (`python -m benchmarks.kernels --block-size 8`, 2 threads, 2026-12-02). Its result for a row also depends on
     how the prompt is split.
     """
 
     name = "torch"
 
-    def __init__(self, cpu_kernels: bool = False, sdpa_prefill: bool = False) -> None:
+    def __init__(self, cpu_kernels: bool = False, sdpa_prefill: bool = False, batch_invariant: bool = True) -> None:
         self.cpu_kernels = cpu_kernels
         self.sdpa_prefill = sdpa_prefill and cpu_kernels
+        # bf16 on AMX: every row there when batch invariant, else only prefill tiles (cpu_kernels.paged_attention)
+        self.amx_lanes = 1 if batch_invariant else AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         if self.cpu_kernels:
@@ -157,12 +162,13 @@ class TorchBackend(AttentionBackend):
         sdpa_rows = self.sdpa_prefill and short < meta.num_seqs
         kernel_rows = sum(meta.query_lens_host[:short]) if sdpa_rows else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
-            return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale)
+            return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
+                                               amx_lanes=self.amx_lanes)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
         out = torch.empty_like(q) if sdpa_rows else torch.zeros(q.shape, dtype=q.dtype)
         if kernel_rows:
             cpu_kernels.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
-                                        row_len[:kernel_rows], scale, out=out[:kernel_rows])
+                                        row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes)
         if sdpa_rows:
             self._prefill(q, k, v, kv_cache, meta, scale, out, first=short)
         return out

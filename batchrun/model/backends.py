@@ -40,7 +40,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         kernels = uses_cpu_kernels(device, dtype)
-        return TorchBackend(cpu_kernels=kernels)
+        return TorchBackend(cpu_kernels=kernels, batch_invariant=batch_invariant)
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

@@ -36,7 +36,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fop
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # the last int of each is the dtype flag: 0 fp32, 1 bf16 (store_kv: the element size)
-    "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B],
+    "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I],
     "store_kv": [_P, _P, _I, _P, _I, _I, _P, _P, _I],
     "rms_norm": [_P, _P, _P, _P, _I, _I, _F, _B, _B, _B],
     "silu_mul": [_P, _P, _I, _I, _B],
@@ -120,8 +120,14 @@ def _bf(x: torch.Tensor) -> int:
     return int(x.dtype == torch.bfloat16)
 
 
+# The fewest lanes (a tile's rows x query heads per kv head) for which bf16 attention goes to AMX outside the
+# batch-invariant mode: prefill chunks, not decode rows (cpu_kernels.c, amx_attend_head, has the measurements).
+AMX_PREFILL_LANES = 16
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
-                    row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                    amx_lanes: int = 1) -> torch.Tensor:
     """Paged attention for any mix of decode and prefill / extend query rows, in one call.
 
     q [N, Hq, D] (rows may be strided, e.g. a view of the fused qkv projection); kv_cache [2, NB, BS, Hkv, D]
@@ -129,7 +135,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     row]; row_seq int32 [N]: each row's sequence (its block-table row); row_len int32 [N]: each row attends to
     keys [0, row_len) of its sequence (a decode row: the context length; a prefill row at position p: p + 1).
     Rows of one sequence should be consecutive (they share K/V loads). Returns out [N, Hq, D].
-    A row's result depends on that row's query, keys and values only, bit for bit (batch invariance)."""
+    A row's result depends on that row's query, keys and values only, bit for bit (batch invariance), unless
+    amx_lanes > 1: bf16 tiles of at least that many lanes (rows x query heads per kv head: prefill chunks) then go
+    to AMX where the CPU has it, the others (decode rows) to the vector kernel; 0 keeps all on the vector kernel,
+    1 (the default) puts all on AMX where it runs."""
     n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -141,7 +150,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
     if _library().paged_attention(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
                                   row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
-                                  _bf(q)):
+                                  _bf(q), amx_lanes):
         raise MemoryError("paged attention: no memory for the score buffers")
     return out
 

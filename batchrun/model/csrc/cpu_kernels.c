@@ -722,7 +722,12 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
  *           reference in tests/test_cpu_attention.py), B = V with pairs of keys interleaved.
  * Each lane's sums are chains of tile products over 32 dims, then 32 keys, in order from key 0: a function of
  * the lane's own query, keys and values, whatever rows share the tiles (keys past a row's length add p = 0 exactly),
- * so a row's output does not depend on its batch here either. The sums and the softmax are fp32. */
+ * so a row's output does not depend on its batch here either. The sums and the softmax are fp32.
+ * A tile of few lanes (a decode row: g lanes, or 2g with a draft) leaves most of each tile product unused and
+ * still pays K's transposes: in `python -m benchmarks.phases` (bf16 SmolLM2, no drafts), a decode step of 64
+ * sequences took 60.9-61.8 ms with every row on AMX against 51.4-56.3 ms on the vector kernel, while prefill
+ * rows ran 1.7-2.2x the vector kernel's speed (benchmarks.kernels). So outside the batch-invariant mode only
+ * tiles of at least 16 lanes (prefill chunks) come here (paged_attention's amx_lanes). */
 #define AMX_ATTENTION(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 512 && amx_allowed())
 
 typedef struct {
@@ -868,7 +873,8 @@ typedef struct {
     void *out;
     int64_t q_stride, hq, g, cap, d;
     float scale;
-    int amx; /* AMX_ATTENTION */
+    int amx;           /* AMX_ATTENTION, and asked for */
+    int64_t amx_lanes; /* the fewest lanes (rows x query heads of a kv head) a tile takes to AMX */
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
@@ -876,7 +882,7 @@ typedef struct {
 ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                         Fetch *next, const int bf) {
 #if HAVE_AMX
-    if (bf && c->amx) {
+    if (bf && c->amx && tile->rows * c->g >= c->amx_lanes) {
         own.end = tile->max_len; /* fetched key group by key group, all of it */
         for (int64_t h = h0; h < h1; h++)
             amx_attend_head(tile, h, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
@@ -908,10 +914,13 @@ static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h
  * the context) and prefill / extend rows (row_len = the row's position + 1) alike. q rows are q_stride
  * elements apart; out is contiguous [num_rows, hq, d]; q, K/V and out are fp32, or bf16 when bf. The rows of
  * one sequence should be consecutive (they then share K/V loads). row_len[i] >= 1 (a row with 0 gets zeros).
+ * amx_lanes > 0: bf16 tiles of at least that many lanes (rows x g) go to AMX where AMX_ATTENTION (1: every
+ * row, batch invariant; more: prefill tiles only, a row's bits then depending on whether it came in one);
+ * 0: none.
  * Returns 0, or 1 if scratch memory could not be allocated (out is then incomplete). */
 int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                     int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf) {
+                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes) {
     const int64_t g = hq / hkv;
     Tile *tiles = malloc(sizeof(Tile) * (num_rows > 0 ? num_rows : 1));
     if (tiles == NULL) return 1;
@@ -930,11 +939,11 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
     cap = (cap + VW - 1) / VW * VW;
 #if HAVE_AMX
-    const int amx = AMX_ATTENTION(d, bf);
+    const int amx = amx_lanes > 0 && AMX_ATTENTION(d, bf);
 #else
     const int amx = 0;
 #endif
-    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx};
+    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx, amx_lanes};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
