@@ -73,7 +73,9 @@ def _old_attention(old: ctypes.CDLL, q, kv, tables, rows, lens, scale, out) -> N
     old.paged_attention(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv.stride(0) * kv.element_size(), tables.data_ptr(),
                         tables.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), n, hq, kv.shape[3], d,
                         kv.shape[2], scale, int(q.dtype == torch.bfloat16),
-                        *([AMX_PREFILL_LANES] if len(old.paged_attention.argtypes) == 17 else []))
+                        *([AMX_PREFILL_LANES]
+                          if len(old.paged_attention.argtypes) == len(cpu_kernels._SIGNATURES["paged_attention"])
+                          else []))
 
 
 def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):

@@ -125,9 +125,9 @@ class TorchBackend(AttentionBackend):
     one before the kernel's AMX path (benchmarks.kernels, one thread: the kernel took 1.37x SDPA's time for 64
     prompts of 96 tokens), but inside the engine it was not: in four 4096-token bf16 SmolLM2 prefill steps,
     attention took 233-446 ms on the kernel against 427-513 ms on SDPA (paired runs, 2026-12-01). On AMX the
-    kernel takes 0.77x SDPA's time for 4 prompts of 128 tokens, 1.02x at 2 x 512 and 1.49x at 1 x 2048
-    (`python -m benchmarks.kernels --block-size 8`, 2 threads, 2026-12-02). Its result for a row also depends on
-    how the prompt is split.
+    kernel takes 0.73x SDPA's time for 4 prompts of 128 tokens, 1.10x at 2 x 512 and 1.58x at 1 x 2048
+    (`python -m benchmarks.kernels --dtypes bfloat16 --block-size 8`, 2 threads, 2026-12-02 16:37). Its result
+    for a row also depends on how the prompt is split.
     """
 
     name = "torch"

@@ -62,7 +62,8 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* tmm0-2: the C tiles of one row tile, tmm3: its A tile (16 rows x 32 k), tmm4-6: the panel's B tiles. */
+/* tmm0-6, each 16 rows x 64 bytes: what amx_panel (C tiles 0-2, A 3, B 4-6) and amx_attend_head (scores: C 0,
+ * A 1, B 2; p.V: C 0-3, A 4 and 6, B 5) use. */
 static void amx_configure(void) {
     TileConfig c = {0};
     c.palette = 1;
@@ -709,8 +710,8 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
 }
 
 #if HAVE_AMX
-/* bf16 attention on AMX tiles, for every query row of a call alike (decode and prefill), where head_dim is a
- * multiple of 32. The vector kernel above spends two thirds of its
+/* bf16 attention on AMX tiles, where head_dim is a multiple of 32 (which tiles come here: see the end of this
+ * comment). The vector kernel above spends two thirds of its
  * time reducing each (query, key) dot product across a vector, and as much again on p.V multiply-adds; here a
  * (row, query head) lane of a kv head's GQA group is a row of a 16-lane tile, and one tile product gives 16 lanes
  * x 16 keys of scores over 32 dims, or 16 lanes x 16 dims of p.V over 32 keys:
@@ -873,8 +874,7 @@ typedef struct {
     void *out;
     int64_t q_stride, hq, g, cap, d;
     float scale;
-    int amx;           /* AMX_ATTENTION, and asked for */
-    int64_t amx_lanes; /* the fewest lanes (rows x query heads of a kv head) a tile takes to AMX */
+    int64_t amx_lanes; /* the fewest lanes (rows x query heads of a kv head) a tile takes to AMX; 0: none */
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
@@ -882,7 +882,7 @@ typedef struct {
 ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                         Fetch *next, const int bf) {
 #if HAVE_AMX
-    if (bf && c->amx && tile->rows * c->g >= c->amx_lanes) {
+    if (bf && c->amx_lanes > 0 && tile->rows * c->g >= c->amx_lanes) {
         own.end = tile->max_len; /* fetched key group by key group, all of it */
         for (int64_t h = h0; h < h1; h++)
             amx_attend_head(tile, h, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
@@ -939,11 +939,11 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
     cap = (cap + VW - 1) / VW * VW;
 #if HAVE_AMX
-    const int amx = amx_lanes > 0 && AMX_ATTENTION(d, bf);
+    if (!AMX_ATTENTION(d, bf)) amx_lanes = 0;
 #else
-    const int amx = 0;
+    amx_lanes = 0;
 #endif
-    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx, amx_lanes};
+    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx_lanes};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
@@ -958,7 +958,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
         failed = s.sc == NULL || s.off == NULL || s.next_off == NULL;
 #if HAVE_AMX
         AmxBuffers amx_buffers = {0};
-        if (amx && !failed) { /* lanes of one kv head: TILE_ROWS * g, a multiple of 16 */
+        if (amx_lanes > 0 && !failed) { /* lanes of one kv head: TILE_ROWS * g, a multiple of 16 */
             const int64_t cap32 = (cap + 31) / 32 * 32, head_lanes = TILE_ROWS * g;
             bf16 *buf = malloc(sizeof(bf16) * (head_lanes * d + 16 * d + 2 * head_lanes * cap32 + cap32 * d));
             float *ob = malloc(sizeof(float) * 16 * d);
