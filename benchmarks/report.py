@@ -24,8 +24,10 @@ OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 
 KV_UTIL_TARGET = 0.98
 VLLM_TARGET = 1.25  # issue 15: batchrun >= 1.25x vLLM CPU gen tok/s on every plan vLLM runs
 
-SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "hf_static": "transformers generate (static batches)",
-                 "hf_cb": "transformers continuous batching"}
+SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "openvino": "OpenVINO GenAI",
+                 "hf_static": "transformers generate (static batches)", "hf_cb": "transformers continuous batching"}
+PEERS = ("vllm", "openvino")  # the engines a CPU user would pick instead (issue 32: the ratio is to the fastest)
+PEER_TARGET = 1.25
 
 
 def compare_outputs(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
@@ -53,29 +55,44 @@ def _rate(r: dict[str, Any]) -> float:
     return r["gen_tokens"] / r["wall_s"] if r.get("wall_s") else float("nan")
 
 
-def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
-    """Per-model figures: throughput, MFU, the best configuration of each baseline, ratios, output checks."""
+def _samples(outputs: list[Any]) -> list[list[int]]:
+    """A run's outputs as one token list per sample (n > 1 runs nest a list of samples per request)."""
+    return [o for out in outputs for o in (out if out and isinstance(out[0], list) else [out])]
+
+
+def reply_tokens(outputs: list[Any], eos: list[int]) -> int:
+    """Generated tokens, not counting a reply's final EOS: systems differ in whether they return it."""
+    return sum(len(o) - (1 if o and o[-1] in eos else 0) for o in _samples(outputs))
+
+
+def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None = None) -> dict[str, Any]:
+    """Per-model figures: throughput, MFU, the best configuration of each system, ratios (batchrun's default row to
+    each peer's fastest row, and to the fastest peer), output checks, where batchrun's time went."""
     flops = m["flops"]["total_flops"]
     runs: dict[str, list[dict[str, Any]]] = m["runs"]
+    eos = m.get("eos_token_ids") or []
     derived: dict[str, Any] = {"systems": {}, "ratios": {}, "outputs_equal": {}}
     ref = None
     br = runs.get("batchrun", [{}])[0]
     if "error" not in br and br:
-        ref = br["outputs"]
+        ref = _samples(br["outputs"])
     for system, variants in runs.items():
         rows = []
         for v in variants:
             row = {"config": v.get("config", {}), "error": v.get("error")}
             if not v.get("error"):
+                if eos and "outputs" in v:
+                    v["gen_tokens"] = reply_tokens(v["outputs"], eos)
                 rate = _rate(v)
                 row.update(wall_s=v["wall_s"], gen_tok_s=rate, mfu=flops / v["wall_s"] / peak_flops,
                            peak_rss_mb=v.get("peak_rss_mb"), load_rss_mb=v.get("load_rss_mb"),
                            gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"), other_load=v.get("other_load"),
                            repeat_walls_s=v.get("repeat_walls_s"), round_walls_s=v.get("round_walls_s"))
-                if v["gen_tokens"] != m["workload"]["output_tokens"]:
-                    row["error"] = f"generated {v['gen_tokens']} tokens, the workload asks {m['workload']['output_tokens']}"
-                if system != "batchrun" and ref is not None:
-                    row["outputs_vs_batchrun"] = compare_outputs(ref, v["outputs"])
+                if not eos and v["gen_tokens"] != m["workload"]["output_tokens"] * _n(m):
+                    row["error"] = (f"generated {v['gen_tokens']} tokens, the workload asks "
+                                    f"{m['workload']['output_tokens'] * _n(m)}")
+                if system != "batchrun" and ref is not None and "outputs" in v:
+                    row["outputs_vs_batchrun"] = compare_outputs(ref, _samples(v["outputs"]))
                 for k in ("prompt_pad_tokens", "discarded_gen_tokens", "errors"):
                     if k in v:
                         row[k] = v[k]
@@ -83,16 +100,59 @@ def derive_model(m: dict[str, Any], peak_flops: float) -> dict[str, Any]:
         ok = [r for r in rows if not r.get("error")]
         best = max(ok, key=lambda r: r["gen_tok_s"]) if ok else None
         derived["systems"][system] = {"variants": rows, "best": best}
-    b = derived["systems"].get("batchrun", {}).get("best")
-    for system in ("vllm", "hf_static", "hf_cb"):
+    variants = derived["systems"].get("batchrun", {}).get("variants") or [{}]
+    default = variants[0] if not variants[0].get("error") and variants[0] else None
+    for system in ("vllm", "openvino", "hf_static", "hf_cb"):
         s = derived["systems"].get(system, {}).get("best")
-        if b and s:
-            derived["ratios"][system] = b["gen_tok_s"] / s["gen_tok_s"]
+        if default and s:
+            derived["ratios"][system] = default["gen_tok_s"] / s["gen_tok_s"]
             derived["outputs_equal"][system] = s.get("outputs_vs_batchrun")
-    if b:
+    peers = [(p, derived["systems"][p]["best"]) for p in PEERS if derived["systems"].get(p, {}).get("best")]
+    if default and peers:
+        name, fastest = max(peers, key=lambda p: p[1]["gen_tok_s"])
+        derived["fastest_peer"] = {"system": name, "config": fastest["config"], "gen_tok_s": fastest["gen_tok_s"],
+                                   "ratio": default["gen_tok_s"] / fastest["gen_tok_s"]}
+    if default:
         derived["batchrun"] = _batchrun_details(m, br)
+        derived["time_shares"] = time_shares(br)
+        dec = br.get("decode_steps")
+        if dec:
+            from benchmarks.step_profile import roofline
+
+            shape = m["shape"]
+            streamed = m["flops"]["body_params"] + m["flops"]["lm_head_params"]  # the matrices a step reads whole
+            weight_bytes = streamed * (2 if m.get("dtype") == "bfloat16" else 4)
+            derived["roofline"] = roofline(dec, weight_bytes, _kv_bytes_per_token(shape), streamed,
+                                           4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
+                                           bandwidth or 0.0, peak_flops)
     derived["targets"] = _targets(m["key"], derived)
     return derived
+
+
+def _n(m: dict[str, Any]) -> int:
+    label = m["workload"].get("decoding", "")
+    return int(label.split("n = ")[1].split(",")[0]) if "n = " in label else 1
+
+
+def _kv_bytes_per_token(shape: dict[str, Any]) -> int:
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * shape.get("dtype_bytes", 4)
+
+
+def time_shares(br: dict[str, Any]) -> dict[str, float] | None:
+    """batchrun's step time by part, from the engine's own timers; the forward split by the op-profile pass."""
+    met = br.get("metrics") or {}
+    step = met.get("step_time_s")
+    if not step:
+        return None
+    parts = {k: (met.get(f"{k}_time_s") or 0.0) / step for k in ("schedule", "forward", "logits", "sampling",
+                                                                   "outputs")}
+    parts["other"] = max(0.0, 1.0 - sum(parts.values()))
+    ops = br.get("op_shares")
+    if ops:
+        fwd = parts.pop("forward")
+        for k, v in ops.items():
+            parts[f"forward: {k}"] = fwd * v
+    return parts
 
 
 def round_ratios(d: dict[str, Any]) -> list[float | None]:
@@ -135,7 +195,11 @@ def _targets(key: str, d: dict[str, Any]) -> list[dict[str, Any]]:
     def add(name: str, target: str, measured: float | None, met: bool | None) -> None:
         out.append({"target": name, "goal": target, "measured": measured, "met": met})
 
-    if d["systems"].get("vllm", {}).get("variants"):
+    if d.get("fastest_peer"):
+        r = d["fastest_peer"]["ratio"]
+        add(f"gen tok/s vs the fastest peer ({SYSTEM_LABELS[d['fastest_peer']['system']]})", f">= {PEER_TARGET:g}x", r,
+            r >= PEER_TARGET)
+    elif d["systems"].get("vllm", {}).get("variants"):
         r = d["ratios"].get("vllm")
         add("gen tok/s vs vLLM CPU", f">= {VLLM_TARGET:g}x", r, None if r is None else r >= VLLM_TARGET)
     if "ratio_static" in t:
@@ -159,6 +223,70 @@ def _targets(key: str, d: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- Markdown -------------------------------------------------------------------------------------------
+
+
+def _row_name(m: dict[str, Any]) -> str:
+    dt = {"bfloat16": "bf16", "float32": "fp32"}.get(m.get("dtype", "float32"), m.get("dtype"))
+    what = (m.get("plan") or {}).get("workload", "sharegpt")
+    dec = m["workload"].get("decoding", "")
+    kind = "chat" if what == "chat" else "random text"
+    how = dec.split(",")[0].split(" (")[0] if dec else "greedy"
+    n = ", n = 4" if "n = 4" in dec else ""
+    return f"{m['model']} {kind}, {how}{n}, {dt}"
+
+
+def _variant(d: dict[str, Any], system: str, match: Any) -> dict[str, Any] | None:
+    for v in d["systems"].get(system, {}).get("variants", []):
+        if not v.get("error") and match(v.get("config", {})):
+            return v
+    return None
+
+
+def summary_table(res: dict[str, Any]) -> list[str]:
+    """One line per plan: generated tokens/s of each system at its defaults (OpenVINO with the row's KV dtype, and
+    with its u8 default), batchrun without drafts, and batchrun's default over the fastest peer row."""
+    lines = ["| row | batchrun | batchrun, drafts off | vLLM CPU | OpenVINO GenAI | OpenVINO, u8 KV | "
+             "batchrun / fastest peer | peak RSS MiB (batchrun / vLLM / OpenVINO) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for m in res["models"].values():
+        d = m["derived"]
+
+        def rate(v: dict[str, Any] | None) -> str:
+            return _f(v["gen_tok_s"]) if v else "-"
+
+        def rss(v: dict[str, Any] | None) -> str:
+            return _f(v.get("peak_rss_mb"), "{:.0f}") if v else "-"
+
+        variants = [v for v in d["systems"].get("batchrun", {}).get("variants", []) if not v.get("error")]
+        br = variants[0] if variants else None  # run_model puts the default first, then the one without drafts
+        nodraft = variants[1] if len(variants) > 1 else None
+        vl = _variant(d, "vllm", lambda c: not c.get("speculative_config"))
+        ov = _variant(d, "openvino", lambda c: c.get("kv_precision", "") != "u8")
+        ov8 = _variant(d, "openvino", lambda c: c.get("kv_precision", "") == "u8")
+        fp = d.get("fastest_peer")
+        ratio = _f(fp["ratio"], "{:.2f}x") if fp else "-"
+        lines.append(f"| {_row_name(m)} | {rate(br)} | {rate(nodraft)} | {rate(vl)} | {rate(ov)} | {rate(ov8)} | "
+                     f"{ratio} | {rss(br)} / {rss(vl)} / {rss(ov)} |")
+    return lines
+
+
+def shares_table(res: dict[str, Any]) -> list[str]:
+    """Where batchrun's step time went (engine timers; the forward split by the op-profile pass) and its decode steps
+    against this machine's memory bandwidth and matmul peak."""
+    keys = ["schedule", "forward: linears", "forward: attention", "forward: elementwise", "forward: other",
+            "logits", "sampling", "outputs", "other"]
+    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms) | of bandwidth | of matmul peak |",
+             "|---|" + "---:|" * (len(keys) + 3)]
+    for m in res["models"].values():
+        d = m["derived"]
+        sh = d.get("time_shares") or {}
+        if "forward" in sh:  # no op profile: the forward whole
+            sh = {**sh, "forward: other": sh["forward"]}
+        rf = d.get("roofline")
+        step = f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}" if rf else "-"
+        lines.append(f"| {_row_name(m)} | " + " | ".join(_pct(sh.get(k)) if k in sh else "-" for k in keys)
+                     + f" | {step} | {_pct(rf and rf['bandwidth_share'])} | {_pct(rf and rf['peak_share'])} |")
+    return lines
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -232,7 +360,9 @@ def markdown(res: dict[str, Any]) -> str:
                 f"(marked{NOISY_MARK})**: with OpenMP threads that lose their core, a run can be several times slower "
                 "than alone; "
                 "rerun on a quiet machine or with `--repeat 2`."] if noisy else []),
-             ""]
+             "", "## Summary: generated tokens/s", "", *summary_table(res), "",
+             "Where batchrun's step time goes (share of its step time), and its decode-only steps against this "
+             "machine's read bandwidth and matmul peak:", "", *shares_table(res), ""]
     for m in res["models"].values():
         d = m["derived"]
         w = m["workload"]

@@ -33,6 +33,7 @@ from benchmarks import report
 from benchmarks.clock import best_of
 from benchmarks.vllm_env import VllmSetup
 from benchmarks.workload import (
+    Decoding,
     LengthDist,
     ModelShape,
     Workload,
@@ -77,6 +78,16 @@ class Plan:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
     # also batchrun without draft tokens, and vLLM with n-gram drafts like batchrun's (VLLM_NGRAM)
     speculation_variants: bool = True
+    vllm_ngram: bool = True  # (with speculation_variants) the vLLM + n-gram row
+    # what the requests are: "sharegpt" (random token ids, ShareGPT-like lengths) or "chat" (benchmarks/chat.py's
+    # questions in the model's chat template, replies to EOS of at most 256 tokens); and how they decode
+    workload: str = "sharegpt"
+    decoding: Decoding = field(default_factory=Decoding)
+    checkpoint: str = ""  # a random-weight model of benchmarks/models.py instead of the built-in `builtin`
+    openvino: bool = True  # OpenVINO GenAI as a peer (benchmarks/openvino_env.py)
+    openvino_u8: bool = False  # also OpenVINO with its CPU default u8 KV cache, a row of its own
+    batchrun_kwargs: dict[str, Any] = field(default_factory=dict)  # extra LLM arguments for this plan's rows
+    op_profile: int = 32  # requests of batchrun's op-profile pass after its timed run (0: none)
 
 
 # vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
@@ -87,6 +98,11 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max
 # batches, which run each batch to its longest output, cost the most) stays near 5 minutes on 2 cores.
 PROMPT = LengthDist(median=96, sigma=0.8, lo=16, hi=512)
 OUTPUT = LengthDist(median=48, sigma=0.7, lo=16, hi=256)
+
+# The work users bring (issue 32): SmolLM2-135M-Instruct's real weights answering CHAT_QUESTIONS, greedy and sampled.
+SAMPLED = Decoding(temperature=0.8, top_p=0.95, seed=0)
+CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, prompt=PROMPT, output=OUTPUT,
+            static_batches=(), cb_requests_per_step=(), scenarios=(), vllm_ngram=False)
 
 PLANS: dict[str, Plan] = {
     "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
@@ -107,15 +123,26 @@ PLANS: dict[str, Plan] = {
                         cb_requests_per_step=(), scenarios=(), seed=1),
     "smollm2-256-bf16": Plan("smollm2-256-bf16", "smollm2-135m-instruct", 256, PROMPT, OUTPUT, static_batches=(),
                              cb_requests_per_step=(), scenarios=(), seed=1, dtype="bfloat16"),
+    "chat-bf16": Plan("chat-bf16", **CHAT, dtype="bfloat16", openvino_u8=True),
+    "chat-fp32": Plan("chat-fp32", **CHAT),
+    "chat-bf16-sampled": Plan("chat-bf16-sampled", **CHAT, dtype="bfloat16", decoding=SAMPLED),
+    "chat-bf16-n4": Plan("chat-bf16-n4", **CHAT, dtype="bfloat16", decoding=Decoding(**{**SAMPLED.__dict__, "n": 4})),
+    # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
+    # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
+    "llama1b-bf16": Plan("llama1b-bf16", "", 48, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                         scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False,
+                         batchrun_kwargs={"num_speculative_tokens": 0}),
 }
-# What `--model all` (make bench) runs, in this order; the 256-request real-model plans are asked for by name.
-DEFAULT_PLANS = ("tiny", "small", "small-bf16", "smollm2", "smollm2-bf16")
+# What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
+# ignored on the same real model (a second view); the other plans are asked for by name.
+DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "smollm2-bf16",
+                 "smollm2")
 
 QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
              prefix_len=48, suffix=LengthDist(12, 0.5, 4, 24), prefix_output=LengthDist(6, 0.3, 4, 8), n4_requests=3,
              vllm_kwargs={"enforce_eager": True},  # no torch.compile: the check stays seconds long
-             speculation_variants=False,
+             speculation_variants=False, openvino=False, op_profile=3,
              note="Quick mode: a harness check on a toy workload, not a measurement.")
 
 
@@ -184,13 +211,24 @@ def _vocab_for_prompts(path: Path, shape: ModelShape) -> int:
 
 
 def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
-    """The plan's built-in model (path, shape), the vocabulary its prompts draw from, and its workload."""
+    """The plan's model (path, shape), the vocabulary its prompts draw from, and its workload."""
     from batchrun.model.builtin import builtin_path
 
-    path = builtin_path(plan.builtin)
+    if plan.checkpoint:
+        from benchmarks.models import bench_checkpoint
+
+        path = bench_checkpoint(plan.checkpoint)
+    else:
+        path = builtin_path(plan.builtin)
     shape = ModelShape.from_checkpoint(path)
     vocab = _vocab_for_prompts(path, shape)
-    return path, shape, vocab, sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
+    if plan.workload == "chat":
+        from benchmarks.chat import chat_workload
+
+        return path, shape, vocab, chat_workload(path, plan.decoding)
+    wl = sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
+    wl.decoding = plan.decoding
+    return path, shape, vocab, wl
 
 
 def _fastest(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -203,23 +241,28 @@ def _fastest(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs: dict[str, Any],
-              kv_scale: float, repeat: int = 1, vllm: VllmSetup | None = None, rounds: int = 1) -> dict[str, Any]:
+              kv_scale: float, repeat: int = 1, vllm: VllmSetup | None = None, rounds: int = 1,
+              openvino: Any = None) -> dict[str, Any]:
     path, shape, vocab, wl = headline_workload(plan)
     shape = ModelShape(**{**shape.__dict__, "dtype_bytes": 2 if plan.dtype == "bfloat16" else 4})
     demand = wl.blocks_needed(BLOCK_SIZE)
     kv_blocks = max(math.ceil(demand * kv_scale), math.ceil(wl.max_len / BLOCK_SIZE))
     kv_bytes = kv_blocks * BLOCK_SIZE * shape.kv_bytes_per_token
     base = {"model_path": str(path), "workload": wl.to_json(), "repeat": repeat}
-    br_kwargs = {"num_kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "dtype": plan.dtype, **llm_kwargs}
+    br_kwargs = {"num_kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "dtype": plan.dtype, **plan.batchrun_kwargs,
+                 **llm_kwargs}
     params = shape.body_params + shape.lm_head_params + shape.hidden * shape.vocab
-    runner.log(f"[{plan.key}] {plan.builtin}: {len(wl)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} "
-               f"output tokens, KV {kv_blocks} blocks ({kv_bytes / 2**20:.1f} MiB)")
+    model_name = plan.checkpoint or plan.builtin
+    runner.log(f"[{plan.key}] {model_name}: {len(wl)} requests ({wl.decoding.label}), {wl.prompt_tokens} prompt + "
+               f"up to {wl.output_tokens * wl.decoding.n} output tokens, KV {kv_blocks} blocks "
+               f"({kv_bytes / 2**20:.1f} MiB)")
 
-    runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "vllm": [], "hf_static": [], "hf_cb": []}
+    runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "vllm": [], "openvino": [], "hf_static": [], "hf_cb": []}
     # the headline systems: (kind, worker name, run it under this name)
     headline: list[tuple[str, str, Callable[[str], dict[str, Any]]]] = [
         ("batchrun", f"{plan.key}-batchrun", lambda name: runner(name, {**base, "task": "batchrun",
-                                                                        "llm_kwargs": br_kwargs}))]
+                                                                        "llm_kwargs": br_kwargs,
+                                                                        "op_profile": plan.op_profile}))]
     if plan.speculation_variants:  # batchrun's defaults draft tokens on a CPU: without them too
         kw = {**br_kwargs, "num_speculative_tokens": 0}
         headline.append(("batchrun", f"{plan.key}-batchrun-nodraft",
@@ -229,10 +272,17 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
         headline.append(("vllm", f"{plan.key}-vllm", lambda name: vllm.run(runner, name, base, plan.dtype, vllm_kv,
                                                                             wl.max_len, plan.vllm_kwargs)))
-        if plan.speculation_variants:  # vLLM with the same n-gram drafting (off by default there)
+        if plan.speculation_variants and plan.vllm_ngram:  # vLLM with n-gram drafting (off by default there)
             ngram = {**plan.vllm_kwargs, "speculative_config": VLLM_NGRAM}
             headline.append(("vllm", f"{plan.key}-vllm-ngram",
                              lambda name: vllm.run(runner, name, base, plan.dtype, vllm_kv, wl.max_len, ngram)))
+    if plan.openvino and openvino is not None:
+        # KV cache in the row's dtype; its CPU default (u8) as a row of its own where the plan asks
+        headline.append(("openvino", f"{plan.key}-openvino",
+                         lambda name: openvino.run(runner, name, base, plan.dtype, kv_bytes)))
+        if plan.openvino_u8:
+            headline.append(("openvino", f"{plan.key}-openvino-u8",
+                             lambda name: openvino.run(runner, name, base, plan.dtype, kv_bytes, kv_precision="u8")))
     # rounds > 1: every headline system once per round, in turn, and each keeps its fastest run. This VM's
     # speed drifts by 20-30% over minutes, so systems that run minutes apart are compared at different speeds;
     # within a round they run back to back.
@@ -255,11 +305,18 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
     # max_model_len, else the model's context length, not batchrun's (which is capped to its KV pool).
     max_model_len = llm_kwargs.get("max_model_len") or json.loads((path / "config.json").read_text()).get(
         "max_position_embeddings", 2048)
-    m = {"key": plan.key, "model": plan.builtin, "model_path": str(path), "params": params, "dtype": plan.dtype,
-         "shape": shape.__dict__, "workload": wl.summary(), "flops": model_flops(shape, wl),
+    flops_wl = wl
+    if wl.decoding.stop_at_eos and "outputs" in runs["batchrun"][0]:
+        # replies end at EOS: the useful FLOPs are those of batchrun's replies (each sample with its prompt)
+        outs = runs["batchrun"][0]["outputs"]
+        samples = [(p, o) for p, out in zip(wl.prompts, outs) for o in (out if wl.decoding.n > 1 else [out])]
+        flops_wl = Workload(wl.name, [p for p, _ in samples], [max(len(o), 1) for _, o in samples])
+    m = {"key": plan.key, "model": model_name, "model_path": str(path), "params": params, "dtype": plan.dtype,
+         "shape": shape.__dict__, "workload": wl.summary(), "flops": model_flops(shape, flops_wl),
+         "eos_token_ids": list(wl.decoding.eos_token_ids) if wl.decoding.stop_at_eos else [],
          "block_size": BLOCK_SIZE, "kv_blocks": kv_blocks, "kv_bytes": kv_bytes, "demand_blocks": demand,
          "contiguous": contiguous_preallocation(kv_bytes, shape, max_model_len, wl), "runs": runs,
-         "llm_kwargs": br_kwargs, "note": plan.note}
+         "llm_kwargs": br_kwargs, "note": plan.note, "plan": {"workload": plan.workload, "decoding": wl.decoding.label}}
     todo = [s for s in scenarios if s in plan.scenarios]
     if todo:
         m["scenarios"] = run_scenarios(plan, runner, todo, wl, shape, vocab, llm_kwargs)
@@ -356,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="all",
                     help=f"comma-separated plans of {','.join(PLANS)}, or 'all' ({','.join(DEFAULT_PLANS)})")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out (no venv is made)")
+    ap.add_argument("--no-openvino", action="store_true", help="leave OpenVINO GenAI out (no venv is made)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers' baselines out")
     ap.add_argument("--scenarios", default="all",
                     help=f"comma-separated subset of {','.join(SCENARIOS)}, or 'all' or 'none'")
@@ -416,10 +474,19 @@ def main(argv: list[str] | None = None) -> int:
         res["vllm"] = {"python": str(vllm.python) if vllm.python else None, "error": vllm.error}
         if vllm.error:
             runner.log(f"  vLLM is left out: {vllm.error}")
+    openvino = None
+    if not args.no_openvino and any(p.openvino for p in plans):
+        from benchmarks.openvino_env import OpenvinoSetup
+
+        runner.log("OpenVINO GenAI: making (or finding) its venv")
+        openvino = OpenvinoSetup(THREADS)
+        res["openvino"] = {"python": str(openvino.python) if openvino.python else None, "error": openvino.error}
+        if openvino.error:
+            runner.log(f"  OpenVINO GenAI is left out: {openvino.error}")
     for plan in plans:
         m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
-                      max(1, args.rounds))
-        m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"])
+                      max(1, args.rounds), openvino)
+        m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"))
         _strip_outputs(m)
         res["models"][plan.key] = m
     env = res["env"]

@@ -19,16 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.clock import Clock, Result, best_of, peak_rss_mb, rss_mb
-from benchmarks.workload import Workload
+from benchmarks.workload import Decoding, Workload
 
 WARMUP_PROMPT = list(range(10, 42))  # the same as benchmarks.worker's
 WARMUP_TOKENS = 4
 
 
-def _params(o: int) -> Any:
+def _params(o: int, d: Decoding | None = None, i: int = 0) -> Any:
+    """Request i's SamplingParams as the workload's decoding says (the same fields as batchrun's worker)."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True)
+    if d is None:
+        return SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True)
+    kw: dict[str, Any] = dict(n=d.n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=o)
+    if d.temperature > 0:
+        kw["seed"] = d.seed + i
+    if d.stop_at_eos:
+        kw["stop_token_ids"] = list(d.eos_token_ids)
+    else:
+        kw.update(min_tokens=o, ignore_eos=True)
+    return SamplingParams(**kw)
 
 
 def _prompts(prompts: list[list[int]]) -> list[Any]:
@@ -49,12 +59,15 @@ def task_vllm(spec: dict[str, Any]) -> Result:
                   max_model_len=spec["max_model_len"], **spec.get("vllm_kwargs", {}))
         load_s, load_rss = time.perf_counter() - t, rss_mb()
         llm.generate(_prompts([WARMUP_PROMPT]), _params(WARMUP_TOKENS), use_tqdm=False)
-        params = [_params(o) for o in wl.output_lens]
+        params = [_params(o, wl.decoding, i) for i, o in enumerate(wl.output_lens)]
         prompts = _prompts(wl.prompts)
         with Clock(torch.get_num_threads()) as clock:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-        runs.append({**clock.as_dict(), "outputs": outputs, "gen_tokens": sum(len(o) for o in outputs),
+        outputs = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        gen_tokens = sum(len(c) for o in outputs for c in o)
+        if wl.decoding.n == 1:
+            outputs = [o[0] for o in outputs]
+        runs.append({**clock.as_dict(), "outputs": outputs, "gen_tokens": gen_tokens,
                      "load_s": load_s, "load_rss_mb": load_rss,
                      "config": {"dtype": spec.get("dtype", "float32"), **spec.get("vllm_kwargs", {}),
 }})

@@ -65,14 +65,28 @@ def task_peak(spec: dict[str, Any]) -> Result:
         rates.append(2.0 * n**3 / (time.perf_counter() - t))
     return {"matmul_n": n, "dtype": str(dtype).removeprefix("torch."), "peak_flops": max(rates),
             "median_flops": statistics.median(rates), "samples": len(rates),
-            "measured_as": str(measured).removeprefix("torch.")}
+            "measured_as": str(measured).removeprefix("torch."), "bandwidth": read_bandwidth(spec.get("n", 4096))}
+
+
+def read_bandwidth(n: int) -> float:
+    """Bytes a second the benchmark's threads read from memory: the best sum over an fp32 array far larger than the
+    caches (256 MiB at the full size; what a decode step's weight stream gets at best)."""
+    x = torch.ones((n * n * 4 if n >= 4096 else n * n), dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(8):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t))
+    return best
 
 
 # ---- batchrun -------------------------------------------------------------------------------------------
 
 _COUNTERS = ("num_requests_finished", "prompt_tokens", "generation_tokens", "num_steps", "num_preemptions_recompute",
              "num_preemptions_swap", "blocks_swapped_out", "blocks_swapped_in", "prefix_cache_hit_tokens",
-             "model_time_s", "engine_overhead_s", "step_time_s", "draft_tokens", "accepted_draft_tokens")
+             "model_time_s", "engine_overhead_s", "step_time_s", "draft_tokens", "accepted_draft_tokens",
+             "schedule_time_s", "forward_time_s", "logits_time_s", "sampling_time_s", "outputs_time_s")
 
 
 def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -130,6 +144,24 @@ class StepTrace:
                 "overhead_fraction": (step - sum(m for _, m in sel)) / step if step else float("nan")}
 
 
+def workload_params(wl: Workload) -> list[Any]:
+    """Each request's SamplingParams as the workload's decoding says (benchmarks.workload.Decoding)."""
+    from batchrun import SamplingParams
+
+    d = wl.decoding
+    params = []
+    for i, o in enumerate(wl.output_lens):
+        kw: dict[str, Any] = dict(n=d.n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=o)
+        if d.temperature > 0:
+            kw["seed"] = d.seed + i
+        if d.stop_at_eos:
+            kw["stop_token_ids"] = list(d.eos_token_ids)
+        else:
+            kw.update(min_tokens=o, ignore_eos=True)
+        params.append(SamplingParams(**kw))
+    return params
+
+
 def _sampling(o: int, greedy: bool = True, seed: int | None = None, n: int = 1) -> Any:
     from batchrun import SamplingParams
 
@@ -151,9 +183,12 @@ def _warm(llm: Any) -> None:
 
 def _timed_generate(llm: Any, wl: Workload, params: list[Any], trace: bool = False) -> Result:
     """Generate the workload once (timed) after a warm-up; outputs in request order and the run's metrics."""
+    from benchmarks.step_profile import DecodeSteps
+
     _warm(llm)
     before = llm.metrics()
     tracer = StepTrace(llm) if trace else None
+    decode = DecodeSteps(llm) if trace else None
     with Clock(torch.get_num_threads()) as clock:
         outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
     metrics = metrics_delta(before, llm.metrics())
@@ -164,6 +199,8 @@ def _timed_generate(llm: Any, wl: Workload, params: list[Any], trace: bool = Fal
     if tracer is not None:
         res["overhead_ge_64"] = tracer.overhead(64)
         res["overhead_ge_16"] = tracer.overhead(16)
+    if decode is not None:
+        res["decode_steps"] = decode.summary()
     return res
 
 
@@ -176,8 +213,13 @@ def task_batchrun(spec: dict[str, Any]) -> Result:
         t = time.perf_counter()
         llm = _make_llm(spec)
         load_s, load_rss = time.perf_counter() - t, rss_mb()
-        res = _timed_generate(llm, wl, [_sampling(o) for o in wl.output_lens], trace=True)
-        res["outputs"] = [o[0] for o in res["outputs"]]
+        res = _timed_generate(llm, wl, workload_params(wl), trace=True)
+        if wl.decoding.n == 1:
+            res["outputs"] = [o[0] for o in res["outputs"]]
+        if spec.get("op_profile"):  # where the forward's time goes, on a pass after the timed one
+            from benchmarks.step_profile import op_shares
+
+            res["op_shares"] = op_shares(llm, wl, workload_params(wl), spec["op_profile"])
         runs.append({**res, "load_s": load_s, "load_rss_mb": load_rss, "config": spec.get("llm_kwargs", {})})
         del llm  # free its KV pool before the next LLM is built
         gc.collect()

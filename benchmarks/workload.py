@@ -33,14 +33,36 @@ class LengthDist:
         return [int(v) for v in np.clip(np.rint(x), self.lo, self.hi)]
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How every request of a workload decodes, the same for every system under test. Request i samples with seed
+    + i. stop_at_eos False: exactly output_lens[i] tokens (EOS ignored, the random-text view); True: at most that
+    many, ended by any of eos_token_ids (chat replies), which is not counted as generated."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    n: int = 1
+    stop_at_eos: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        how = "greedy" if self.temperature == 0 else f"sampled (T {self.temperature:g}" + (
+            f", top_p {self.top_p:g}" if self.top_p < 1 else "") + (f", top_k {self.top_k}" if self.top_k else "") + ")"
+        return how + (f", n = {self.n}" if self.n > 1 else "") + (", to EOS" if self.stop_at_eos else ", EOS ignored")
+
+
 @dataclass
 class Workload:
-    """Requests as (prompt token ids, exact number of tokens to generate)."""
+    """Requests as (prompt token ids, the tokens to generate: exactly, or at most with decoding.stop_at_eos)."""
 
     name: str
     prompts: list[list[int]]
     output_lens: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
+    decoding: Decoding = field(default_factory=Decoding)
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.output_lens):
@@ -62,7 +84,8 @@ class Workload:
         return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
 
     def head(self, n: int, name: str | None = None) -> Workload:
-        return Workload(name or f"{self.name}[:{n}]", self.prompts[:n], self.output_lens[:n], dict(self.meta))
+        return Workload(name or f"{self.name}[:{n}]", self.prompts[:n], self.output_lens[:n], dict(self.meta),
+                        self.decoding)
 
     def blocks_needed(self, block_size: int) -> int:
         """KV blocks to hold every request at its final length at once, with nothing shared: the demand."""
@@ -81,7 +104,9 @@ class Workload:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Workload:
-        return cls(d["name"], [list(p) for p in d["prompts"]], list(d["output_lens"]), dict(d.get("meta", {})))
+        dec = d.get("decoding") or {}
+        dec = Decoding(**{**dec, "eos_token_ids": tuple(dec.get("eos_token_ids", ()))})
+        return cls(d["name"], [list(p) for p in d["prompts"]], list(d["output_lens"]), dict(d.get("meta", {})), dec)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json()))

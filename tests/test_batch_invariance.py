@@ -175,20 +175,6 @@ def test_refine_top_logits_one_row_as_in_a_batch():
         assert torch.equal(alone, batch[i : i + 1]), i
 
 
-def test_top_p_off_keeps_every_token_beside_a_top_p_row():
-    """A row with top_p = 1 keeps its whole distribution when another row of its batch uses top_p (the fp32
-    cumsum reaches 1 before the tail: `mass before >= 1` would drop tail tokens of that row only then)."""
-    from batchrun.model.sampler import SamplingBatch, _mask_top_k_top_p
-
-    torch.manual_seed(0)
-    x = torch.randn(4, 2048) * 2
-    batch = SamplingBatch(greedy=None, temperature=None, top_k=None, top_p=torch.tensor([1.0, 0.9, 1.0, 0.5]),
-                          min_p=None, seeds=None, counters=None, all_greedy=False)
-    masked = _mask_top_k_top_p(x, batch)
-    assert torch.equal(masked[0], x[0]) and torch.equal(masked[2], x[2])
-    assert torch.isinf(masked[1]).any() and torch.isinf(masked[3]).sum() > torch.isinf(masked[1]).sum()
-
-
 def test_sampler_rows_do_not_depend_on_the_batch():
     """Every row's draw in a mixed batch (greedy, temperatures, top-k, top-p, min-p, penalties, logprobs) is
     the draw it makes alone, over many steps."""

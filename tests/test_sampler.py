@@ -10,10 +10,8 @@ from batchrun.model.sampler import SamplingBatch, sample, uniform
 
 
 def batch(rows, *, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, counters=None):
-    t = torch.full((rows,), float(temperature))
     return SamplingBatch(
-        greedy=torch.zeros(rows, dtype=torch.bool) if temperature else torch.ones(rows, dtype=torch.bool),
-        temperature=t if temperature else torch.ones(rows),
+        temperature=torch.full((rows,), float(temperature)),
         top_k=None if top_k is None else torch.full((rows,), top_k),
         top_p=None if top_p is None else torch.full((rows,), float(top_p)),
         min_p=None if min_p is None else torch.full((rows,), float(min_p)),

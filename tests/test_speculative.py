@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.ngram import MAX_N, MISS_SLACK, NgramDrafter
+from batchrun.engine.draft_policy import KeepRate, StepCosts, choose_drafts
+from batchrun.engine.ngram import MAX_N, NgramDrafter
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -48,42 +49,84 @@ def test_the_incremental_index_finds_what_a_full_search_finds():
             ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]  # a step appends 1 to 1 + k tokens
 
 
-def test_a_drafters_limit_shrinks_after_a_miss_and_doubles_after_a_hit():
-    d = NgramDrafter(0, 100, 8)
-    assert d.limit == 8
-    d.record(8, 3)
-    assert d.limit == 3 + MISS_SLACK
-    d.record(5, 5)
-    assert d.limit == 8  # doubled, then capped at max_draft
-    d.record(4, 0)
-    assert d.limit == MISS_SLACK
+class FreeRows(StepCosts):
+    """A step costs the same whatever its rows: every proposed draft pays (the policy's other extreme is tested
+    below); engine-level tests use it so that they check drafts whatever this machine's timings."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def curve(self) -> list[tuple[float, float]]:
+        return [(1.0, 1.0), (1e6, 1.0)]
 
 
-def _drafting_scheduler(spare_rows: int, remaining: list[int], limits: list[int]) -> Scheduler:
+def _costs(points: list[tuple[int, float]]) -> StepCosts:
+    costs = StepCosts()
+    for rows, seconds in points:
+        costs.observe(rows, seconds)
+    return costs
+
+
+def test_step_costs_are_learned_by_rows_and_interpolated():
+    costs = _costs([(8, 0.010), (64, 0.050), (64, 0.060), (4096, 2.0), (300, 0.3)])
+    curve = costs.curve()
+    assert [r for r, _ in curve] == [8, 64, 300, 4096]
+    assert curve[1][1] == pytest.approx(0.0525)  # the running mean of the two 64-row steps
+    assert StepCosts.at(curve, 36) == pytest.approx(0.010 + (0.0525 - 0.010) * 28 / 56)
+    assert StepCosts.at(curve, 4) == 0.010  # below the first point: its time
+    assert StepCosts.at(curve, 5000) > 2.0  # past the last: the last slope
+    # a point slower than one with more rows (noise) is dropped from the curve
+    assert [r for r, _ in _costs([(8, 0.05), (64, 0.02), (256, 0.1)]).curve()] == [64, 256]
+
+
+def test_a_keep_rate_counts_the_drafts_up_to_the_first_miss():
+    keep = KeepRate()
+    assert keep.rate == 0.5  # the prior
+    keep.record(4, 4)  # all kept: 4 trials, 4 kept
+    keep.record(5, 1)  # one kept, then a miss: 2 trials
+    assert (keep.kept, keep.trials) == (5, 6)
+    assert keep.rate == pytest.approx((5 + 2) / (6 + 4))
+
+
+def test_drafts_are_checked_only_where_they_pay_for_their_rows():
+    proposals = [(1, [7, 7, 7, 7], 0.9), (2, [5, 5, 5, 5], 0.25), (3, [4, 4], 0.6)]
+    # rows nearly free (a forward that reads the weights): every draft
+    flat = _costs([(8, 0.100), (128, 0.101)])
+    assert {i: len(d) for i, d in choose_drafts(proposals, 8, 100, flat).items()} == {1: 4, 2: 4, 3: 2}
+    # ... within the spare rows, the likeliest first
+    assert {i: len(d) for i, d in choose_drafts(proposals, 8, 5, flat).items()} == {1: 4, 3: 1}
+    # every row costs what a decode row costs (compute-bound, no fixed part): no draft can pay
+    linear = _costs([(1, 0.001), (8, 0.008), (128, 0.128)])
+    assert choose_drafts(proposals, 8, 100, linear) == {}
+    # 8 ms fixed + 1 ms a row, 8 rows: a step returns 0.5 token a ms, and a draft pays only if it is kept more
+    # than half the time (the 0.9 sequence's four, 0.9^4 = 0.66; the 0.6 sequence's first; none of the 0.25's)
+    half = _costs([(8, 0.016), (64, 0.072)])
+    assert {i: len(d) for i, d in choose_drafts(proposals, 8, 100, half).items()} == {1: 4, 3: 1}
+    assert choose_drafts(proposals, 8, 100, StepCosts()) == {}  # nothing learned yet: no drafts
+
+
+def _drafting_scheduler(spare_rows: int, remaining: list[int]) -> Scheduler:
     """A scheduler running one decoding sequence per entry, each in a loop of period 2 (so each proposes k
-    drafts), `remaining` tokens short of its max length, its drafter's limit set."""
+    drafts), `remaining` tokens short of its max length; rows cost nothing (FreeRows)."""
     cfg = SchedulerConfig(num_speculative_tokens=4, speculative_max_rows=spare_rows + len(remaining))
     sched = Scheduler(cfg, BlockManager(64, 4))
-    for i, (left, limit) in enumerate(zip(remaining, limits)):
+    sched.step_costs = FreeRows()
+    for i, left in enumerate(remaining):
         ids = [1, 2] * 5
         seq = Sequence(i, ids, 4, 0, status=SeqStatus.RUNNING, num_computed=len(ids) - 1)
         seq.drafter = NgramDrafter(0, len(ids) + left, 4)
-        seq.drafter.limit = limit
         sched.running.append(SequenceGroup(str(i), i, None, ids[:4], GREEDY, [seq]))
     return sched
 
 
-def test_drafts_go_first_to_the_sequences_with_most_left_when_rows_are_short():
-    # every proposal fits: each sequence checks all of its drafts, whatever its limit
-    sched = _drafting_scheduler(12, remaining=[20, 50, 30], limits=[1, 1, 4])
+def test_the_scheduler_plans_the_policys_drafts_within_the_spare_rows():
+    sched = _drafting_scheduler(12, remaining=[20, 50, 30])
     assert {i: len(d) for i, d in sched._plan_drafts(12).items()} == {0: 4, 1: 4, 2: 4}
-    # 5 rows for 12 proposed drafts: limits apply, the most tokens left first (1, then 2, then 0)
-    sched = _drafting_scheduler(5, remaining=[20, 50, 30], limits=[4, 2, 4])
-    assert {i: len(d) for i, d in sched._plan_drafts(5).items()} == {1: 2, 2: 3}
+    sched = _drafting_scheduler(5, remaining=[20, 50, 30])
+    assert sum(map(len, sched._plan_drafts(5).values())) == 5
     # a sequence near its max length proposes only what fits before it
-    sched = _drafting_scheduler(12, remaining=[3, 50], limits=[4, 4])
+    sched = _drafting_scheduler(12, remaining=[3, 50])
     assert {i: len(d) for i, d in sched._plan_drafts(12).items()} == {0: 2, 1: 4}
-
 
 @pytest.fixture(scope="module")
 def prompts():
@@ -95,6 +138,7 @@ def prompts():
 
 def _generate(path, prompts, params=GREEDY, **kw):
     llm = LLM(str(path), **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 400, **kw})
+    llm.engine.scheduler.step_costs = FreeRows()  # every proposed draft is checked, whatever this machine's timings
     execute, llm.computed_tokens = llm.engine.runner.execute, 0
 
     def counting(out):  # the tokens each step puts into the cache as the sequence's own (drafts are not)
@@ -158,18 +202,32 @@ def test_a_stop_inside_the_drafts_ends_the_sequence_where_decoding_would(tiny_ll
     assert any(w.outputs[0].finish_reason == "stop" for w in want)
 
 
-def test_only_plain_greedy_rows_draft(tiny_llama_path, prompts):
-    """Sampled, penalized and logprob rows, and n > 1, decode one token a step: their outputs are unchanged."""
-    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+def test_penalized_logprob_and_n_rows_do_not_draft(tiny_llama_path, prompts):
+    """Penalized and logprob rows, and n > 1, decode one token a step: their outputs are unchanged."""
+    params = [SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, n=2, ignore_eos=True)]
-    rows = prompts[-4:]
+    rows = prompts[-3:]
     _, want = _generate(tiny_llama_path, rows, params, num_speculative_tokens=0)
     llm, got = _generate(tiny_llama_path, rows, params)
     assert llm.engine.metrics.draft_tokens == 0
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
-    assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
+    assert got[1].outputs[0].logprobs == want[1].outputs[0].logprobs
+
+
+def test_sampled_rows_draw_the_same_tokens_with_and_without_drafts(tiny_llama_path, prompts):
+    """A seeded row's token at output position i is drawn from (seed, i) alone (model/sampler.py), and a draft's row
+    has the bits its decode row would have (fp32 is batch invariant): checking a draft is drawing that position's
+    token, so drafts change no token of a sampled row, whatever its filters."""
+    filters = [dict(temperature=0.8), dict(temperature=0.6, top_p=0.9), dict(temperature=1.0, top_k=5),
+               dict(temperature=0.7, min_p=0.1), dict(temperature=0.5, top_k=20, top_p=0.95)]
+    params = [SamplingParams(max_tokens=40, seed=100 + i, ignore_eos=True, **filters[i % len(filters)])
+              for i in range(len(prompts))]
+    _, want = _generate(tiny_llama_path, prompts, params, num_speculative_tokens=0)
+    llm, got = _generate(tiny_llama_path, prompts, params, num_speculative_tokens=6)
+    m = llm.engine.metrics
+    assert 0 < m.accepted_draft_tokens < m.draft_tokens  # drafts were checked, some kept, some not
+    assert _tokens(got) == _tokens(want)
 
 
 def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_path, prompts):
@@ -211,7 +269,9 @@ def test_bf16_drafts_change_no_token_when_run_batch_invariant(tiny_llama_path, p
                                            or cpu_linears.has_panel_linears()):
         pytest.skip("needs the C kernels and batch-invariant bf16 linears (oneDNN's, or batchrun's panels)")
     kw = dict(dtype="bfloat16", batch_invariant=True)
-    _, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0, **kw)
-    llm, drafted = _generate(tiny_llama_path, prompts, **kw)
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    _, plain = _generate(tiny_llama_path, prompts, params, num_speculative_tokens=0, **kw)
+    llm, drafted = _generate(tiny_llama_path, prompts, params, **kw)
     assert llm.engine.metrics.accepted_draft_tokens > 0
     assert _tokens(drafted) == _tokens(plain)

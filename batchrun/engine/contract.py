@@ -49,7 +49,8 @@ class ScheduledSeq:
     block_table: list[int]  # the live table (read-only for the runner)
     sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
     # speculative decoding (engine/ngram.py): the last num_draft of token_ids are draft tokens, not yet the
-    # sequence's. The row of token_ids[0] samples as usual; each draft row answers its greedy next token.
+    # sequence's. The row of token_ids[0] samples as usual; each draft row answers the token the sequence draws at
+    # its position (the argmax, or the seeded draw of that output position).
     num_draft: int = 0
 
 
@@ -121,14 +122,24 @@ class StepOutput:
     # beam rows: best candidates by log-prob after temperature and log_softmax, best first
     beam_token_ids: list[list[int]] = field(default_factory=list)
     beam_logprobs: list[list[float]] = field(default_factory=list)
-    # the greedy token at each draft row: flat over the sampling sequences with num_draft > 0, in order
+    # the token drawn at each draft row: flat over the sampling sequences with num_draft > 0, in order
     draft_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunnerTimers:
+    """Seconds the runner has spent so far in each part of its steps (the engine copies them into its metrics)."""
+
+    forward_s: float = 0.0  # the model's layers
+    logits_s: float = 0.0  # the lm_head on the sampling rows
+    sampling_s: float = 0.0  # the sampling tensors, the draws, the host transfer
 
 
 class StepExecutor(Protocol):
     """What the engine needs of the model runner (batchrun.model.runner.ModelRunner)."""
 
     model_time_s: float  # seconds spent in forwards so far (for the engine-overhead metric)
+    timers: RunnerTimers
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Apply the block moves, run the forward, sample; one host sync."""

@@ -38,10 +38,11 @@ _SEED_MASK = (1 << 63) - 1
 
 
 def _drafts_are_exact(params: SamplingParams) -> bool:
-    """Whether a draft's check (the argmax of its row's logits) is what decoding would draw: greedy, no penalty
-    (it would depend on the drafts before it), no logprobs to report."""
-    return (params.temperature == 0.0 and params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty and params.logprobs is None)
+    """Whether a draft's check (the token its row draws at its position: the argmax, or the counter-based draw
+    for that position, model/sampler.py) is what decoding would draw: no penalty (it would depend on the drafts
+    before it), no logprobs to report."""
+    return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
+            and params.logprobs is None)
 
 
 def fork_seed(request_seed: int, index: int) -> int:
@@ -144,7 +145,9 @@ class Engine:
         if out.is_empty:
             return []
         sampling, verify = self._sampling_requests(out)
+        t1 = time.perf_counter()
         result = self.runner.execute(out)
+        t2 = time.perf_counter()
         self.scheduler.update(out, self.seqs)
         finished: list[RequestOutput] = []
         if sampling:
@@ -155,7 +158,10 @@ class Engine:
                 for s in group.seqs:
                     self.seqs.pop(s.seq_id, None)
                     self.groups.pop(s.seq_id, None)
-        self._observe(t0, model_before)
+        m = self.metrics
+        m.schedule_time_s += t1 - t0
+        m.outputs_time_s += time.perf_counter() - t2
+        self._observe(t0, model_before, out)
         return finished
 
     def _sampling_requests(self, out: SchedulerOutput) -> tuple[list[Sequence], dict[int, ScheduledSeq]]:
@@ -208,7 +214,7 @@ class Engine:
                verify: dict[int, ScheduledSeq]) -> None:
         """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs.
         A plain row (one token, no logprobs, no grammar) takes the fast path: append, then its StopRule; a
-        row with drafts then keeps the drafts that greedy decoding confirms (_accept_drafts)."""
+        row with drafts then keeps the drafts that decoding confirms (_accept_drafts)."""
         tokens, lps = result.token_ids, result.logprobs
         top_ids, top_lps = result.top_token_ids, result.top_logprobs
         row = beam_row = 0
@@ -273,18 +279,18 @@ class Engine:
             return True
         return False
 
-    def _accept_drafts(self, seq: Sequence, token: int, chunk: ScheduledSeq, greedy: list[int], at: int) -> int:
-        """Keep the drafts of `chunk` that greedy decoding confirms: draft j stands when it equals the token drawn
-        before it (`token`, then the greedy token at the draft before); each one kept adds the greedy token at
-        its own row. Every appended token goes through the stop rule as a decoded one would. Returns how many
-        tokens were appended."""
+    def _accept_drafts(self, seq: Sequence, token: int, chunk: ScheduledSeq, drawn: list[int], at: int) -> int:
+        """Keep the drafts of `chunk` that decoding confirms: draft j stands when it equals the token drawn before
+        it (`token`, then the token drawn at the draft before); each one kept adds the token drawn at its own row
+        (the argmax, or the seeded draw of that position). Every appended token goes through the stop rule as a
+        decoded one would. Returns how many tokens were appended."""
         drafts = chunk.token_ids[1:]
         kept = 0
         for j in range(chunk.num_draft):
             if drafts[j] != token:
                 break
             kept += 1
-            token = greedy[at + j]
+            token = drawn[at + j]
             if self._append_plain(seq, token):
                 break
         self.metrics.draft_tokens += chunk.num_draft
@@ -366,7 +372,7 @@ class Engine:
         group.seqs = group.live()
 
     # ---- metrics -------------------------------------------------------------------------------------
-    def _observe(self, t0: float, model_before: float) -> None:
+    def _observe(self, t0: float, model_before: float, out: SchedulerOutput) -> None:
         m = self.metrics
         m.num_steps += 1
         live = running = 0
@@ -379,8 +385,13 @@ class Engine:
         m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)
         m.num_running = running
         dt = time.perf_counter() - t0
+        if self.scheduler.config.num_speculative_tokens:
+            self.scheduler.step_costs.observe(out.num_tokens, dt)  # what drafts cost (draft_policy.py)
         m.step_time_s += dt
         m.model_time_s = self.runner.model_time_s
+        timers = getattr(self.runner, "timers", None)  # (a test's stand-in runner may have none)
+        if timers is not None:
+            m.forward_time_s, m.logits_time_s, m.sampling_time_s = timers.forward_s, timers.logits_s, timers.sampling_s
         m.engine_overhead_s += dt - (self.runner.model_time_s - model_before)
 
     def metrics_dict(self) -> dict[str, float | int]:

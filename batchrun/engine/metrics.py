@@ -25,6 +25,13 @@ class EngineMetrics:
     model_time_s: float = 0.0
     engine_overhead_s: float = 0.0
     step_time_s: float = 0.0
+    # where a step's time goes (the runner's forward, logits and sampling timers, copied after each step; the
+    # engine's own scheduling and outputs: stop checks, forks, detokenizing, finished requests)
+    schedule_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    logits_time_s: float = 0.0
+    sampling_time_s: float = 0.0
+    outputs_time_s: float = 0.0
     kv_host_blocks_total: int = 0
     num_running: int = 0  # gauges after the last step: sequences running, waiting, swapped out
     num_waiting: int = 0

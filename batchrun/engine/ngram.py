@@ -1,30 +1,30 @@
 """Draft tokens for speculative decoding by prompt lookup (n-gram matching): no draft model.
 
-A greedy sequence's next tokens often repeat something already in its context (a quoted passage, a list's
+A sequence's next tokens often repeat something already in its context (a quoted passage, a list's
 pattern, a loop a small model falls into). The drafter finds the latest earlier occurrence of the sequence's
 last n tokens (n = MAX_N down to 1) and proposes the tokens that followed it; when those run into the end of
 the context (a loop shorter than the draft), it repeats them, as an earlier turn of the loop would read. The scheduler puts them after
 the sequence's decode token; one forward then checks them all, and the engine keeps the drafts that match
-what greedy decoding produces at each position, plus the model's own next token: one to 1 + k tokens for
+what decoding draws at each position (the argmax, or for a sampled row its seeded draw of that position, which
+is a function of the seed and the position only: model/sampler.py), plus the model's own next token: one to 1 + k tokens for
 one pass over the weights. A wrong draft costs only its row of compute.
 
 The index maps every n-gram of the context to where its latest occurrence ends; it is extended by the tokens
 appended since the last proposal, so a step costs O(new tokens), not O(context).
 
-How many drafts a sequence checks adapts to how well its drafter has been guessing (`limit`, set by
-record): a sequence keeps missing or keeps hitting for a while (it is in a loop or not), and a rejected
-draft's row is compute spent for nothing. The scheduler applies the limits only in a step whose proposals do
-not all fit its spare rows (Scheduler._plan_drafts).
+Which of a sequence's drafts a step checks is draft_policy.py's choice, from how often this sequence's drafts were
+kept (its KeepRate, updated by record) and what rows cost at the step's size.
 """
 
 from __future__ import annotations
 
+from batchrun.engine.draft_policy import KeepRate
+
 MAX_N = 3  # the longest suffix matched first: longer matches predict better, shorter ones match more often
-MISS_SLACK = 2  # drafts past the kept ones a sequence may still check after a miss (see record)
 
 
 class NgramDrafter:
-    __slots__ = ("index", "indexed", "min_len", "max_len", "max_draft", "limit")
+    __slots__ = ("index", "indexed", "min_len", "max_len", "max_draft", "keep")
 
     def __init__(self, min_len: int, max_len: int, max_draft: int = 1 << 30) -> None:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
@@ -32,7 +32,7 @@ class NgramDrafter:
         self.min_len = min_len  # drafts only from this length on (before it, min_tokens bans ids: not greedy)
         self.max_len = max_len  # the sequence stops at this length: no draft past it
         self.max_draft = max_draft
-        self.limit = max_draft  # how many drafts the next step should check when rows are short (see record)
+        self.keep = KeepRate()  # how often this sequence's drafts were kept
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens likely to follow token_ids (none when its last tokens occurred nowhere before). A
@@ -59,7 +59,5 @@ class NgramDrafter:
         return []
 
     def record(self, num_drafted: int, num_kept: int) -> None:
-        """The outcome of a step's drafts: after all were kept the limit doubles (up to max_draft), after a miss
-        it is the number kept plus MISS_SLACK."""
-        self.limit = min(2 * self.limit, self.max_draft) if num_kept == num_drafted else \
-            min(num_kept + MISS_SLACK, self.max_draft)
+        """The outcome of a step's drafts (the first num_kept of num_drafted were kept)."""
+        self.keep.record(num_drafted, num_kept)

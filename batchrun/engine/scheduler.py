@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
+from batchrun.engine.draft_policy import StepCosts, choose_drafts
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     preemption_mode: str = "auto"  # "recompute" | "swap" | "auto"
     # speculative decoding: draft tokens per decoding sequence with a drafter (0: none), while the step's decode
-    # rows and drafts stay within speculative_max_rows (a draft row is nearly free only while the forward is
-    # bound by reading the weights, not by compute)
+    # rows and drafts stay within speculative_max_rows; which are checked is draft_policy.py's choice
     num_speculative_tokens: int = 0
     speculative_max_rows: int = 128
     # For the auto cost model (see Scheduler._prefer_swap): filled in by the engine from the model.
@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # in arrival order
         self.swapped: deque[SequenceGroup] = deque()
         self.stats = StepStats()
+        self.step_costs = StepCosts()  # a step's seconds by its rows, observed by the engine (draft_policy.py)
         # sequences admitted with only part of their prompt scheduled: their next chunks (scheduled with the
         # running groups) are published ahead too, so a prefix split over steps is still shared in its step
         self._prefilling: dict[int, Sequence] = {}
@@ -267,17 +268,11 @@ class Scheduler:
         return True
 
     def _plan_drafts(self, spare: int) -> dict[int, list[int]]:
-        """Draft tokens for this step's decoding sequences, within `spare` rows: seq_id -> drafts.
-
-        When every proposal fits, each sequence checks all of its own: rows are cheap then, few sequences are
-        running and a step costs about the same whatever its rows (it reads the weights). When they do not, each
-        is cut to its drafter's limit (ngram.py: shorter after a miss) and the sequences with the most tokens
-        left to their max_tokens draft first: the workload's last steps are those of its longest sequences,
-        and drafts that shorten them save whole steps, where a draft for a sequence that ends early saves
-        none."""
+        """Draft tokens for this step's decoding sequences, within `spare` rows: seq_id -> drafts. Each sequence
+        proposes up to num_speculative_tokens; draft_policy.choose_drafts keeps those expected to pay for their
+        rows at this step's size (self.step_costs: what steps have cost by their rows)."""
         room = min(self.config.num_speculative_tokens, spare)
         proposals = []
-        total = 0
         for group in self.running:
             if len(group.seqs) == 1:
                 seq = group.seqs[0]
@@ -285,19 +280,10 @@ class Scheduler:
                         len(seq.token_ids) - seq.num_computed == 1:
                     drafts = seq.drafter.propose(seq.token_ids, room)
                     if drafts:
-                        proposals.append((seq, drafts))
-                        total += len(drafts)
-        if total <= spare:
-            return {seq.seq_id: drafts for seq, drafts in proposals}
-        proposals.sort(key=lambda p: len(p[0].token_ids) - p[0].drafter.max_len)  # most left first (stable)
-        plan: dict[int, list[int]] = {}
-        for seq, drafts in proposals:
-            drafts = drafts[: min(seq.drafter.limit, spare)]
-            plan[seq.seq_id] = drafts
-            spare -= len(drafts)
-            if spare <= 0:
-                break
-        return plan
+                        proposals.append((seq.seq_id, drafts, seq.drafter.keep.rate))
+        if not proposals:
+            return {}
+        return choose_drafts(proposals, len(self.running), spare, self.step_costs)
 
     def _schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput, budget: list[int]) -> bool:
         """Schedule a decoding sequence's token with the drafts after it (as many as the token budget leaves room

@@ -19,7 +19,7 @@ from operator import attrgetter
 
 import torch
 
-from batchrun.engine.contract import ScheduledSeq, SchedulerOutput, StepOutput
+from batchrun.engine.contract import RunnerTimers, ScheduledSeq, SchedulerOutput, StepOutput
 from batchrun.model.attention import AttentionMetadata
 from batchrun.model.backends import select_backend
 from batchrun.model.block_tables import BlockTableRows, int32_tensor, int64_tensor
@@ -31,6 +31,7 @@ from batchrun.model.sampling_batch import plan_sampling, sample_step
 log = logging.getLogger(__name__)
 
 _samples = attrgetter("sample")
+_num_draft = attrgetter("num_draft")
 
 
 @dataclass
@@ -82,6 +83,7 @@ class ModelRunner:
         self._pending_out: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
         self.graphs = None
         self.model_time_s = 0.0
+        self.timers = RunnerTimers()
         self.grammar_mask = None  # made at the first constrained row (structured outputs import xgrammar)
         # the step's block tables, kept across steps (rows as wide as the longest sequence the model takes)
         self.block_rows = BlockTableRows(-(-model.cos.shape[0] // shape.block_size))
@@ -241,16 +243,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Apply block moves, run the forward, sample what out.sampling asks (one host sync)."""
-        plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device) if out.sampling else None
+        t0 = time.perf_counter()
+        plan = None
+        if out.sampling:
+            num_drafts = list(map(_num_draft, filter(_samples, out.seqs))) if any(map(_num_draft, out.seqs)) else None
+            plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device, num_drafts)
+        planned = time.perf_counter() - t0
         logits = self.compute_logits(out)
         if logits is None or plan is None:
             return StepOutput()
+        t1 = time.perf_counter()
         num_sampling = len(out.sampling)
         drafts = logits[num_sampling:] if logits.shape[0] > num_sampling else None  # draft rows come last
         logits = logits[:num_sampling]
         if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
             self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
-        return sample_step(logits, plan, drafts)
+        result = sample_step(logits, plan, drafts)
+        self.timers.sampling_s += planned + time.perf_counter() - t1
+        return result
 
     def _mask_grammar_rows(self, logits: torch.Tensor, rows: list[int], grammars: list) -> None:
         if self.grammar_mask is None:
@@ -279,8 +289,13 @@ class ModelRunner:
             hidden = self.graphs.run(ids, ctx.positions, meta)
         else:
             hidden = self.model(ids, ctx)
+        t1 = time.perf_counter()
         logits = self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])
-        self.model_time_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        # (on CUDA the forward is queued, not run, by t1: the logits' time then holds most of it)
+        self.timers.forward_s += t1 - t0
+        self.timers.logits_s += t2 - t1
+        self.model_time_s += t2 - t0
         return logits
 
 

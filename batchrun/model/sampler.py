@@ -2,13 +2,23 @@
 
 Randomness is counter-based: the uniform number a sequence draws at output position t is a hash of
 (its seed, t), computed for all rows in one tensor op. So a request's samples depend only on its own seed,
-never on what else shares the batch, and no per-request generator object is kept or looped over. Tokens
-are drawn by inverse CDF over the processed distribution.
+never on what else shares the batch, and no per-request generator object is kept or looped over. The same
+(seed, t) gives the same token whether position t is drawn by a decode row or checked as a draft, after a
+preemption or a resume: a row's draws depend on its logits, its parameters and its seed alone.
 
-Every op here is per row and exact whatever the batch: torch's CPU softmax, log_softmax, sort, cumsum, argmax
-and topk over a [rows, vocab] tensor give each row the bits it gets alone (measured, and held by
-tests/test_batch_invariance.py), and an option another row turns on (top-k, top-p, min-p, penalties) is the
-identity on a row that leaves it off.
+A sampled row keeps the tokens that pass its filters and draws one of them by inverse CDF, in token id order,
+over e_i = exp((x_i - max x) / T). Each filter is a threshold on e (the largest e is 1):
+  top-k  the k-th largest e (every token tied with it is kept);
+  top-p  the largest t with sum(e_i >= t) >= top_p x the mass top-k left: the shortest prefix of the row sorted
+         by probability that reaches top_p (ties at its end all kept);
+  min-p  min_p (min_p x the most likely token's probability).
+No row is sorted: the CPU kernel (cpu_kernels/sampling.py: sample_rows, csrc/sampling.c) finds the thresholds by radix selection
+over the row's likely tokens, the GPU kernel (kernels/sampling.py) by bisection over the bits of e, and both
+give the kept set of the sorted definition. draw_reference is that definition in torch: the fallback without
+either kernel and the tests' reference.
+
+Every op here is per row: a row's token does not depend on the other rows of its batch (held by
+tests/test_batch_invariance.py), and an option another row turns on is the identity on a row that leaves it off.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,12 +64,11 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 class SamplingBatch:
     """Per-row sampling parameters for one step, as tensors on the logits' device."""
 
-    # greedy, temperature, seeds and counters are None when every row is greedy (argmax needs none of them)
-    greedy: torch.Tensor | None  # bool [B]
-    temperature: torch.Tensor | None  # float [B] (1.0 on greedy rows)
-    top_k: torch.Tensor | None  # int [B], 0 = off; None when no row uses it
-    top_p: torch.Tensor | None  # float [B]
-    min_p: torch.Tensor | None  # float [B]
+    # temperature, seeds and counters are None when every row is greedy (argmax needs none of them)
+    temperature: torch.Tensor | None  # float32 [B]: 0 on greedy rows
+    top_k: torch.Tensor | None  # int64 [B], 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # float32 [B], 1 = off
+    min_p: torch.Tensor | None  # float32 [B], 0 = off
     seeds: torch.Tensor | None  # int64 [B]
     counters: torch.Tensor | None  # int64 [B]: output position of the token being drawn
     all_greedy: bool
@@ -91,23 +103,56 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits - b.presence[:, None] * (b.output_counts > 0).float()
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+def draw_reference(logits: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    """The token of every row as the kernels draw it (the module docstring's definition), with a sort per sampled
+    row: the path where neither kernel runs, and the tests' reference. Greedy rows (temperature 0) take the
+    argmax."""
+    tokens = argmax_rows(logits)
+    sampled = (b.temperature > 0).nonzero().squeeze(1)
+    if sampled.numel() == 0:
+        return tokens
+    x = logits.index_select(0, sampled).float()
+    rows, vocab = x.shape
+    inv_t = 1.0 / b.temperature.index_select(0, sampled).float()
+    e = torch.exp((x - x.amax(dim=-1, keepdim=True)) * inv_t[:, None]).masked_fill(x == float("-inf"), 0.0)
+    ordered = e.sort(dim=-1, descending=True).values
+    threshold = torch.zeros(rows, dtype=torch.float32, device=e.device)
+    mass = e.double().sum(-1)
     if b.top_k is not None:
-        k = torch.where(b.top_k > 0, b.top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
-        kth = sorted_logits.gather(1, (k - 1)[:, None])
-        remove |= sorted_logits < kth
+        k = b.top_k.index_select(0, sampled)
+        on = (k > 0) & (k < vocab)
+        kth = ordered.gather(1, (k.clamp(1, vocab) - 1)[:, None]).squeeze(1)
+        threshold = torch.where(on, kth, threshold)
+        mass = (e * (e >= threshold[:, None])).double().sum(-1)
     if b.top_p is not None:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        # top_p = 1 is off: its row keeps every token. (`before >= 1` is true at the tail once the fp32
-        # cumsum rounds up to 1, which would drop tokens of a top_p = 1 row only when another row of its
-        # batch uses top_p: its draw would depend on its batch.)
-        limit = b.top_p.masked_fill(b.top_p >= 1, float("inf"))
-        remove |= before >= limit[:, None]
-        remove[:, 0] = False
-    return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        p = b.top_p.index_select(0, sampled)
+        kept = ordered * (ordered >= threshold[:, None])
+        prefix = kept.double().cumsum(-1)
+        # the first position whose prefix mass reaches top_p x mass (past the end by rounding: the last)
+        at = torch.searchsorted(prefix, (p.double() * mass)[:, None]).clamp(max=vocab - 1)
+        t_p = kept.gather(1, at).squeeze(1)
+        threshold = torch.where(p < 1, torch.maximum(threshold, t_p), threshold)
+    if b.min_p is not None:
+        threshold = torch.maximum(threshold, b.min_p.index_select(0, sampled).float())
+    weights = (e * ((e >= threshold[:, None]) & (e > 0))).double()
+    cdf = weights.cumsum(-1)
+    target = u.index_select(0, sampled).double() * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1).squeeze(1)
+    # rounding at the top end can land past the last kept token: take that token
+    last_kept = vocab - 1 - (weights > 0).flip(-1).int().argmax(-1)
+    drawn = torch.where(weights.gather(1, drawn[:, None]).squeeze(1) > 0, drawn, last_kept)
+    return tokens.index_copy(0, sampled, drawn)
+
+
+def draw(logits: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    """Every row's token: greedy rows their argmax, sampled rows a draw with their uniform u (float64 [B])."""
+    if logits.device.type == "cpu" and cpu_kernels.available():
+        return cpu_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
+    if logits.device.type == "cuda":
+        from kernels.sampling import sample_rows
+
+        return sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
+    return draw_reference(logits, b, u)
 
 
 _CHUNK = 64  # columns per chunk in argmax_rows (a vocabulary padded to a multiple of 64 divides)
@@ -135,30 +180,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerResult:
-    """logits: float32 [B, V]. One pass: penalties, bans, greedy argmax, and for the other rows
-    temperature, top-k / top-p / min-p and an inverse-CDF draw."""
+    """logits: float32 [B, V]. Penalties, bans, then the greedy argmax or, when some row samples, draw()."""
     raw = logits
     if b.repetition is not None:
         logits = apply_penalties(logits, b)
     if b.banned is not None:
         rows, ids = b.banned
         logits = logits.index_put((rows, ids), torch.tensor(float("-inf"), device=logits.device))
-    tokens = argmax_rows(logits)
-    if not b.all_greedy:
-        x = logits / b.temperature[:, None]
-        if b.top_k is not None or b.top_p is not None:
-            x = _mask_top_k_top_p(x, b)
-        probs = x.softmax(dim=-1)
-        if b.min_p is not None:
-            keep = probs >= b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
-        cdf = probs.double().cumsum(dim=-1)
-        u = uniform(b.seeds, b.counters) * cdf[:, -1]
-        drawn = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
-        # guard against rounding at the top end landing on a token with no mass
-        ok = probs.gather(1, drawn[:, None]).squeeze(1) > 0
-        drawn = torch.where(ok, drawn, probs.argmax(dim=-1))
-        tokens = torch.where(b.greedy, tokens, drawn)
+    if b.all_greedy:
+        tokens = argmax_rows(logits)
+    else:
+        tokens = draw(logits, b, uniform(b.seeds, b.counters))
     if not b.want_logprobs:
         return SamplerResult(tokens, None, None, None)
     logp = raw.log_softmax(dim=-1)

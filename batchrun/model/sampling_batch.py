@@ -19,10 +19,12 @@ _params_of = attrgetter("params")
 
 
 def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int] | None, vocab: int, device: torch.device,
-                         banned: tuple[list[int], list[int]] | None = None) -> SamplingBatch:
+                         banned: tuple[list[int], list[int]] | None = None,
+                         counters: list[int] | None = None) -> SamplingBatch:
     """Per-row parameters as tensors; row i draws with seeds[i] from the request rows[i] (a request drawing
     several samples appears once per seed; None: each row's one seed). `banned`: (row, token id) pairs that
-    may not be drawn (None: from the rows' banned_token_ids). What
+    may not be drawn (None: from the rows' banned_token_ids). `counters`: each row's output position (None: the
+    request's num_output; a draft row draws for a later position). What
     holds for the whole step is decided on the distinct parameter objects (a job's rows usually share one),
     so a greedy step costs one pass over the rows; O(tokens) only for rows with penalties."""
     dev = device
@@ -31,18 +33,20 @@ def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int] | None, v
     all_greedy = all(p.temperature == 0.0 for p in distinct)
     # a greedy step (a batch job's default) is an argmax: none of the draw's tensors are built for it
     drawing = not all_greedy
-    greedy = [p.temperature == 0.0 for p in params] if drawing else None
     if drawing and seeds is None:
         seeds = [r.seeds[0] for r in rows]
     b = SamplingBatch(
-        greedy=torch.tensor(greedy, device=dev) if drawing else None,
-        temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         if drawing else None,
-        top_k=torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k for p in distinct) else None,
-        top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in distinct) else None,
-        min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in distinct) else None,
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+        if any(p.top_k for p in distinct) else None,
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        if any(p.top_p < 1 for p in distinct) else None,
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        if any(p.min_p > 0 for p in distinct) else None,
         seeds=torch.tensor(seeds, dtype=torch.int64, device=dev) if drawing else None,
-        counters=torch.tensor([r.num_output for r in rows], dtype=torch.int64, device=dev) if drawing else None,
+        counters=torch.tensor([r.num_output for r in rows] if counters is None else counters, dtype=torch.int64,
+                              device=dev) if drawing else None,
         all_greedy=all_greedy,
     )
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in distinct):
@@ -91,6 +95,25 @@ class SamplingPlan:
     # structured outputs: the logits rows to mask and their matchers (empty: no row is constrained)
     grammar_rows: list[int] = field(default_factory=list)
     grammars: list = field(default_factory=list)
+    # the draft rows' sampling when some drafting row samples (None: every draft row takes its argmax)
+    drafts: SamplingBatch | None = None
+
+
+def plan_draft_sampling(requests: list[SamplingRequest], num_drafts: list[int], vocab: int,
+                        device: torch.device) -> SamplingBatch | None:
+    """The draft rows of a step (num_drafts[i] of them after request i's row, in order) drawn as their request
+    would draw at those positions: row j of request i draws output position num_output + 1 + j with the
+    request's seed, which is the token decoding would give there once the drafts before it are kept. None when
+    every drafting request is greedy (the argmax needs no parameters)."""
+    rows: list[SamplingRequest] = []
+    counters: list[int] = []
+    for r, k in zip(requests, num_drafts):
+        if k:
+            rows += [r] * k
+            counters += range(r.num_output + 1, r.num_output + 1 + k)
+    if all(r.params.temperature == 0.0 for r in rows):
+        return None
+    return build_sampling_batch(rows, [r.seeds[0] for r in rows], vocab, device, ([], []), counters)
 
 
 _grammar_of = attrgetter("grammar")
@@ -99,16 +122,19 @@ _banned_of = attrgetter("banned_token_ids")
 _seeds_of = attrgetter("seeds")
 
 
-def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingPlan:
-    """requests[i] samples from logits row i. The common step (every row a plain, unconstrained one-draw
-    row) is recognised with a few C-level passes and keeps the requests themselves as the drawn rows;
-    otherwise one Python pass sorts the rows out."""
+def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device,
+                  num_drafts: list[int] | None = None) -> SamplingPlan:
+    """requests[i] samples from logits row i; num_drafts[i] draft rows follow the requests' rows (None: no
+    drafts this step). The common step (every row a plain, unconstrained one-draw row) is recognised with a
+    few C-level passes and keeps the requests themselves as the drawn rows; otherwise one Python pass sorts
+    the rows out."""
     n = len(requests)
+    drafts = plan_draft_sampling(requests, num_drafts, vocab, device) if num_drafts else None
     if (n and not any(map(_beam_candidates_of, requests)) and set(map(len, map(_seeds_of, requests))) == {1}
             and list(map(_grammar_of, requests)).count(None) == n):
         banned = _banned_pairs(requests) if any(map(_banned_of, requests)) else ([], [])
         return SamplingPlan(rows=None, batch=build_sampling_batch(requests, None, vocab, device, banned),
-                            num_drawn=n, beam_rows=None, beams=[])
+                            num_drawn=n, beam_rows=None, beams=[], drafts=drafts)
     drawn: list[SamplingRequest] = []
     seeds: list[int] = []
     rows: list[int] = []  # logits row of each drawn sample, when some row draws other than once
@@ -152,6 +178,7 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
         beams=beams,
         grammar_rows=grammar_rows,
         grammars=grammars,
+        drafts=drafts,
     )
 
 
@@ -167,11 +194,14 @@ def _banned_pairs(drawn: list[SamplingRequest]) -> tuple[list[int], list[int]]:
 
 def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor | None = None) -> StepOutput:
     """logits: float32 [requests, V] -> the step's draws and beam candidates, with one host transfer.
-    drafts: float32 [draft rows, V], the logits of the draft rows (speculative decoding): their greedy tokens
-    (the argmax greedy sampling takes) come back as draft_token_ids."""
+    drafts: float32 [draft rows, V], the logits of the draft rows (speculative decoding): the token each row
+    gives at its position (plan.drafts; the argmax where every drafting row is greedy) comes back as
+    draft_token_ids."""
     parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
     result = None
-    draft_ids = argmax_rows(drafts) if drafts is not None else None
+    draft_ids = None
+    if drafts is not None:
+        draft_ids = argmax_rows(drafts) if plan.drafts is None else sample(drafts, plan.drafts).tokens
     if plan.batch is not None:
         result = sample(logits if plan.rows is None else logits[plan.rows], plan.batch)
         if result.logprob is None and not plan.beams:  # the common case: the tokens are all there is

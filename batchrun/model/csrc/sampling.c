@@ -1,11 +1,13 @@
-/* Kernels on a step's logits, between the model's last layer and the sampler: logits_top (bf16 logits widened
- * to fp32, each row's top k found in the same pass) and apply_token_bitmask (structured outputs' grammar mask).
- * Sampling kernels belong here too, with their ctypes wrappers in cpu_kernels/sampling.py.
+/* Kernels on a step's logits, between the model's last layer and the drawn tokens: logits_top (bf16 logits
+ * widened to fp32, each row's top k found in the same pass), apply_token_bitmask (structured outputs' grammar
+ * mask) and sample_rows (every row's token, greedy or drawn through top-k / top-p / min-p, without a sort). Their
+ * ctypes wrappers are cpu_kernels/sampling.py.
  *
- * Layout: logits [rows, vocab] (logits_top: contiguous; apply_token_bitmask: fp32 rows `stride` floats apart);
- * the bitmask int32 [rows, words] in xgrammar's layout (bit t % 32 of word t / 32 is token t).
+ * Layout: logits [rows, vocab] (logits_top: contiguous; apply_token_bitmask, sample_rows: fp32 rows `stride`
+ * floats apart); the bitmask int32 [rows, words] in xgrammar's layout (bit t % 32 of word t / 32 is token t).
  *
- * Threads: a parallel for over rows, above PAR_MIN_WORK elements (the bitmask: 16 times that). */
+ * Threads: a parallel for over rows, above PAR_MIN_WORK elements (the bitmask: 16 times that; sample_rows
+ * shares rows out dynamically, as a row's cost depends on its filters). */
 #include "common.h"
 
 /* ---- bf16 logits ------------------------------------------------------------------------------------ */
@@ -86,4 +88,295 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
         for (; t < vocab; t++)
             if (!((m[t / 32] >> (t % 32)) & 1u)) x[t] = -INFINITY;
     }
+}
+
+/* ---- sampling: one token per row without sorting the vocabulary ---------------------------------------- */
+
+/* A sampled row keeps the tokens whose probability passes its filters (top-k, top-p, min-p) and draws one
+ * of them by inverse CDF. Every filter is a threshold on e_i = exp((x_i - max x) / T), the unnormalised
+ * probability (the largest is exactly 1):
+ *   top-k: t_k = the k-th largest e (ties at it are all kept);
+ *   top-p: t_p = the largest t whose kept mass sum(e_i >= t) reaches top_p x the mass left by top-k (the
+ *          shortest prefix of the sorted row that reaches top_p, ties at its end all kept);
+ *   min-p: t_m = min_p (min_p x the largest probability, in e's units).
+ * The kept set is {i : e_i >= max(t_k, t_p, t_m)}. Thresholds are found by radix selection on the bits of e
+ * (non-negative floats order like their bit patterns): three passes of 10-bit digits, each over the members of
+ * the previous level's boundary bucket only, so the value found is exact. The first level runs over the
+ * candidates collected while e is computed, the e_i >= CANDIDATE of the row (a few dozen to a few thousand on
+ * a language model's rows), when they hold the answer (enough of them for top-k, enough mass for top-p), else
+ * over the whole row. The draw walks the kept tokens in id order with a double running sum until it passes
+ * u x their mass. A row's token is a function of its logits, its parameters and u alone (batch invariant).
+ * Threads: rows are shared out dynamically; each thread keeps its e and index buffers across calls. */
+#define CANDIDATE 0x1p-16f
+/* the floors tried in turn when the candidates do not hold the kept set (a peaked row's 50th token can be 2^-20
+ * of its first), then the whole row */
+static const float LOWER_FLOORS[] = {0x1p-24f, 0x1p-32f, 0.0f};
+#define DRAW_BLOCK (4 * VW) /* ids per block of the draw's running sum over a whole row */
+#define RADIX 2048 /* digits of 10, 10 and 11 bits: a non-negative float's 31 bits */
+
+ALWAYS uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+ALWAYS float bitsf(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+/* The largest t among e[idx[0..n)] (all > 0) with  sum_{e_i >= t} w_i >= target,  w_i = e_i (by_mass) or 1.
+ * tmp holds up to n indices. When rounding keeps the whole set short of target, the smallest value. */
+static float select_threshold(const float *e, const int32_t *idx, int64_t n, double target, int by_mass,
+                              int32_t *tmp) {
+    static const int shift[3] = {21, 11, 0};
+    static const uint32_t digit[3] = {1023, 1023, 2047};
+    double weight[RADIX];
+    const int32_t *members = idx;
+    double above = 0.0; /* the weight of every value above the current bucket's prefix */
+    uint32_t prefix = 0;
+    for (int level = 0; level < 3; level++) {
+        const int s = shift[level];
+        memset(weight, 0, sizeof(double) * (digit[level] + 1));
+        for (int64_t j = 0; j < n; j++) {
+            const float v = e[members[j]];
+            weight[(fbits(v) >> s) & digit[level]] += by_mass ? (double)v : 1.0;
+        }
+        int b = (int)digit[level], last = -1;
+        for (; b >= 0; b--) {
+            if (weight[b] == 0.0) continue;
+            last = b;
+            if (above + weight[b] >= target) break;
+            above += weight[b];
+        }
+        if (b < 0) { /* short of target by rounding: the lowest nonempty bucket */
+            b = last;
+            above -= weight[b];
+        }
+        prefix |= (uint32_t)b << s;
+        if (level == 2) break;
+        int64_t m = 0; /* the boundary bucket's members, for the next digit */
+        for (int64_t j = 0; j < n; j++)
+            if (((fbits(e[members[j]]) >> s) & digit[level]) == (uint32_t)b) tmp[m++] = members[j];
+        members = tmp, n = m; /* tmp is rewritten in place at the next level: it only shrinks */
+    }
+    return bitsf(prefix);
+}
+
+typedef struct {
+    float *e;
+    int32_t *idx, *tmp;
+    double *blocks; /* the kept mass of each DRAW_BLOCK ids */
+    int64_t cap;
+} SampleScratch;
+
+static __thread SampleScratch sample_scratch;
+
+static int sample_buffers(int64_t vocab) {
+    SampleScratch *s = &sample_scratch;
+    if (s->cap >= vocab) return 0;
+    free(s->e), free(s->idx), free(s->tmp), free(s->blocks);
+    s->e = malloc(sizeof(float) * (vocab + VW));
+    s->idx = malloc(sizeof(int32_t) * (vocab + VW));
+    s->tmp = malloc(sizeof(int32_t) * vocab);
+    s->blocks = malloc(sizeof(double) * (vocab / DRAW_BLOCK + 1));
+    s->cap = (s->e && s->idx && s->tmp && s->blocks) ? vocab : 0;
+    return s->cap ? 0 : 1;
+}
+
+/* The ids of e's values >= lo (> 0 when lo is 0), in id order, into idx (vocab + VW entries); their count. */
+static int64_t collect_at_least(const float *e, int64_t vocab, float lo, int32_t *idx) {
+    const float floor = lo > 0.0f ? lo : 0x1p-149f;
+    int64_t n = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(floor);
+    const __m512i step = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= vocab; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(e + i), f, _CMP_GE_OQ);
+        if (hit) {
+            const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), step);
+            _mm512_storeu_si512(idx + n, _mm512_maskz_compress_epi32(hit, ids));
+            n += __builtin_popcount(hit);
+        }
+    }
+#endif
+    for (; i < vocab; i++)
+        if (e[i] >= floor) idx[n++] = (int32_t)i;
+    return n;
+}
+
+/* The kept set of a row of weights e (>= 0, the largest emax) and its draw: ids idx[0..ncand) (in id order) are
+ * the row's e_i >= CANDIDATE x emax, when `select` (a top-k or top-p filter is on) asked for
+ * them; total is the row's mass. *threshold gets the kept set's threshold (every e_i >= it is kept; 0: every
+ * e_i > 0). Returns the token. */
+static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx, int64_t ncand, double total,
+                         int select, int64_t top_k, float top_p, float min_p, double u, float *threshold) {
+    SampleScratch *s = &sample_scratch;
+    float t = 0.0f;
+    double cand_mass = 0.0;
+    for (int64_t j = 0; j < ncand; j++) cand_mass += e[idx[j]];
+    if (select) {
+        double mass = total;
+        if (top_k > 0 && top_k < vocab) {
+            /* the k-th largest lies below the candidates: a lower floor, else the whole row */
+            for (int f = 0; f < 3 && ncand < top_k; f++)
+                ncand = collect_at_least(e, vocab, LOWER_FLOORS[f] * emax, idx);
+            t = select_threshold(e, idx, ncand, (double)top_k, 0, s->tmp);
+            mass = 0.0;
+            int64_t kept = 0;
+            for (int64_t j = 0; j < ncand; j++)
+                if (e[idx[j]] >= t) idx[kept++] = idx[j], mass += e[idx[j]];
+            ncand = kept, cand_mass = mass;
+        }
+        if (top_p < 1.0f) {
+            const double target = (double)top_p * mass;
+            for (int f = 0; f < 3 && cand_mass < target; f++) { /* too little mass: a lower floor, else all */
+                ncand = collect_at_least(e, vocab, LOWER_FLOORS[f] * emax, idx);
+                cand_mass = 0.0;
+                for (int64_t j = 0; j < ncand; j++) cand_mass += e[idx[j]];
+            }
+            const float tp = select_threshold(e, idx, ncand, target, 1, s->tmp);
+            t = tp > t ? tp : t;
+        }
+    }
+    const float tm = min_p * emax;
+    if (min_p > 0.0f && tm > t) t = tm;
+    *threshold = t;
+    /* the draw: the kept tokens in id order; with a filter on, the candidates (after any lower floor) hold them */
+    double kept_mass = 0.0, run = 0.0;
+    int64_t last = -1;
+    if (select) {
+        for (int64_t j = 0; j < ncand; j++) if (e[idx[j]] >= t) kept_mass += e[idx[j]];
+        const double target = u * kept_mass;
+        for (int64_t j = 0; j < ncand; j++) {
+            const float v = e[idx[j]];
+            if (v < t) continue;
+            run += v, last = idx[j];
+            if (run > target) return last;
+        }
+        return last < 0 ? 0 : last; /* (no token has mass: a row of weights only, never of logits) */
+    }
+    /* the whole row: the kept mass of each block of DRAW_BLOCK ids (vectors), then the walk inside one block */
+    const vf tv = vsplat(t > 0.0f ? t : 0x1p-149f);
+    const int64_t nblocks = vocab / DRAW_BLOCK;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const float *eb = e + b * DRAW_BLOCK;
+        vf a = {0};
+        for (int j = 0; j < DRAW_BLOCK; j += VW) {
+            const vf v = vload(eb + j);
+            a += vselect(v >= tv, v, vsplat(0.0f));
+        }
+        kept_mass += s->blocks[b] = hsum(a);
+    }
+    for (int64_t i = nblocks * DRAW_BLOCK; i < vocab; i++) if (e[i] >= tv[0]) kept_mass += e[i];
+    const double target = u * kept_mass;
+    int64_t i = 0;
+    for (int64_t b = 0; b < nblocks && run + s->blocks[b] <= target; b++) run += s->blocks[b], i += DRAW_BLOCK;
+    for (; i < vocab; i++) {
+        if (e[i] < tv[0]) continue;
+        run += e[i], last = i;
+        if (run > target) return last;
+    }
+    /* rounding left the walk short of target: the last kept id */
+    for (i = vocab - 1; i >= 0; i--) if (e[i] >= tv[0]) return i;
+    return 0;
+}
+
+/* One row of logits: its token (greedy when T = 0: the first maximum, or the first NaN as torch's argmax). */
+static int64_t sample_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          double u, float *threshold) {
+    vf mv = vsplat(-INFINITY);
+    vi nan = {0};
+    int64_t i = 0;
+    for (; i + VW <= vocab; i += VW) {
+        const vf v = vload(x + i);
+        mv = vselect(v > mv, v, mv);
+        nan |= v != v;
+    }
+    float m = -INFINITY;
+    int any_nan = 0;
+    for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m, any_nan |= nan[j];
+    for (; i < vocab; i++) m = x[i] > m ? x[i] : m, any_nan |= x[i] != x[i];
+    *threshold = 0.0f;
+    if (temperature <= 0.0f || m == -INFINITY || any_nan) {
+        for (i = 0; i < vocab; i++)
+            if (x[i] == m || x[i] != x[i]) return i;
+        return 0;
+    }
+    SampleScratch *s = &sample_scratch;
+    float *e = s->e;
+    int32_t *idx = s->idx;
+    const int select = (top_k > 0 && top_k < vocab) || top_p < 1.0f;
+    const float inv_t = 1.0f / temperature;
+    int64_t ncand = 0;
+    vf acc = {0};
+    const vf ninf = vsplat(-INFINITY), zero = vsplat(0.0f), cand = vsplat(CANDIDATE);
+#if defined(__AVX512F__)
+    const __m512i step = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+    for (i = 0; i + VW <= vocab; i += VW) {
+        const vf v = vload(x + i);
+        const vf ev = vselect(v == ninf, zero, exp_v((v - m) * inv_t)); /* masked tokens: no mass at all */
+        vstore(e + i, ev);
+        acc += ev;
+        if (select) {
+#if defined(__AVX512F__)
+            const __mmask16 hit = _mm512_cmp_ps_mask((__m512)ev, (__m512)cand, _CMP_GE_OQ);
+            if (hit) {
+                const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), step);
+                /* compress in a register, then a plain store (a compressing store is microcoded on AMD Zen 4;
+                 * idx has VW spare entries past vocab for the store's tail) */
+                _mm512_storeu_si512(idx + ncand, _mm512_maskz_compress_epi32(hit, ids));
+                ncand += __builtin_popcount(hit);
+            }
+#else
+            const vi hit = ev >= cand;
+            int any = 0;
+            for (int j = 0; j < VW; j++) any |= hit[j];
+            if (any)
+                for (int j = 0; j < VW; j++)
+                    if (hit[j]) idx[ncand++] = (int32_t)(i + j);
+#endif
+        }
+    }
+    double total = hsum(acc);
+    if (i < vocab) {
+        exp_tail(x + i, e + i, vocab - i, m, inv_t);
+        for (; i < vocab; i++) {
+            if (x[i] == -INFINITY) e[i] = 0.0f;
+            total += e[i];
+            if (select && e[i] >= CANDIDATE) idx[ncand++] = (int32_t)i;
+        }
+    }
+    return draw_kept(e, vocab, 1.0f, idx, ncand, total, select, top_k, top_p, min_p, u, threshold);
+}
+
+/* The same filters and draw on given weights w (>= 0; a test's window on draw_kept, with no exp between). */
+int sample_weights(const float *w, int64_t rows, int64_t vocab, const int64_t *top_k, const float *top_p,
+                   const float *min_p, const double *u, int64_t *out, float *threshold) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (sample_buffers(vocab)) return 1;
+        const float *e = w + r * vocab;
+        const int select = (top_k[r] > 0 && top_k[r] < vocab) || top_p[r] < 1.0f;
+        float emax = 0.0f;
+        double total = 0.0;
+        for (int64_t i = 0; i < vocab; i++) emax = e[i] > emax ? e[i] : emax, total += e[i];
+        int64_t ncand = 0;
+        for (int64_t i = 0; i < vocab && select; i++)
+            if (e[i] >= CANDIDATE * emax && e[i] > 0.0f) sample_scratch.idx[ncand++] = (int32_t)i;
+        out[r] = draw_kept(e, vocab, emax, sample_scratch.idx, ncand, total, select, top_k[r], top_p[r],
+                           min_p[r], u[r], threshold + r);
+    }
+    return 0;
+}
+
+/* out[r] = the token row r of logits (fp32, rows `stride` floats apart) draws: temperature[r] = 0 is greedy;
+ * top_k[r] <= 0 / top_p[r] >= 1 / min_p[r] <= 0 turn a filter off (NULL: off for every row); u[r] in [0, 1) is
+ * the row's uniform. Returns 1 when a thread could not get its buffers. */
+int sample_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab, const float *temperature,
+                const int64_t *top_k, const float *top_p, const float *min_p, const double *u, int64_t *out) {
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (rows * vocab > PAR_MIN_WORK) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        if (sample_buffers(vocab)) {
+            failed = 1;
+            continue;
+        }
+        float t;
+        out[r] = sample_row(logits + r * stride, vocab, temperature[r], top_k ? top_k[r] : 0, top_p ? top_p[r] : 1.0f,
+                            min_p ? min_p[r] : 0.0f, u[r], &t);
+    }
+    return failed;
 }

@@ -1,0 +1,115 @@
+"""Which draft tokens a step checks: only those expected to pay for their rows, judged from the engine's own timings.
+
+A draft row costs what one more row adds to the step; it returns a token only when it is kept (and every draft
+before it in its sequence). While a forward is bound by reading the weights (few rows, a large model) another row
+costs almost nothing and any draft pays; once it is bound by compute (many rows on a CPU) a row costs about as much
+as a decode row, and a draft pays only when it is nearly sure to be kept. Prompt lookup is sure on repetitive text
+and rarely right on natural replies (about a quarter of its drafts were kept on chat answers), so a fixed rule is
+wrong in one case or the other.
+
+The rule: a step's worth is the tokens it is expected to return over its time. StepCosts learns the time of a step by
+its number of rows (tokens) from the steps the engine runs; each sequence's drafter keeps how often its drafts were
+kept. choose_drafts orders every proposed draft by the chance that it is kept (the product of its sequence's keep
+rate over its position) and checks the prefix of that order that makes the step's expected tokens per second
+largest, which is none where the rows cost more than they return.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# Step sizes whose times are learned: each observed step updates the nearest point at or below its rows.
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+        6144, 8192, 12288, 16384)
+SMOOTHING = 0.25  # the weight of a new step in its point's running means (the machine's speed drifts)
+PRIOR_KEEP_RATE = 0.5  # a drafter's keep rate before anything is known, and the weight of that guess
+PRIOR_WEIGHT = 4.0
+
+
+@dataclass
+class StepCosts:
+    """Seconds a step takes by its rows: running means of (rows, seconds) per GRID point, interpolated."""
+
+    rows: list[float] = field(default_factory=lambda: [0.0] * len(GRID))
+    seconds: list[float] = field(default_factory=lambda: [0.0] * len(GRID))
+    seen: list[bool] = field(default_factory=lambda: [False] * len(GRID))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        i = max(bisect.bisect_right(GRID, rows) - 1, 0)
+        if not self.seen[i]:
+            self.rows[i], self.seconds[i], self.seen[i] = float(rows), seconds, True
+            return
+        self.rows[i] += SMOOTHING * (rows - self.rows[i])
+        self.seconds[i] += SMOOTHING * (seconds - self.seconds[i])
+
+    def curve(self) -> list[tuple[float, float]]:
+        """The learned points (rows, seconds), by rows; a point slower than one with more rows is dropped (noise:
+        a step never gets cheaper with more rows)."""
+        points = [(r, s) for r, s, ok in zip(self.rows, self.seconds, self.seen) if ok]
+        kept: list[tuple[float, float]] = []
+        for r, s in points:
+            while kept and kept[-1][1] > s:
+                kept.pop()
+            kept.append((r, s))
+        return kept
+
+    @staticmethod
+    def at(curve: list[tuple[float, float]], rows: float) -> float:
+        """A step's seconds at `rows` on a curve of >= 2 points: linear between points, the last slope past them,
+        the first point's time below them."""
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        i = min(bisect.bisect_left(curve, (rows, -1.0)), len(curve) - 1)
+        (r0, s0), (r1, s1) = curve[i - 1], curve[i]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+
+@dataclass
+class KeepRate:
+    """How often one sequence's drafts were kept: each checked position is a trial (the drafts up to and including
+    the first miss), each kept draft a success; smoothed toward PRIOR_KEEP_RATE by PRIOR_WEIGHT trials."""
+
+    kept: int = 0
+    trials: int = 0
+
+    def record(self, num_drafted: int, num_kept: int) -> None:
+        self.kept += num_kept
+        self.trials += num_kept + (num_kept < num_drafted)
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + PRIOR_KEEP_RATE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+
+def choose_drafts(proposals: list[tuple[int, list[int], float]], rows: int, spare: int,
+                  costs: StepCosts) -> dict[int, list[int]]:
+    """proposals: (seq_id, drafts, keep rate) of the sequences that have drafts; rows: the step's rows without
+    drafts (at least its decode rows). Returns seq_id -> the prefix of its drafts to check, at most `spare` in all:
+    the choice that makes (rows + expected kept drafts) / seconds(rows + drafts) largest. Nothing until the costs
+    have two points (a step's time against its rows is unknown before)."""
+    curve = costs.curve()
+    if len(curve) < 2 or rows <= 0:
+        return {}
+    chances: list[tuple[float, int, int]] = []  # (chance the draft is kept, its position, seq index)
+    for s, (_, drafts, rate) in enumerate(proposals):
+        chance = 1.0
+        for j in range(len(drafts)):
+            chance *= rate
+            chances.append((chance, j, s))
+    chances.sort(key=lambda c: -c[0])  # stable: a sequence's drafts stay in order (their chances fall with j)
+    chances = chances[:spare]
+    base = StepCosts.at(curve, rows)
+    best, best_n, expected = rows / base, 0, 0.0
+    for n, (chance, _, _) in enumerate(chances, start=1):
+        expected += chance
+        worth = (rows + expected) / StepCosts.at(curve, rows + n)
+        if worth > best:
+            best, best_n = worth, n
+    plan: dict[int, list[int]] = {}
+    for _, j, s in chances[:best_n]:
+        seq_id, drafts, _ = proposals[s]
+        plan[seq_id] = drafts[: j + 1] if j + 1 > len(plan.get(seq_id, ())) else plan[seq_id]
+    return plan
