@@ -158,3 +158,27 @@ def test_top_k_one_and_a_tiny_top_p_are_the_argmax():
         if cpu_kernels.available():
             assert torch.equal(cpu_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u),
                                logits.argmax(-1))
+
+
+def test_the_triton_kernel_draws_what_the_torch_reference_draws():
+    """The GPU kernel, interpreted here (TRITON_INTERPRET=1 without CUDA): greedy rows their argmax, sampled rows the
+    reference's token but for a few near a boundary (fp32 sums where the reference sums in fp64), never a token
+    outside the kept set."""
+    from kernels.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(48, 1000, generator=g) * 3
+    logits[::5, ::3] = float("-inf")
+    b = _mixed_batch(48, 8)
+    u = uniform(torch.arange(48), torch.full((48,), 3))
+    got = sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
+    want = draw_reference(logits, b, u)
+    greedy = b.temperature == 0
+    assert torch.equal(got[greedy], argmax_rows(logits)[greedy])
+    assert (got == want).float().mean() >= 0.97
+    assert not torch.isinf(logits.gather(1, got[:, None])).any()
+    # filters off for every row (None) and on: a row's token is the same whatever the other rows ask
+    plain, x, u = _batch(8, 0.9), logits[:8], u[:8]
+    assert torch.equal(sample_rows(x, plain.temperature, None, None, None, u),
+                       sample_rows(x, plain.temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8),
+                                   torch.zeros(8), u))
