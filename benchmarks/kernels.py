@@ -35,6 +35,7 @@ _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # paged_decode reports a failed allocation
 _OLD_DECODE = {"paged_decode": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B])}
 _CSRC = "batchrun/model/csrc"
+_REPO = Path(__file__).resolve().parents[1]
 
 
 CLOCK = time.perf_counter  # main() switches to this thread's CPU time when it runs on one thread
@@ -50,17 +51,16 @@ def _seconds(fn: Callable[[], object], budget_s: float = 0.05) -> float:
     return elapsed / calls
 
 
-def _git(*args: str) -> bytes:
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+def revision_source(ref: str, repo: Path = _REPO) -> dict[str, bytes]:
+    """The C sources and headers of csrc/ as of git revision `ref` of `repo`, by file name, for cpu_kernels.build
+    (what --baseline builds, here and in benchmarks.linears): one cpu_kernels.c before the kernels were split by
+    family, a .c file per family and common.h after."""
 
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=True).stdout
 
-def revision_source(ref: str) -> dict[str, bytes]:
-    """The C sources and headers of csrc/ as of git revision `ref`, by file name, for cpu_kernels.build (what
-    --baseline builds, here and in benchmarks.linears): one cpu_kernels.c before the kernels were split by family,
-    a .c file per family and common.h after."""
-    names = _git("ls-tree", "--name-only", f"{ref}:{_CSRC}").decode().split()
-    return {name: _git("show", f"{ref}:{_CSRC}/{name}") for name in names if name.endswith((".c", ".h"))}
+    names = git("ls-tree", "--name-only", f"{ref}:{_CSRC}").decode().split()
+    return {name: git("show", f"{ref}:{_CSRC}/{name}") for name in names if name.endswith((".c", ".h"))}
 
 
 def mentions(src: dict[str, bytes], text: str) -> bool:

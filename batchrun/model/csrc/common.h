@@ -1,7 +1,7 @@
 /* What every kernel family of the CPU library shares: the CPU feature dispatch, the vector types and the fp32 /
  * bf16 loads and stores, exp, and the threading conventions. The families (attention.c, elementwise.c,
- * sampling.c, linears.c) are compiled together into one shared library (cpu_kernels.py builds it, keyed by
- * every source and header, the compiler, the flags and the CPU); each includes this header first.
+ * sampling.c, linears.c) are compiled together into one shared library (cpu_kernels/__init__.py builds it,
+ * keyed by every source and header, the compiler, the flags and the CPU); each includes this header first.
  *
  * On a CPU these ops are bound by memory traffic and by per-op dispatch, not by arithmetic: torch runs an
  * RMSNorm as five passes over the activations and a decode attention as a gather, a copy and SDPA. Each kernel

@@ -25,8 +25,8 @@
  * bf16 weights (linear_bf16) go through the same kernel, widened to fp32 as they are loaded (a shift): bf16 x
  * bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the few-row
  * calls of a bf16 decode step where oneDNN's AMX kernels read the weights at about half the memory bandwidth
- * (cpu_kernels.SMALL_ROWS says up to which row count it wins), and every call where oneDNN has no bf16 kernels
- * (cpu_linear.own_kernel). The bf16 rows of x are widened a chunk at a time into a scratch buffer. */
+ * (SMALL_ROWS in cpu_kernels/linears.py says up to which row count it wins), and every call where oneDNN has no
+ * bf16 kernels (cpu_linear.own_kernel). The bf16 rows of x are widened a chunk at a time into a scratch buffer. */
 /* The register tile of one ISA: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES outputs (AVX-512: 8 x 3 x 16,
  * 24 of its 32 registers; AVX2 + FMA: 4 x 3 x 8, 12 of its 16 registers, the other 4 for the panel's vectors and
  * the broadcast row value). pv_* are the few vector operations the tile needs. The arithmetic of an output is
@@ -250,8 +250,8 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
  * prefetch. With more, the panel goes in k blocks of AMX_KB chunks that stay in L1 while every row tile of the
  * call's row chunk takes them in turn (its sums parked in `part` between blocks), instead of each row tile
  * reading the whole panel again from L2 (64 rows: 17.5-18.5 ms against 20.1 over SmolLM2's linears). Past
- * about 128 rows oneDNN's AMX kernels are as fast or faster (cpu_kernels.AMX_SMALL_ROWS); here a pass at 128
- * rows takes about the weight stream's time plus the compute's (30 ms against 11 + 17), and prefetching the
+ * about 128 rows oneDNN's AMX kernels are as fast or faster (AMX_SMALL_ROWS in cpu_kernels/linears.py); here a
+ * pass at 128 rows takes about the weight stream's time plus the compute's (30 ms against 11 + 17), and prefetching the
  * next k block during the other row tiles' compute did not change that. An output's sum is the same chain of tile
  * products whatever the row count, so a row's result does not depend on the other rows. */
 #define AMX_ROWS 16
