@@ -97,7 +97,7 @@ class Workload:
                 "output_tokens": self.output_tokens, "prompt_len_min": min(p), "prompt_len_mean": sum(p) / len(p),
                 "prompt_len_max": max(p), "output_len_min": min(self.output_lens),
                 "output_len_mean": self.output_tokens / len(self), "output_len_max": max(self.output_lens),
-                **self.meta}
+                "decoding": self.decoding.label, **self.meta}
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
