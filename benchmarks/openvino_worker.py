@@ -184,6 +184,8 @@ def task_openvino(spec: dict[str, Any]) -> Result:
         prompts = _tensors(wl.prompts)
         with Clock(threads) as clock:
             outs = pipe.generate(prompts, configs)
+        # one EncodedGenerationResult per request, in request order; with n > 1 its samples come best score
+        # first (GenAI sorts them by cumulative log-probability), not in the order they were drawn
         samples = [[strip_eos(list(ids), decoding) for ids in o.m_generation_ids] for o in outs]
         outputs = [s[0] if n == 1 else s for s in samples]
         metrics = pipe.get_metrics()
@@ -193,7 +195,7 @@ def task_openvino(spec: dict[str, Any]) -> Result:
                      "kv_block_bytes": block_bytes, "max_cache_usage_pct": float(metrics.max_cache_usage),
                      "config": {"dtype": dtype, "kv_cache_precision": kv_precision,
                                 "prefix_caching": scheduler["enable_prefix_caching"], "kv_bytes": spec["kv_bytes"],
-                                "scheduler": {k: v for k, v in scheduler.items()}, "properties": properties,
+                                "scheduler": dict(scheduler), "properties": properties,
                                 "decoding": decoding}})
         if runs[-1]["kv_cache_bytes"] != num_blocks * block_bytes:
             log.warning("KV cache: %d bytes allocated, %d x %d expected (kv_block_bytes is out of date)",
