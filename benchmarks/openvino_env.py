@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 OPENVINO = ["openvino==2026.4.1", "openvino-genai==2026.4.1.0", "openvino-tokenizers==2026.4.1.0",
             "optimum-intel[openvino]==1.27.0"]
 TORCH = ("torch==2.13.0+cpu", "torch==2.13.0")  # the local CPU build first: plain 2.13.0 on PyPI is CUDA's
-EXTRA = ["pyarrow"]
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 # What the export reads from a checkpoint: the cache key hashes these files' names, sizes and mtimes (a
 # checkpoint rewritten in place gets a new IR; hashing the bytes of a 2 GB model would cost seconds each run).
@@ -91,7 +90,7 @@ def ensure_venv() -> Path:
             # optimum's requirements name torch unpinned: the constraint keeps the CPU build in place
             constraints = Path(tmp) / "constraints.txt"
             constraints.write_text(f"torch=={torch_version}\n")
-            _pip(py, "-c", str(constraints), *OPENVINO, *EXTRA)
+            _pip(py, "-c", str(constraints), *OPENVINO)
     except subprocess.CalledProcessError as e:
         err = (e.stderr or b"")
         err = (err.decode(errors="replace") if isinstance(err, bytes) else err).strip().splitlines()
@@ -181,8 +180,11 @@ def export(checkpoint: str | Path, weight_format: str = "fp32", threads: int = 2
     """The OpenVINO IR folder of a HF checkpoint folder, exported once (`optimum-cli export openvino --task
     text-generation-with-past`) and then reused; raises RuntimeError with the reason if it cannot.
 
-    The export goes to a folder beside the cache entry and is renamed into place when complete, so a killed
-    export is never taken for a made one."""
+    The weight format is always passed: without it optimum-cli compresses the weights of a model over 1B
+    parameters to int8 on its own. fp32 of a bf16 checkpoint is exact (the weights are widened; the IR is twice
+    the checkpoint's size, ~5 GB for a 1.2B model); a bf16 row then runs in bf16 through
+    INFERENCE_PRECISION_HINT, which converts the weights as the model compiles. The export goes to a folder beside
+    the cache entry and is renamed into place when complete, so a killed export is never taken for a made one."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
     checkpoint = Path(checkpoint)
