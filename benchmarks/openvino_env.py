@@ -1,0 +1,278 @@
+"""OpenVINO GenAI as a benchmark peer: its own virtualenv, made on first use, and the export of a checkpoint to
+OpenVINO's IR, cached.
+
+OpenVINO GenAI runs models in OpenVINO's IR (an .xml graph and a .bin of weights), which optimum-intel's
+`optimum-cli export openvino` makes from a Hugging Face checkpoint. optimum-intel 1.27 wants transformers 4.57.x
+(the project's venv has 5.x), so the runtime and the exporter live in a venv of their own under the batchrun cache
+(`$BATCHRUN_CACHE/openvino-venv`). It is made in steps: the local CPU build of torch first (an unpinned torch,
+which optimum pulls, is CUDA's multi-GB build), then OpenVINO, GenAI, its tokenizers and optimum-intel, with torch
+held by a constraint so that pip's resolution cannot swap it. optimum-intel 2.x is not used: it needs
+torchvision, which pulls a CUDA torch.
+
+`python -m benchmarks.openvino_env` makes the venv (or says why it cannot) and prints its python;
+`python -m benchmarks.openvino_env CHECKPOINT [fp32|int8|int4]` also exports that checkpoint and prints the IR's
+folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from batchrun.model.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+OPENVINO = ["openvino==2026.4.1", "openvino-genai==2026.4.1.0", "openvino-tokenizers==2026.4.1.0",
+            "optimum-intel[openvino]==1.27.0"]
+TORCH = ("torch==2.13.0+cpu", "torch==2.13.0")  # the local CPU build first: plain 2.13.0 on PyPI is CUDA's
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+# What the export reads from a checkpoint: the cache key hashes these files' names, sizes and mtimes (a
+# checkpoint rewritten in place gets a new IR; hashing the bytes of a 2 GB model would cost seconds each run).
+KEY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "special_tokens_map.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def venv_dir() -> Path:
+    return cache_dir() / "openvino-venv"
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "openvino-models"
+
+
+def _stamp() -> Path:
+    return venv_dir() / (".ready-" + "-".join(OPENVINO[:2]).replace("==", "_"))
+
+
+def _pip(py: Path, *args: str, timeout: float = 3600) -> None:
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *args], check=True, timeout=timeout,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def is_ready() -> bool:
+    """The venv has been made (ensure_venv would not download anything)."""
+    return _stamp().is_file() and venv_python().is_file()
+
+
+def ensure_venv() -> Path:
+    """The venv's python, making the venv first if needed; raises RuntimeError with the reason if it cannot."""
+    py = venv_python()
+    if is_ready():
+        return py
+    try:
+        if not py.is_file():
+            # the venv's base is the interpreter under the project's venv: nothing of the project carries over
+            subprocess.run([sys.executable, "-m", "venv", str(venv_dir())], check=True, timeout=300,
+                           capture_output=True)
+        for torch_req in TORCH:
+            try:
+                _pip(py, torch_req)
+                break
+            except subprocess.CalledProcessError:
+                continue
+        else:
+            raise RuntimeError(f"could not install {' or '.join(TORCH)} into {venv_dir()}")
+        torch_version = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"], check=True,
+                                       timeout=300, capture_output=True, text=True).stdout.strip()
+        with tempfile.TemporaryDirectory() as tmp:
+            # optimum's requirements name torch unpinned: the constraint keeps the CPU build in place
+            constraints = Path(tmp) / "constraints.txt"
+            constraints.write_text(f"torch=={torch_version}\n")
+            _pip(py, "-c", str(constraints), *OPENVINO)
+    except subprocess.CalledProcessError as e:
+        err = (e.stderr or b"")
+        err = (err.decode(errors="replace") if isinstance(err, bytes) else err).strip().splitlines()
+        raise RuntimeError(f"making the OpenVINO venv failed: {' | '.join(err[-3:]) or e}") from e
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"making the OpenVINO venv failed: {e}") from e
+    _stamp().write_text("\n".join(OPENVINO) + "\n")
+    return py
+
+
+def environment(threads: int) -> dict[str, str]:
+    """The worker's and the exporter's environment: nothing of the project's venv on the path, OpenMP-style
+    thread counts for whatever reads them (OpenVINO itself takes INFERENCE_NUM_THREADS, set by the worker), and
+    no hub access."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD", "VIRTUAL_ENV")}
+    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1"})
+    return env
+
+
+# ---- exporting a checkpoint to OpenVINO's IR -------------------------------------------------------------
+
+
+def checkpoint_key(checkpoint: Path) -> str:
+    """A short hash of what the export reads: the names, sizes and mtimes of the checkpoint's config, tokenizer
+    and weight files."""
+    files = sorted(p for p in checkpoint.iterdir()
+                   if p.is_file() and (p.name in KEY_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def export_dir(checkpoint: Path, weight_format: str = "fp32") -> Path:
+    """Where the IR of this checkpoint in this weight format is cached: <name>-<key>-<format>."""
+    return models_dir() / f"{checkpoint.resolve().name}-{checkpoint_key(checkpoint)}-{weight_format}"
+
+
+def legacy_config(cfg: dict) -> dict:
+    """A config.json written by transformers 5 as transformers 4.57 (optimum-intel 1.27's) reads it.
+
+    Pitfall: transformers 5 keeps RoPE's base under `rope_parameters`; 4.57 ignores that key and silently takes
+    its default rope_theta (10000). SmolLM2's is 100000, so an export of the file as it is runs with the wrong
+    positions and no error. The base (and a scaling, if any) go back to 4.x's top-level keys.
+    """
+    out = dict(cfg)
+    rope = out.pop("rope_parameters", None)
+    if isinstance(rope, dict):
+        if "rope_theta" in rope:
+            out.setdefault("rope_theta", rope["rope_theta"])
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") != "default":
+            out.setdefault("rope_scaling", scaling)
+    if "dtype" in out:
+        out.setdefault("torch_dtype", out["dtype"])
+    return out
+
+
+def legacy_tokenizer_config(cfg: dict) -> dict:
+    """A tokenizer_config.json written by transformers 5 as 4.57 reads it.
+
+    Pitfall: transformers 5 names its tokenizer class `TokenizersBackend`, which 4.57 does not know; optimum-cli
+    then leaves the tokenizer out of the export without a word (no openvino_tokenizer.xml, and GenAI's pipeline
+    will not load without it). 4.57's class for a tokenizer.json is PreTrainedTokenizerFast.
+    """
+    out = {k: v for k, v in cfg.items() if k != "backend"}
+    if out.get("tokenizer_class") in (None, "TokenizersBackend"):
+        out["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return out
+
+
+def _stage(checkpoint: Path, into: Path) -> None:
+    """The checkpoint as transformers 4.57 reads it: its files linked, the two configs rewritten."""
+    into.mkdir(parents=True, exist_ok=True)
+    for p in checkpoint.iterdir():
+        if p.is_file():
+            (into / p.name).symlink_to(p.resolve())
+    for name, fix in (("config.json", legacy_config), ("tokenizer_config.json", legacy_tokenizer_config)):
+        if (checkpoint / name).is_file():
+            (into / name).unlink()
+            (into / name).write_text(json.dumps(fix(json.loads((checkpoint / name).read_text())), indent=1))
+
+
+def export(checkpoint: str | Path, weight_format: str = "fp32", threads: int = 2) -> Path:
+    """The OpenVINO IR folder of a HF checkpoint folder, exported once (`optimum-cli export openvino --task
+    text-generation-with-past`) and then reused; raises RuntimeError with the reason if it cannot.
+
+    The weight format is always passed: without it optimum-cli compresses the weights of a model over 1B
+    parameters to int8 on its own. fp32 of a bf16 checkpoint is exact (the weights are widened; the IR is twice
+    the checkpoint's size, ~5 GB for a 1.2B model); a bf16 row then runs in bf16 through
+    INFERENCE_PRECISION_HINT, which converts the weights as the model compiles. The export goes to a folder beside
+    the cache entry and is renamed into place when complete, so a killed export is never taken for a made one."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r}: choose from {', '.join(WEIGHT_FORMATS)}")
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise RuntimeError(f"{checkpoint} is not a checkpoint folder (no config.json)")
+    target = export_dir(checkpoint, weight_format)
+    if (target / "openvino_model.xml").is_file():
+        return target
+    py = ensure_venv()
+    models_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=".export-") as tmp:
+        staged, out = Path(tmp) / "checkpoint", Path(tmp) / "ir"
+        _stage(checkpoint, staged)
+        cmd = [str(py.parent / "optimum-cli"), "export", "openvino", "--model", str(staged),
+               "--task", "text-generation-with-past", "--weight-format", weight_format, str(out)]
+        log.info("exporting %s to OpenVINO IR (%s)", checkpoint, weight_format)
+        proc = subprocess.run(cmd, env=environment(threads), capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0 or not (out / "openvino_model.xml").is_file():
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise RuntimeError(f"exporting {checkpoint} to OpenVINO failed: {tail}")
+        if not (out / "openvino_tokenizer.xml").is_file():
+            raise RuntimeError(f"exporting {checkpoint} to OpenVINO made no tokenizer (openvino_tokenizer.xml), "
+                               "which GenAI's pipeline needs")
+        # the staged copy's links are not part of the IR: every file the export wrote is a plain file
+        out.rename(target)
+    return target
+
+
+class OpenvinoSetup:
+    """The OpenVINO GenAI peer for one benchmark run: the venv made (or the reason it could not be), each
+    checkpoint exported once, then one worker per row through the orchestrator's runner."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.python: Path | None = None
+        self.error: str | None = None
+        try:
+            self.python = ensure_venv()
+        except RuntimeError as e:
+            self.error = str(e)
+
+    def run(self, runner, name: str, base: dict, dtype: str, kv_bytes: int, kv_cache_precision: str | None = None,
+            prefix_caching: bool = True, weight_format: str = "fp32", scheduler: dict | None = None,
+            properties: dict | None = None) -> dict:
+        """One OpenVINO worker on the row's workload (base["workload"], base["model_path"]: a HF checkpoint,
+        exported here); {"error": ...} (a failed row in the report) without a venv or an export.
+
+        kv_bytes is the KV cache's size; the worker rounds it down to OpenVINO's 32-token CPU blocks
+        (openvino_worker.CPU_BLOCK_SIZE), so a caller that wants every request to fit at once passes at least
+        the workload's demand in 32-token blocks. kv_cache_precision None is the row's dtype; "u8" is the CPU
+        plugin's own default, a row of its own."""
+        config = {"dtype": dtype, "kv_cache_precision": kv_cache_precision or dtype}
+        if self.python is None:
+            return {"error": f"OpenVINO GenAI not run: {self.error}", "config": config}
+        try:
+            ir = export(base["model_path"], weight_format, self.threads)
+        except RuntimeError as e:
+            return {"error": f"OpenVINO GenAI not run: {e}", "config": config}
+        spec = {**base, "model_path": str(ir), "checkpoint": str(base["model_path"]), "dtype": dtype,
+                "kv_bytes": int(kv_bytes), "kv_cache_precision": kv_cache_precision, "prefix_caching": prefix_caching,
+                "scheduler": scheduler or {}, "properties": properties or {}}
+        res = runner(name, spec, python=str(self.python), env=environment(self.threads),
+                     module="benchmarks.openvino_worker")
+        if "error" in res:
+            res["config"] = config
+        return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Make the venv and print its python; with a checkpoint folder (or builtin:NAME), export it too and print
+    the IR's folder."""
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO)
+    try:
+        py = ensure_venv()
+        print(py)
+        if args:
+            ckpt = args[0]
+            if ckpt.startswith("builtin:"):
+                from batchrun.model.builtin import builtin_path
+
+                ckpt = str(builtin_path(ckpt.removeprefix("builtin:")))
+            print(export(ckpt, args[1] if len(args) > 1 else "fp32"))
+    except (RuntimeError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
