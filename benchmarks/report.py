@@ -261,8 +261,8 @@ def summary_table(res: dict[str, Any]) -> list[str]:
         br = variants[0] if variants else None  # run_model puts the default first, then the one without drafts
         nodraft = variants[1] if len(variants) > 1 else None
         vl = _variant(d, "vllm", lambda c: not c.get("speculative_config"))
-        ov = _variant(d, "openvino", lambda c: c.get("kv_precision", "") != "u8")
-        ov8 = _variant(d, "openvino", lambda c: c.get("kv_precision", "") == "u8")
+        ov = _variant(d, "openvino", lambda c: c.get("kv_cache_precision") != "u8")
+        ov8 = _variant(d, "openvino", lambda c: c.get("kv_cache_precision") == "u8")
         fp = d.get("fastest_peer")
         ratio = _f(fp["ratio"], "{:.2f}x") if fp else "-"
         lines.append(f"| {_row_name(m)} | {rate(br)} | {rate(nodraft)} | {rate(vl)} | {rate(ov)} | {rate(ov8)} | "
@@ -310,6 +310,8 @@ def _cfg(c: dict[str, Any]) -> str:
         parts.append(f"n-gram drafts {c['speculative_config'].get('num_speculative_tokens')}")
     if "kv_cache_memory_bytes" in c:
         parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
+    if c.get("kv_cache_precision"):
+        parts.append(f"KV {c['kv_cache_precision']}")
     return ", ".join(parts) or "-"
 
 
