@@ -8,8 +8,9 @@ and rarely right on natural replies (about a quarter of its drafts were kept on 
 wrong in one case or the other.
 
 The rule: a step's worth is the tokens it is expected to return over its time. StepCosts learns the time of a step by
-its number of rows (tokens) from the steps the engine runs; each sequence's drafter keeps how often its drafts were
-kept. choose_drafts orders every proposed draft by the chance that it is kept (the product of its sequence's keep
+its number of rows from the steps the engine runs that only decode (with drafts or not: a prompt chunk's rows are
+cheaper each, one large matmul, and would make draft rows look cheap); each sequence's drafter keeps how often its
+drafts were kept. choose_drafts orders every proposed draft by the chance that it is kept (the product of its sequence's keep
 rate over its position) and checks the prefix of that order that makes the step's expected tokens per second
 largest, which is none where the rows cost more than they return.
 """

@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 63) - 1
 
 
+def _decodes_only(s: ScheduledSeq) -> bool:
+    """A chunk of one decode token, with its drafts if any (no prompt tokens)."""
+    return len(s.token_ids) == 1 + s.num_draft
+
+
 def _drafts_are_exact(params: SamplingParams) -> bool:
     """Whether a draft's check (the token its row draws at its position: the argmax, or the counter-based draw
     for that position, model/sampler.py) is what decoding would draw: no penalty (it would depend on the drafts
@@ -385,8 +390,10 @@ class Engine:
         m.observe_kv(live, self.block_manager.num_used, self.config.block_size, running)
         m.num_running = running
         dt = time.perf_counter() - t0
-        if self.scheduler.config.num_speculative_tokens:
-            self.scheduler.step_costs.observe(out.num_tokens, dt)  # what drafts cost (draft_policy.py)
+        if self.scheduler.config.num_speculative_tokens and all(map(_decodes_only, out.seqs)):
+            # what a decode row costs at this step's size: what a draft row costs (draft_policy.py). A step with a
+            # prompt chunk is left out: a chunk's rows cost less each (one large matmul) than decode rows.
+            self.scheduler.step_costs.observe(out.num_tokens, dt)
         m.step_time_s += dt
         m.model_time_s = self.runner.model_time_s
         timers = getattr(self.runner, "timers", None)  # (a test's stand-in runner may have none)
