@@ -167,7 +167,7 @@ def serve(model: str | None, config: str | None, overrides: tuple[str, ...], hos
         server = build(settings, options, state_dir)
     except JobError as e:
         _fail(str(e))
-    server.run()
+    sys.exit(server.run())
 
 
 @main.command()

@@ -80,17 +80,21 @@ class BatchRunner:
         self._runner_wake.set()
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        """validating / in_progress -> cancelling (the runner ends it: in seconds if it is running)."""
-        with self.store.lock:
+        """validating / in_progress -> cancelling. The running batch stops within an engine step and the
+        runner ends it; one still waiting for its turn is ended here and now (cancelled)."""
+        with self.store.lock:  # the runner takes a batch under this lock: it is running, or it will see this
             status = self.store.batch(batch_id)["status"]
             if status in ("validating", "in_progress"):
                 def change(record: dict[str, Any]) -> None:
                     record.update(status="cancelling", cancelling_at=shapes.now())
 
                 record = self.store.update_batch(batch_id, change)
+                log.info("batch %s: cancelling", batch_id)
                 if self._running is not None and self._running[0] == batch_id:
                     self._running[1].set()
-                log.info("batch %s: cancelling", batch_id)
+                else:
+                    self._end(batch_id, "cancelled")
+                    record = self.store.batch(batch_id)
             elif status in ("cancelling", "cancelled"):
                 record = self.store.batch(batch_id)
             else:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def require_packages() -> None:
     try:
         import fastapi  # noqa: F401
-        import multipart  # noqa: F401  (python-multipart: uploads)
+        import python_multipart  # noqa: F401  (uploads)
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise JobError(f"batchrun serve needs FastAPI, uvicorn and python-multipart ({e.name} is missing): "
@@ -55,7 +55,8 @@ class Server:
         return uvicorn.Config(self.app, host=self.options.host, port=self.options.port, log_config=None,
                               log_level="warning", timeout_graceful_shutdown=5, **uvicorn_kwargs)
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Serve until SIGINT (then 130) or SIGTERM (uvicorn raises it again once shut down: 143)."""
         import uvicorn
 
         model = self.settings.model["path"]
@@ -63,8 +64,11 @@ class Server:
                  self.store.root)
         try:
             uvicorn.Server(self.config()).run()
+        except KeyboardInterrupt:
+            return 130
         finally:
             self.store.close()
+        return 0
 
 
 def build(settings: EngineSettings, options: ServeOptions, state_dir: str, *, check_listen: bool = True) -> Server:
