@@ -166,3 +166,40 @@ def test_finishing_again_after_a_crash_rewrites_the_same_files(tmp_path):
         assert {f["id"] for f in reopened.files()} == files and reopened.batch(batch_id)["status"] == "validating"
     finally:
         reopened.close()
+
+
+def test_a_stopped_runner_leaves_its_batch_in_progress_and_the_next_one_finishes_it(tmp_path, tiny_llama_path):
+    """What SIGTERM does to a server (uvicorn's shutdown stops the runner): the running batch commits its
+    finished lines and stays in_progress; a new runner on the same folder and engine answers the rest."""
+    from batchrun import LLM
+    from batchrun.serve.finish import progress
+
+    settings = load_engine_settings(str(tiny_llama_path), None, ["engine.kv_cache_memory=64MiB",
+                                                                 "engine.max_num_seqs=2"])
+    engine = LLM(settings.model["path"], **settings.engine_args().llm_kwargs())
+    store = StateStore(tmp_path).open()
+    options = ServeOptions(commit_interval_s=0.1)
+    lines = [chat_line(f"s{i}", f"stop test {i}", max_tokens=64, ignore_eos=True, temperature=0) for i in range(24)]
+    try:
+        batch_id = new_batch(store, lines)
+        runner = BatchRunner(store, settings, engine, options)
+        runner.start()
+        deadline = time.monotonic() + 60
+        while (progress(store.job_dir(batch_id)) or {}).get("end", 0) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        runner.stop()
+        committed = progress(store.job_dir(batch_id))["end"]
+        assert store.batch(batch_id)["status"] == "in_progress" and 2 <= committed < 24
+        runner = BatchRunner(store, settings, engine, options)
+        runner.start()
+        while store.batch(batch_id)["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        runner.stop()
+        record = store.batch(batch_id)
+        out = [json.loads(x) for x in store.file_path(record["output_file_id"]).read_text().splitlines()]
+        assert [x["custom_id"] for x in out] == [f"s{i}" for i in range(24)]
+        assert record["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
+    finally:
+        store.close()

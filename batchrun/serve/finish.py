@@ -52,33 +52,48 @@ def finish(store: StateStore, batch_id: str, outcome: str) -> dict[str, Any]:
     files = {kind: _ResultFile(store, batch_id, kind) for kind in ("output", "error")}
     completed = failed = input_tokens = output_tokens = 0
     try:
-        with open(job_dir / OPENAI_OUTPUT, "rb") as f:
-            data = f.read(done["bytes"])  # what was committed; the file holds at most 50,000 lines
-    except FileNotFoundError:
-        data = b""
-    for raw in data.splitlines():
-        line = json.loads(raw)
-        response = line.get("response")
-        if response is not None and response.get("status_code") == 200:
-            completed += 1
-            files["output"].write(raw)
-            body_usage = response["body"].get("usage") or {}
-            input_tokens += body_usage.get("prompt_tokens", 0)
-            output_tokens += body_usage.get("completion_tokens", 0)
-        else:
-            failed += 1
-            files["error"].write(raw)
-    total = checked.requests if checked is not None else _count_requests(store.input_path(batch_id))
-    if outcome in NOT_RUN and done["end"] < total:
-        code, message = NOT_RUN[outcome]
-        for index, custom_id in _custom_ids(store.input_path(batch_id), done["end"], checked):
-            digest = hashlib.sha256(f"{custom_id}:{index}".encode()).hexdigest()
-            files["error"].write(json.dumps({"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
-                                             "response": None, "error": {"code": code, "message": message}},
-                                            ensure_ascii=False).encode())
+        for raw in _committed_lines(job_dir / OPENAI_OUTPUT, done["bytes"]):
+            line = json.loads(raw)
+            response = line.get("response")
+            if response is not None and response.get("status_code") == 200:
+                completed += 1
+                files["output"].write(raw)
+                body_usage = response["body"].get("usage") or {}
+                input_tokens += body_usage.get("prompt_tokens", 0)
+                output_tokens += body_usage.get("completion_tokens", 0)
+            else:
+                failed += 1
+                files["error"].write(raw)
+        total = checked.requests if checked is not None else _count_requests(store.input_path(batch_id))
+        if outcome in NOT_RUN and done["end"] < total:
+            code, message = NOT_RUN[outcome]
+            for index, custom_id in _custom_ids(store.input_path(batch_id), done["end"], checked):
+                digest = hashlib.sha256(f"{custom_id}:{index}".encode()).hexdigest()
+                files["error"].write(json.dumps({"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
+                                                 "response": None, "error": {"code": code, "message": message}},
+                                                ensure_ascii=False).encode())
+    except BaseException:
+        for f in files.values():
+            f.discard()
+        raise
     return {"output_file_id": files["output"].close(), "error_file_id": files["error"].close(),
             "request_counts": shapes.request_counts(total, completed, failed),
             "usage": shapes.usage(input_tokens, output_tokens)}
+
+
+def _committed_lines(path: Path, length: int):
+    """The lines in the first `length` bytes of the job's output (what _progress.json says is committed)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        read = 0
+        for raw in f:
+            read += len(raw)
+            if read > length:
+                return
+            yield raw.rstrip(b"\n")
 
 
 class _ResultFile:
@@ -94,6 +109,10 @@ class _ResultFile:
     def write(self, line: bytes) -> None:
         self.f.write(line + b"\n")
         self.lines += 1
+
+    def discard(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
 
     def close(self) -> str | None:
         self.f.close()
