@@ -59,9 +59,10 @@ class Server:
         """Serve until SIGINT (then 130) or SIGTERM (uvicorn raises it again once shut down: 143)."""
         import uvicorn
 
-        model = self.settings.model["path"]
-        log.info("serving %s at http://%s:%d/v1 (state in %s)", model, self.options.host, self.options.port,
-                 self.store.root)
+        model, host = self.settings.model["path"], self.options.host
+        log.info("serving %s at http://%s:%d/v1 (state in %s)", model, host, self.options.port, self.store.root)
+        if self.options.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without --api-key: anyone who reaches the port can use the server", host)
         try:
             uvicorn.Server(self.config()).run()
         except KeyboardInterrupt:
