@@ -7,6 +7,7 @@ server's life (docs/serve.md).
 - `source.py`: the OpenAI batch reader with those problems put in place of the bad lines.
 - `finish.py`: a finished job's output.jsonl into the batch's output and error files, counts and usage.
 - `runner.py`: the threads that check batches and run them, one at a time, in order of creation.
+- `options.py`: the server's own settings (port, key, commit interval, limits).
 - `app.py`: the HTTP routes (FastAPI), the API key, OpenAI's error answers.
 - `server.py`: what the CLI calls: load the engine, start the runner, serve with uvicorn.
 
