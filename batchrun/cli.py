@@ -137,6 +137,40 @@ def _with_executor(overrides: tuple[str, ...], executor: str | None) -> tuple[st
 
 
 @main.command()
+@click.option("--model", metavar="MODEL", help="The model (= --set model.path=...): builtin:NAME, a checkpoint "
+                                               "folder, a .gguf file, or a Hub id in the local HF cache.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), metavar="JOB.yaml",
+              help="Take the model: and engine: sections of this job file (its other sections are not read).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="A model.* or engine.* setting, as in a job file (the value is parsed as YAML); repeatable.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("--state-dir", default="batchrun-serve", show_default=True, type=click.Path(file_okay=False),
+              help="Where uploaded files, batches and their outputs live; a restart on it carries on.")
+@click.option("--api-key", envvar="BATCHRUN_API_KEY", metavar="KEY",
+              help="Requests must send 'Authorization: Bearer KEY' (also from $BATCHRUN_API_KEY); none: open.")
+@click.option("--commit-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+              metavar="SECONDS", help="How often a running batch commits its finished requests (what a crash "
+                                      "can lose).")
+@click.option("--quiet", "-q", is_flag=True, help="Only warnings and errors in the log.")
+def serve(model: str | None, config: str | None, overrides: tuple[str, ...], host: str, port: int, state_dir: str,
+          api_key: str | None, commit_interval: float, quiet: bool) -> None:
+    """Serve OpenAI's Files and Batches API (/v1/files, /v1/batches) on the local engine (docs/serve.md)."""
+    from batchrun.config import load_engine_settings
+    from batchrun.serve.options import ServeOptions
+    from batchrun.serve.server import build
+
+    _setup_logging(quiet)
+    options = ServeOptions(host=host, port=port, api_key=api_key or None, commit_interval_s=commit_interval)
+    try:
+        settings = load_engine_settings(model, config, overrides)
+        server = build(settings, options, state_dir)
+    except JobError as e:
+        _fail(str(e))
+    sys.exit(server.run())
+
+
+@main.command()
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("-n", "rows", type=click.IntRange(min=1), default=5, show_default=True, help="How many rows.")
 @click.option("--columns", metavar="A,B,...", help="Columns to show, comma-separated (default: id, question, "

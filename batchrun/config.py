@@ -116,14 +116,32 @@ class JobConfig:
 
     def engine_args(self) -> EngineArgs:
         """The model and engine sections as the EngineArgs LLM takes; the engine's base seed is sampling.seed."""
-        values = {field_of(f"{section}.{k}"): v for section in ("model", "engine")
-                  for k, v in getattr(self, section).items()}
-        seed = self.sampling.get("seed")
-        return EngineArgs(**values, seed=0 if seed is None else seed)
+        return _engine_args(self.model, self.engine, self.sampling.get("seed"))
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for LLM(model, **kwargs)."""
         return self.engine_args().llm_kwargs()
+
+
+def _engine_args(model: dict[str, Any], engine: dict[str, Any], seed: int | None) -> EngineArgs:
+    values = {field_of(f"{section}.{k}"): v for section, keys in (("model", model), ("engine", engine))
+              for k, v in keys.items()}
+    return EngineArgs(**values, seed=0 if seed is None else seed)
+
+
+ENGINE_SECTIONS = ("model", "engine")
+
+
+@dataclass
+class EngineSettings:
+    """A job file's `model:` and `engine:` sections alone, checked and with their defaults filled in: what
+    `batchrun serve` takes (--model, --config, --set), and gives the job of every batch it runs."""
+
+    model: dict[str, Any]
+    engine: dict[str, Any]
+
+    def engine_args(self) -> EngineArgs:
+        return _engine_args(self.model, self.engine, None)
 
 
 # ---------------------------------------------------------------- loading
@@ -141,6 +159,14 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
 
 
 def parse_job(text: str, *, source: str = "<job>", overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    raw = _parse_yaml(text, source)
+    for item in overrides:
+        apply_set(raw, item)
+    raw = _expand_env(raw, "", source)
+    return validate_raw(raw, source=source)
+
+
+def _parse_yaml(text: str, source: str) -> dict:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -153,11 +179,43 @@ def parse_job(text: str, *, source: str = "<job>", overrides: list[str] | tuple[
     if not isinstance(raw, dict):
         raise JobError(f"{source}: the job file must be a mapping of sections "
                        f"({', '.join(SCHEMA)} and sampling), got {type(raw).__name__}")
-    raw = copy.deepcopy(raw)
+    return copy.deepcopy(raw)
+
+
+def load_engine_settings(model: str | None, config: str | os.PathLike | None = None,
+                         overrides: list[str] | tuple[str, ...] = ()) -> EngineSettings:
+    """The settings of `batchrun serve`: a job file's `model:` and `engine:` sections (`config`; its other
+    sections are not read), then `--set model.X=...` / `--set engine.X=...`, then `model` (--model) as
+    model.path. Checked by a job file's rules; JobError names the key."""
+    source = str(config) if config is not None else "batchrun serve"
+    raw: dict[str, Any] = {}
+    if config is not None:
+        try:
+            with open(config, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise JobError(f"{source}: cannot read the job file: {e.strerror or e}") from None
+        raw = {k: v for k, v in _parse_yaml(text, source).items() if k in ENGINE_SECTIONS}
     for item in overrides:
+        if item.partition("=")[0].strip().split(".")[0] not in ENGINE_SECTIONS:
+            raise JobError(f"--set {item}: batchrun serve takes model.* and engine.* settings only (each "
+                           "request of a batch carries its own sampling values)")
         apply_set(raw, item)
+    if model is not None:
+        if not isinstance(raw.get("model"), dict):
+            raw["model"] = {}
+        raw["model"]["path"] = model
+    if not isinstance(raw.get("model"), dict) or raw["model"].get("path") is None:
+        raise JobError("--model: required (or model.path in the --config job file)")
     raw = _expand_env(raw, "", source)
-    return validate_raw(raw, source=source)
+    explicit: set[str] = set()
+    sections = {name: _validate_section(name, raw.get(name), source, explicit) for name in ENGINE_SECTIONS}
+    settings = EngineSettings(model=sections["model"], engine=sections["engine"])
+    try:
+        settings.engine_args()
+    except EngineArgsError as e:
+        raise JobError(f"{source}: {job_key(e.field) or e.field}: {e.problem}") from None
+    return settings
 
 
 def apply_set(raw: dict, item: str) -> None:
@@ -231,25 +289,8 @@ def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
     for name in raw:
         if name not in SCHEMA and name != "sampling":
             raise JobError(f"{source}: {name}: unknown section{_suggest(str(name), list(SCHEMA) + ['sampling'])}")
-    for name, keys in SCHEMA.items():
-        given = raw.get(name)
-        if given is None:
-            given = {}
-        if not isinstance(given, dict):
-            raise JobError(f"{source}: {name}: expected a mapping of keys, got {show(given)}")
-        out = {}
-        for k in given:
-            if k not in keys:
-                raise JobError(f"{source}: {name}.{k}: unknown key{_suggest(str(k), list(keys))}")
-        for k, spec in keys.items():
-            if k in given:
-                explicit.add(f"{name}.{k}")
-                out[k] = _check(f"{source}: {name}.{k}", given[k], spec)
-            elif spec.required:
-                raise JobError(f"{source}: {name}.{k}: required key is missing")
-            else:
-                out[k] = copy.deepcopy(spec.default)
-        sections[name] = out
+    for name in SCHEMA:
+        sections[name] = _validate_section(name, raw.get(name), source, explicit)
     sampling = _validate_sampling(raw.get("sampling"), source, explicit)
     cfg = JobConfig(model=sections["model"], input=sections["input"], sampling=sampling,
                     engine=sections["engine"], output=sections["output"], executor=sections["executor"],
@@ -260,6 +301,28 @@ def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
         raise JobError(f"{source}: {job_key(e.field) or e.field}: {e.problem}") from None
     _cross_checks(cfg)
     return cfg
+
+
+def _validate_section(name: str, given: Any, source: str, explicit: set[str]) -> dict[str, Any]:
+    """One section of SCHEMA: every key known and within its rule, the defaults filled in."""
+    keys = SCHEMA[name]
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise JobError(f"{source}: {name}: expected a mapping of keys, got {show(given)}")
+    for k in given:
+        if k not in keys:
+            raise JobError(f"{source}: {name}.{k}: unknown key{_suggest(str(k), list(keys))}")
+    out = {}
+    for k, spec in keys.items():
+        if k in given:
+            explicit.add(f"{name}.{k}")
+            out[k] = _check(f"{source}: {name}.{k}", given[k], spec)
+        elif spec.required:
+            raise JobError(f"{source}: {name}.{k}: required key is missing")
+        else:
+            out[k] = copy.deepcopy(spec.default)
+    return out
 
 
 def _check(where: str, value: Any, spec: Rule) -> Any:

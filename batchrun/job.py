@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
 from batchrun.pipeline.local import LocalExecutor
-from batchrun.pipeline.signals import JobInterrupted
+from batchrun.pipeline.signals import JobInterrupted, JobStopped
 from batchrun.pipeline.slicing import RowSlice
 from batchrun.pipeline.writer import OrderedWriter, RowFailure
 from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
@@ -37,6 +38,7 @@ __all__ = ["run_job", "plan_job", "describe_plan", "ShardSpec", "JobPlan", "RunR
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_JOB = 0, 1, 2
+EXIT_STOPPED = 128 + signal.SIGTERM  # run_job(stop=...) was set: what SIGTERM gives (committed, a rerun resumes)
 
 
 @dataclass
@@ -58,9 +60,13 @@ def make_executor(plan: JobPlan, llm_factory: Callable[..., Any] | None) -> Exec
 
 
 def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., Any] | None = None,
-            progress_interval: float | None = None) -> RunResult:
+            progress_interval: float | None = None, stop: threading.Event | None = None) -> RunResult:
     """Run a planned job. Returns the exit code and a one-line summary; raises JobError for a bad job
-    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template)."""
+    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template).
+
+    stop: set from another thread, it ends the run within an engine step as SIGTERM would (EXIT_STOPPED,
+    the finished rows committed). batchrun serve cancels batches with it, and runs them all on one loaded
+    engine through `llm_factory`."""
     out = plan.out_dir
     if plan.state == "complete":
         return RunResult(EXIT_OK, out, f"{out} is already complete ({plan.committed} input rows); nothing to do "
@@ -85,7 +91,7 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
 
     writer = OrderedWriter(make_sink(plan), on_error=plan.cfg.input["on_error"],
                            commit_interval_s=float(plan.cfg.output["commit_interval_s"]), make_progress=make_progress,
-                           on_tick=sample_series)
+                           on_tick=sample_series, stop=stop)
     start = writer.open()
     if start:
         log.info("resuming %s after %d committed input rows", out, start)
@@ -118,6 +124,9 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
         except JobInterrupted as e:
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = 128 + e.signum, f"interrupted by {signal.Signals(e.signum).name}"
+        except JobStopped:
+            _quietly(writer, writer.commit_finished, "commit the finished rows")
+            code, message = EXIT_STOPPED, "stopped"
         except RowFailure as e:
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = EXIT_FAILED, str(e)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrun.config import JobConfig, JobError
+from batchrun.config import EngineSettings, JobConfig, JobError
 from batchrun.engine_args import EngineArgsError, job_key
 from batchrun.io.sinks import (
     SUCCESS,
@@ -82,9 +82,9 @@ class ShardSpec:
 # ---------------------------------------------------------------- checks that need no model
 
 
-def check_model(cfg: JobConfig) -> ModelSource:
+def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
     """The model and engine settings against this machine, and where the model path points: the same checks
-    LLM makes before it loads anything, so that `validate` and `run` accept exactly the jobs LLM does."""
+    LLM makes before it loads anything, so that `validate`, `run` and `serve` accept exactly what LLM does."""
     args = cfg.engine_args()
     try:
         args.check_environment()
@@ -197,8 +197,9 @@ def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | None = None,
-             resume: bool = True) -> JobPlan:
-    """Every check short of loading the model. Raises JobError (exit 2)."""
+             resume: bool = True, source: Source | None = None) -> JobPlan:
+    """Every check short of loading the model. Raises JobError (exit 2). source: the input, already open
+    (batchrun serve reads a batch's input through its own checks); None: open_source(cfg.input)."""
     if limit is not None and limit < 0:
         raise JobError(f"--limit: must be >= 0, got {limit}")
     if cfg.executor["kind"] == "ray":
@@ -207,7 +208,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
         require_ray()
     model = check_model(cfg)
     check_structured_outputs(cfg, model)
-    source = open_source(cfg.input)
+    source = source if source is not None else open_source(cfg.input)
     inp = cfg.input
     id_column = inp["id_column"]
     if source.format == "openai-batch":

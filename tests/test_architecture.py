@@ -5,6 +5,7 @@
 - batchrun/model/ takes from the engine only the step contract (batchrun.engine.contract).
 - the contract is a leaf: it imports nothing of batchrun.
 - no import cycle among the modules of batchrun/ and kernels/.
+- batchrun/serve/ is a top layer: only the CLI imports it; only its app and server import the ASGI stack.
 
 Imports under `if TYPE_CHECKING:` do not run, so they are left out. A package's __init__ is a module like any
 other (its imports are edges); importing batchrun.x.y is an edge to batchrun.x.y, not to its parents, whose
@@ -153,3 +154,14 @@ def test_no_import_cycle_in_engine_and_model():
 
 def test_no_import_cycle_anywhere():
     assert _cycles(set(MODULES)) == []
+
+
+def test_serve_is_a_top_layer():
+    """batchrun serve sits beside cli.py and job.py: only the CLI imports it, and only its HTTP modules import
+    the ASGI stack (the extra batchrun[serve]), so the rest of batchrun runs without it."""
+    importers = sorted(m for m in MODULES if not _under(m, "batchrun.serve") and m != "batchrun.cli"
+                       and any(_under(n, "batchrun.serve") for n in project_imports(m)))
+    assert importers == []
+    web = ("fastapi", "starlette", "uvicorn", "python_multipart", "multipart")
+    users = sorted(m for m in MODULES if any(n.split(".")[0] in web for n in imports_of(m)))
+    assert users == ["batchrun.serve.app", "batchrun.serve.server"]

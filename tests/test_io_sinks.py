@@ -147,3 +147,29 @@ def test_openai_batch_output_and_truncation_on_resume(tmp_path):
     s2 = OpenAIBatchSink(tmp_path, spec, rows_per_part=2, fp_hash="f")
     assert s2.open().end == 3
     assert len((tmp_path / "output.jsonl").read_text().splitlines()) == 3
+
+
+def test_openai_lines_carry_logprobs_in_openai_shapes():
+    """A request that asked for logprobs gets OpenAI's objects: chat `content` entries, completions' parallel
+    lists; the top N are the first N of each token's dict (the engine puts them first, best first)."""
+    from batchrun.io.sinks import openai_line
+    from batchrun.sampling_params import SamplingParams
+
+    words = {0: "Hi", 1: " there", 7: "é", 8: "!"}
+    logprobs = [{7: -0.1, 0: -0.5}, {1: -0.2, 8: -0.9}]  # token 0 was drawn outside the top 1
+    sample = CompletionOutput(index=0, text="Hi there", token_ids=[0, 1], cumulative_logprob=-0.7,
+                              logprobs=logprobs, finish_reason="length")
+    chat = task(0, extra={"custom_id": "c", "url": "/v1/chat/completions"}, params=SamplingParams(logprobs=1))
+    line = openai_line(chat, [sample], "m", words.__getitem__)
+    content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                          "top_logprobs": [{"token": "é", "logprob": -0.1, "bytes": [195, 169]}]}
+    assert [c["token"] for c in content] == ["Hi", " there"] and content[1]["top_logprobs"][0]["logprob"] == -0.2
+    completion = task(1, extra={"custom_id": "d", "url": "/v1/completions"}, params=SamplingParams(logprobs=2))
+    lp = openai_line(completion, [sample], "m", words.__getitem__)["response"]["body"]["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["Hi", " there"], "token_logprobs": [-0.5, -0.2], "text_offset": [0, 2],
+                  "top_logprobs": [{"é": -0.1, "Hi": -0.5}, {" there": -0.2, "!": -0.9}]}
+    plain = task(2, extra={"custom_id": "e", "url": "/v1/completions"}, params=SamplingParams())
+    assert openai_line(plain, [sample], "m", None)["response"]["body"]["choices"][0]["logprobs"] is None
+    # a line with no custom_id of its own (not JSON, say) answers with custom_id null, not a row number
+    assert openai_line(task(3, error="line 4: invalid JSON"), None, "m")["custom_id"] is None

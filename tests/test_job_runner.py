@@ -168,3 +168,35 @@ def test_engine_gauges():
     g = engine_gauges({"kv_blocks_in_use": 5, "kv_blocks_total": 20, "num_running": 2, "num_waiting": 1})
     assert g == {"kv": 25.0, "running": 2, "waiting": 1}
     assert engine_gauges({}) == {}
+
+
+def test_stop_ends_the_run_within_a_step_and_a_rerun_resumes(tmp_path):
+    """run_job(stop=...) (batchrun serve's cancel and shutdown): the finished rows in order are committed,
+    nothing after the stop is generated, the run is not complete, and a rerun answers the rest once."""
+    import threading
+
+    from batchrun.job import EXIT_STOPPED
+
+    make_input(tmp_path)
+    stop = threading.Event()
+    engines = []
+
+    class StoppingLLM(FakeLLM):
+        def step(self):
+            if self.steps == 30:
+                stop.set()
+            return super().step()
+
+    def factory(model, **kwargs):
+        engines.append(StoppingLLM(model, **kwargs))
+        return engines[-1]
+
+    cfg = job(tmp_path)
+    res = run(cfg, factory=factory, stop=stop)
+    assert res.exit_code == EXIT_STOPPED and "stopped" in res.message
+    assert engines[0].steps == 31  # the step that was under way when stop was set, and no more
+    committed = [r["id"] for r in read_rows(tmp_path / "out")]
+    assert 0 < len(committed) < 40 and committed == list(range(100, 100 + len(committed)))
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    res = run(cfg)
+    assert res.exit_code == 0 and [r["id"] for r in read_rows(tmp_path / "out")] == list(range(100, 140))

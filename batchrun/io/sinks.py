@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.io.openai_logprobs import Decode, chat_logprobs, completion_logprobs, token_decoder
 from batchrun.io.rows import RowTask
 
 log = logging.getLogger(__name__)
@@ -365,7 +366,9 @@ class OpenAIBatchSink(Sink):
         return self.committed
 
     def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
-        self.lines.append(json.dumps(openai_line(task, outputs, self.spec.model), ensure_ascii=False))
+        wants_logprobs = outputs is not None and task.params is not None and task.params.logprobs is not None
+        decode = token_decoder(self.spec.model) if wants_logprobs else None
+        self.lines.append(json.dumps(openai_line(task, outputs, self.spec.model, decode), ensure_ascii=False))
         self.pending.rows += 1
 
     def commit(self) -> None:
@@ -390,9 +393,10 @@ class OpenAIBatchSink(Sink):
                 "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
 
 
-def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[str, Any]:
+def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: Decode | None = None) -> dict[str, Any]:
+    """One request's output line. decode (token id -> text) renders the logprobs a request asked for."""
     extra = task.extra or {}
-    cid = extra.get("custom_id", task.id)
+    cid = extra.get("custom_id")  # None for a line that has none (not JSON, or no custom_id)
     digest = hashlib.sha256(f"{cid}:{task.index}".encode()).hexdigest()
     request_id = digest[:32]
     line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
@@ -402,14 +406,19 @@ def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[st
         line["error"] = None
         return line
     chat = "chat" in (extra.get("url") or "")
+    top_n = task.params.logprobs if task.params is not None else None
     choices = []
     for j, out in enumerate(outputs):
         reason = out.finish_reason or "length"
+        logprobs = None
+        if decode is not None and top_n is not None and out.logprobs is not None:
+            render = chat_logprobs if chat else completion_logprobs
+            logprobs = render(list(out.token_ids), out.logprobs, top_n, decode)
         if chat:
             choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": None, "finish_reason": reason})
+                            "logprobs": logprobs, "finish_reason": reason})
         else:
-            choices.append({"index": j, "text": out.text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": j, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     prompt_tokens = task.prompt_tokens or 0
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:24]}",

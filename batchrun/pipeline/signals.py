@@ -17,6 +17,11 @@ class JobInterrupted(BaseException):
         self.signum = signum
 
 
+class JobStopped(BaseException):
+    """The caller asked the run to stop (`run_job(stop=...)`: batchrun serve cancelling a batch, or shutting
+    down). Handled like an interrupt: every finished row in order is committed, and a rerun resumes."""
+
+
 class Interrupts:
     """SIGINT / SIGTERM raise JobInterrupted, except inside `deferred()` sections (commits), where they
     are remembered and raised when the section ends, and inside `held()` sections, where they are only

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchrun.io.rows import RowTask
 from batchrun.io.sinks import Sink
-from batchrun.pipeline.signals import Interrupts, JobInterrupted
+from batchrun.pipeline.signals import Interrupts, JobInterrupted, JobStopped
 from batchrun.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,13 @@ class RowFailure(RuntimeError):
 class OrderedWriter:
     def __init__(self, sink: Sink, *, on_error: str, commit_interval_s: float,
                  make_progress: Callable[[int], Progress] | None = None,
-                 on_tick: Callable[[float], None] | None = None) -> None:
+                 on_tick: Callable[[float], None] | None = None, stop: threading.Event | None = None) -> None:
         self.sink = sink
         self.on_error = on_error
         self.commit_interval_s = commit_interval_s
         self.make_progress = make_progress  # called at start() with the first position: rows finish from then on
         self.on_tick = on_tick  # called with the time on every tick (the job's time series samples there)
+        self.stop = stop  # set by the caller: the next tick raises JobStopped (within one engine step)
         self.interrupts = Interrupts()
         self.next_pos = 0  # the next position to write: every one before it is in the sink
         self.buffer: dict[int, tuple[RowTask, list[Any] | None]] = {}  # the reorder buffer: pos -> row
@@ -109,6 +111,8 @@ class OrderedWriter:
 
     def tick(self) -> None:
         """Called often (every engine step, every block of results): commits on time, keeps progress alive."""
+        if self.stop is not None and self.stop.is_set():
+            raise JobStopped()
         now = time.monotonic()
         if self.sink.pending_rows and now - self.last_commit >= self.commit_interval_s:
             with self.interrupts.deferred():
@@ -147,4 +151,4 @@ class OrderedWriter:
         self.last_commit = time.monotonic()
 
 
-__all__ = ["OrderedWriter", "RowFailure", "JobInterrupted"]
+__all__ = ["OrderedWriter", "RowFailure", "JobInterrupted", "JobStopped"]
