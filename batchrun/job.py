@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
+from batchrun.io.lock import OutputBusy, OutputLock
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
 from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
@@ -27,7 +28,15 @@ from batchrun.pipeline.local import LocalExecutor
 from batchrun.pipeline.signals import JobInterrupted
 from batchrun.pipeline.slicing import RowSlice
 from batchrun.pipeline.writer import OrderedWriter, RowFailure
-from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
+from batchrun.plan import (
+    JobPlan,
+    ShardSpec,
+    describe_plan,
+    make_sink,
+    plan_job,
+    plan_resume,
+    probe_output_dir,
+)
 from batchrun.progress import Progress
 from batchrun.timeseries import TimeSeries
 
@@ -60,12 +69,33 @@ def make_executor(plan: JobPlan, llm_factory: Callable[..., Any] | None) -> Exec
 def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., Any] | None = None,
             progress_interval: float | None = None) -> RunResult:
     """Run a planned job. Returns the exit code and a one-line summary; raises JobError for a bad job
-    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template)."""
-    out = plan.out_dir
+    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template), and for
+    an output folder another run holds."""
     if plan.state == "complete":
-        return RunResult(EXIT_OK, out, f"{out} is already complete ({plan.committed} input rows); nothing to do "
-                         "(--no-resume starts it afresh)")
-    probe_output_dir(out)
+        return _already_complete(plan)
+    probe_output_dir(plan.out_dir)
+    try:
+        lock = OutputLock(plan.out_dir, "run")
+        lock.acquire()
+    except OutputBusy as e:
+        raise JobError(f"output.path: {e}") from None
+    try:
+        plan_resume(plan)  # again, now that no other run writes the folder: it may have moved on since the plan
+        if plan.state == "complete":
+            return _already_complete(plan)
+        return _run_locked(plan, quiet=quiet, llm_factory=llm_factory, progress_interval=progress_interval)
+    finally:
+        lock.release()
+
+
+def _already_complete(plan: JobPlan) -> RunResult:
+    return RunResult(EXIT_OK, plan.out_dir, f"{plan.out_dir} is already complete ({plan.committed} input rows); "
+                     "nothing to do (--no-resume starts it afresh)")
+
+
+def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] | None,
+                progress_interval: float | None) -> RunResult:
+    out = plan.out_dir
     if plan.state == "fresh":
         clear_output(out)
     write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,

@@ -163,6 +163,7 @@ class JobPlan:
     lo: int = 0  # global index of this shard's first row (contiguous slices)
     hi: int | None = None  # one past its last row (None: to the end)
     strided: bool = False  # slice i % N == I instead (when the row count is unknown)
+    resume: bool = True  # False: --no-resume (start afresh whatever is committed)
     state: str = "fresh"  # fresh | resume | complete
     committed: int = 0  # input rows already committed
     total: int | None = None  # rows this shard covers (after --limit), when known
@@ -242,9 +243,9 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
-                   fingerprint=fingerprint, id_column=id_column, model=model)
+                   fingerprint=fingerprint, id_column=id_column, model=model, resume=resume)
     _plan_slice(plan)
-    _plan_resume(plan, resume)
+    plan_resume(plan)
     return plan
 
 
@@ -270,9 +271,11 @@ def _plan_slice(plan: JobPlan) -> None:
     plan.total = total
 
 
-def _plan_resume(plan: JobPlan, resume: bool) -> None:
+def plan_resume(plan: JobPlan) -> None:
+    """What the output folder holds: fresh, resume (after plan.committed rows) or complete. Run once when
+    planning and again by the run once it holds the folder's lock (another run may have written since)."""
     out = plan.out_dir
-    if not resume:
+    if not plan.resume:
         plan.state = "fresh"
         return
     old = read_job_file(out)

@@ -9,6 +9,7 @@ does not see the rows twice) as parts in input order with `_metrics.json` and `_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
+from batchrun.io.lock import LOCK_FILE, OutputBusy, OutputLock
 from batchrun.io.sinks import (
     JOB_FILE,
     METRICS,
@@ -84,14 +86,39 @@ def _schema(parts: list[Path]) -> pa.Schema:
 
 
 def merge(output: str | os.PathLike, dest: str | os.PathLike | None = None, count: int | None = None) -> dict[str, Any]:
-    """Write the shards of `output` into `dest` in input order. Returns the merged counts."""
+    """Write the shards of `output` into `dest` in input order. Returns the merged counts.
+
+    Holds the lock of every shard folder (no shard run may start, e.g. a resubmitted task with --no-resume,
+    while its parts are read) and of `dest` (no second merge writes it at the same time)."""
     output = Path(output)
     dest = Path(dest) if dest is not None else output.with_name(output.name + "-merged")
     if dest.resolve() == output.resolve() or output.resolve() in dest.resolve().parents:
         raise JobError(f"--to {dest}: must be outside {output} (reading {output} would see every row twice)")
-    shards = find_shards(output, count)
-    if dest.exists() and any(dest.iterdir()) and not _is_merged(dest):
-        raise JobError(f"--to {dest}: exists and is not an earlier merge; choose another folder")
+    if not output.is_dir():
+        raise JobError(f"{output} is not a folder")
+    with contextlib.ExitStack() as held:
+        try:
+            for folder in _array_folders(output, count):  # a shard still running is named first
+                held.enter_context(OutputLock(folder, "merge"))
+            shards = find_shards(output, count)
+            if dest.exists() and any(p.name != LOCK_FILE for p in dest.iterdir()) and not _is_merged(dest):
+                raise JobError(f"--to {dest}: exists and is not an earlier merge; choose another folder")
+            held.enter_context(OutputLock(dest, "merge"))
+        except OutputBusy as e:
+            raise JobError(str(e)) from None
+        return _merge_locked(output, shards, dest)
+
+
+def _array_folders(output: Path, count: int | None) -> list[Path]:
+    """The shard folders of the array being merged (complete or not: a running one must be seen)."""
+    found = [p for p in output.iterdir() if SHARD_RE.match(p.name) and p.is_dir()]
+    if count is None:
+        counts = {int(SHARD_RE.match(p.name).group(2)) for p in found}
+        count = counts.pop() if len(counts) == 1 else None
+    return sorted(p for p in found if count is None or int(SHARD_RE.match(p.name).group(2)) == count)
+
+
+def _merge_locked(output: Path, shards: list[Path], dest: Path) -> dict[str, Any]:
     dest.mkdir(parents=True, exist_ok=True)
     clear_output(dest)
     if (shards[0] / OPENAI_OUTPUT).exists():
