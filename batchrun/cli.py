@@ -124,10 +124,14 @@ def merge(output: str, dest: str | None, count: int | None) -> None:
     from batchrun.distributed.merge import merge as merge_shards
 
     _setup_logging(quiet=True)
+    from batchrun.io.files import SinkError
+
     try:
         result = merge_shards(output, dest, count)
     except JobError as e:
         _fail(str(e))
+    except SinkError as e:  # a write into DEST failed: the shards are untouched, a rerun merges again
+        _fail(str(e), code=1)
     click.echo(f"batchrun: merged {result['shards']} shards ({result['output_rows']} rows, "
                f"{result['row_errors']} row errors) into {result['dest']}")
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
+from batchrun.io.files import SinkError, WriteFailure, write_bytes_atomic, write_json_atomic
 from batchrun.io.lock import OutputBusy, OutputLock
-from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
+from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, clear_output
 from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
@@ -96,11 +97,14 @@ def _already_complete(plan: JobPlan) -> RunResult:
 def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] | None,
                 progress_interval: float | None) -> RunResult:
     out = plan.out_dir
-    if plan.state == "fresh":
-        clear_output(out)
-    write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,
-                                       "job": plan.cfg.source, "executor": plan.cfg.executor["kind"],
-                                       "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided}})
+    try:
+        if plan.state == "fresh":
+            clear_output(out)
+        write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,
+                                           "job": plan.cfg.source, "executor": plan.cfg.executor["kind"],
+                                           "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided}})
+    except WriteFailure as e:
+        return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
     t0 = time.monotonic()
     executor = make_executor(plan, llm_factory)
 
@@ -123,12 +127,19 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
     code, message = _execute(executor, rows, writer)
     complete = code == EXIT_OK and rows.complete_at(writer.next_pos)
     engine = _quiet_metrics(executor)
-    write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
-                  series=series.finish(writer.done_rows, engine, writer.generated_tokens))
+    try:
+        write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
+                      series=series.finish(writer.done_rows, engine, writer.generated_tokens))
+        if complete:
+            write_bytes_atomic(out / SUCCESS, b"")  # last: only a complete output with its metrics has it
+    except WriteFailure as e:
+        if code == EXIT_OK:
+            code, message = EXIT_FAILED, str(e)
+        else:
+            log.error("%s", e)  # the run's own failure is what gets reported
     counts = writer.sink.committed.as_dict()
     if code == EXIT_OK:
         if complete:
-            (out / SUCCESS).write_text("")
             message = f"wrote {counts['output_rows']} rows ({counts['row_errors']} row errors) to {out}"
         else:
             message = (f"wrote {counts['output_rows']} rows to {out} (stopped at --limit {plan.limit}; a rerun "
@@ -157,10 +168,14 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
         except ModelLoadError as e:  # found only when it loads (e.g. a .gguf of an unsupported architecture)
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             raise JobError(f"model.path: {e}") from None
+        except SinkError as e:  # a write failed, or the output cannot take a row: one line, no traceback
+            if not isinstance(e, WriteFailure):  # after a failed write, writing again would only fail again
+                _quietly(writer, writer.commit_finished, "commit the finished rows")
+            code, message = EXIT_FAILED, str(e)
         except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = EXIT_FAILED, _one_line(e)
-            if not isinstance(e, (SinkError, NotImplementedError)):
+            if not isinstance(e, NotImplementedError):
                 log.error("the run failed", exc_info=True)
         finally:
             _quietly(writer, executor.close, "shut the executor down")
@@ -176,6 +191,8 @@ def _quietly(writer: OrderedWriter, fn: Callable[[], None], what: str) -> None:
             fn()
         except JobInterrupted:
             pass
+        except WriteFailure as e:
+            log.error("could not %s: %s", what, e)
         except Exception:  # noqa: BLE001
             log.error("could not %s", what, exc_info=True)
 
@@ -209,10 +226,7 @@ def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], 
         "shard": str(plan.shard) if plan.shard else None,
         "series": series,
     }
-    try:
-        write_json_atomic(plan.out_dir / METRICS, metrics)
-    except OSError:
-        log.error("could not write %s", plan.out_dir / METRICS, exc_info=True)
+    write_json_atomic(plan.out_dir / METRICS, metrics)
 
 
 def _one_line(e: BaseException) -> str:

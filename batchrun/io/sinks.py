@@ -1,7 +1,8 @@
 """Output writers: an ordered Parquet folder of atomic parts, or OpenAI batch output JSONL; both resumable.
 
 Parquet: rows arrive in input order and collect in memory until `rows_per_part` output rows; a part is
-written to ``.part-NNNNN.parquet.tmp``, fsynced and renamed to ``part-NNNNN.parquet``. Each part's footer
+written to ``.part-NNNNN.parquet.batchrun-tmp``, fsynced and renamed to ``part-NNNNN.parquet``
+(batchrun.io.files). Each part's footer
 records the input positions it covers (``start``, ``end``), its counts and the job fingerprint, so the
 parts themselves are the resume state: a rerun continues at the last part's ``end``.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -25,7 +25,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.io.files import (
+    SinkError,
+    WriteFailure,
+    remove_quietly,
+    write_at,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from batchrun.io.rows import RowTask
+
+__all__ = ["SinkError", "WriteFailure", "write_json_atomic"]  # re-exported: the job and merge write through them
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +45,8 @@ METRICS = "_metrics.json"
 PROGRESS = "_progress.json"
 OPENAI_OUTPUT = "output.jsonl"
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
-TMP_RE = re.compile(r"^\.part-\d+\.parquet\.tmp$|^\..*\.batchrun-tmp$")
+TMP_RE = re.compile(r"^\.part-\d+\.parquet\.tmp$|^\..*\.batchrun-tmp$")  # .tmp: the name earlier versions used
 META_KEY = b"batchrun"
-
-
-class SinkError(RuntimeError):
-    """The output cannot be written or resumed (exit 1; what is committed stays)."""
 
 
 @dataclass
@@ -82,30 +88,6 @@ def fingerprint_hash(fingerprint: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.batchrun-tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def read_job_file(out_dir: Path) -> dict[str, Any] | None:
     try:
         with open(out_dir / JOB_FILE, encoding="utf-8") as f:
@@ -123,7 +105,10 @@ def clear_output(out_dir: Path) -> int:
         name = p.name
         if p.is_file() and (PART_RE.match(name) or TMP_RE.match(name) or
                             name in (JOB_FILE, SUCCESS, METRICS, PROGRESS, OPENAI_OUTPUT)):
-            p.unlink()
+            try:
+                p.unlink()
+            except OSError as e:
+                raise WriteFailure(p, e) from None
             n += 1
     return n
 
@@ -267,7 +252,7 @@ class ParquetSink(Sink):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for p in self.out_dir.iterdir():
             if TMP_RE.match(p.name):
-                p.unlink()
+                remove_quietly(p)
         self.committed = self.scan()
         self.pending = Counts(end=self.committed.end)
         parts = part_files(self.out_dir)
@@ -315,12 +300,7 @@ class ParquetSink(Sink):
         schema = self.schema.with_metadata({META_KEY: json.dumps(info).encode()})
         table = pa.Table.from_arrays(arrays, schema=schema)
         name = f"part-{self.next_part:05d}.parquet"
-        tmp = self.out_dir / f".{name}.tmp"
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out_dir / name)
-        _fsync_dir(self.out_dir)
+        write_bytes_atomic(self.out_dir / name, parquet_bytes(table))
         log.debug("committed %s: input rows %d..%d, %d output rows", name, info["start"], info["end"],
                   info["rows"])
         self.next_part += 1
@@ -360,8 +340,11 @@ class OpenAIBatchSink(Sink):
         self.committed = self.scan()
         self.pending = Counts(end=self.committed.end)
         out = self.out_dir / OPENAI_OUTPUT
-        with open(out, "ab") as f:
-            f.truncate(self.length)
+        try:
+            with open(out, "ab") as f:
+                f.truncate(self.length)
+        except OSError as e:
+            raise WriteFailure(out, e) from None
         return self.committed
 
     def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
@@ -372,13 +355,7 @@ class OpenAIBatchSink(Sink):
         if self.pending.end == self.committed.end:
             return
         data = "".join(line + "\n" for line in self.lines).encode("utf-8")
-        out = self.out_dir / OPENAI_OUTPUT
-        with open(out, "r+b") as f:
-            f.seek(self.length)
-            f.write(data)
-            f.truncate()
-            f.flush()
-            os.fsync(f.fileno())
+        write_at(self.out_dir / OPENAI_OUTPUT, self.length, data)  # a rerun cuts it to _progress.json's length
         self.length += len(data)
         self._committed_pending()
         write_json_atomic(self.out_dir / PROGRESS, {**self._progress(), "bytes": self.length})
@@ -388,6 +365,13 @@ class OpenAIBatchSink(Sink):
         c = self.committed
         return {"end": c.end, "rows": c.rows, "errors": c.errors, "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
+
+
+def parquet_bytes(table: pa.Table) -> pa.Buffer:
+    """A part's file, in memory: written in one go, and its checksum taken without reading it back."""
+    stream = pa.BufferOutputStream()
+    pq.write_table(table, stream)
+    return stream.getvalue()
 
 
 def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[str, Any]:
