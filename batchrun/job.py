@@ -11,6 +11,7 @@ same and exits 1. `_metrics.json` is written at the end of every run, by `write_
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
-from batchrun.io.files import SinkError, WriteFailure, write_bytes_atomic, write_json_atomic
+from batchrun.io.files import SinkError, WriteFailure, remove_file, write_bytes_atomic, write_json_atomic
 from batchrun.io.lock import OutputBusy, OutputLock
-from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, clear_output
+from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, Sink, clear_output
 from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
@@ -72,7 +73,7 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
     """Run a planned job. Returns the exit code and a one-line summary; raises JobError for a bad job
     that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template), and for
     an output folder another run holds."""
-    if plan.state == "complete":
+    if plan.state == "complete" and not plan.unrecorded:
         return _already_complete(plan)
     probe_output_dir(plan.out_dir)
     try:
@@ -83,6 +84,11 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
     try:
         plan_resume(plan)  # again, now that no other run writes the folder: it may have moved on since the plan
         if plan.state == "complete":
+            if plan.unrecorded:  # a lost manifest: record the parts' checksums as they are now
+                try:
+                    make_sink(plan).open()
+                except WriteFailure as e:
+                    return RunResult(EXIT_FAILED, plan.out_dir, str(e))
             return _already_complete(plan)
         return _run_locked(plan, quiet=quiet, llm_factory=llm_factory, progress_interval=progress_interval)
     finally:
@@ -97,35 +103,47 @@ def _already_complete(plan: JobPlan) -> RunResult:
 def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] | None,
                 progress_interval: float | None) -> RunResult:
     out = plan.out_dir
+    for note in plan.notes:
+        log.warning("%s", note)
     try:
         if plan.state == "fresh":
             clear_output(out)
-        write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,
-                                           "job": plan.cfg.source, "executor": plan.cfg.executor["kind"],
-                                           "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided}})
+        if plan.damaged:  # not complete until the damaged parts are computed again
+            remove_file(out / SUCCESS)
+        write_json_atomic(out / JOB_FILE, _job_record(plan))
     except WriteFailure as e:
         return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
     t0 = time.monotonic()
     executor = make_executor(plan, llm_factory)
+    retry = plan.state == "retry"
 
     def make_progress(initial: int) -> Progress:
-        return Progress(total=plan.total, initial=initial, quiet=quiet, metrics=executor.progress_metrics,
-                        interval=progress_interval)
+        total = len(writer.redo) if retry else plan.total
+        return Progress(total=total, initial=0 if retry else initial - len(writer.redo), quiet=quiet,
+                        metrics=executor.progress_metrics, interval=progress_interval)
 
     series = TimeSeries(start=t0)
 
     def sample_series(now: float) -> None:
         series.maybe_sample(now, writer.done_rows, executor.progress_metrics, writer.generated_tokens)
 
-    writer = OrderedWriter(make_sink(plan), on_error=plan.cfg.input["on_error"],
+    sink = make_sink(plan)
+    writer = OrderedWriter(sink, on_error=plan.cfg.input["on_error"],
                            commit_interval_s=float(plan.cfg.output["commit_interval_s"]), make_progress=make_progress,
                            on_tick=sample_series)
-    start = writer.open()
-    if start:
+    try:
+        start = writer.open(retry_errors=retry)
+    except SinkError as e:
+        return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
+    if retry:
+        _check_retry_columns(sink)
+        log.info("retrying %d rows with an error in %s", len(writer.redo), out)
+    elif start:
         log.info("resuming %s after %d committed input rows", out, start)
-    rows = RowSlice.of_plan(plan, start)
+    rows = RowSlice.of_plan(plan, start, redo=writer.redo, new_rows=not retry)
+    errors_before = sink.committed.errors
     code, message = _execute(executor, rows, writer)
-    complete = code == EXIT_OK and rows.complete_at(writer.next_pos)
+    complete = code == EXIT_OK and (retry or rows.complete_at(writer.next_pos))
     engine = _quiet_metrics(executor)
     try:
         write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
@@ -137,8 +155,12 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
             code, message = EXIT_FAILED, str(e)
         else:
             log.error("%s", e)  # the run's own failure is what gets reported
-    counts = writer.sink.committed.as_dict()
-    if code == EXIT_OK:
+    counts = sink.committed.as_dict()
+    if code == EXIT_OK and retry:
+        fixed = errors_before - sink.committed.errors
+        message = (f"retried {len(writer.redo)} rows with an error in {out}: {fixed} now without, "
+                   f"{counts['row_errors']} row errors left")
+    elif code == EXIT_OK:
         if complete:
             message = f"wrote {counts['output_rows']} rows ({counts['row_errors']} row errors) to {out}"
         else:
@@ -147,6 +169,31 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
     else:
         message = f"{message}; {counts['input_rows']} input rows committed in {out} (a rerun resumes)"
     return RunResult(code, out, message, counts)
+
+
+def _job_record(plan: JobPlan) -> dict[str, Any]:
+    """`_job.json`: what the committed rows were made with (a rerun compares), and how to read the input
+    again (`batchrun verify` checks the ids against it)."""
+    inp = dict(plan.cfg.input)
+    if os.path.exists(inp["path"]):
+        inp["path"] = os.path.abspath(inp["path"])  # verify may run from another folder
+    return {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash, "job": plan.cfg.source,
+            "executor": plan.cfg.executor["kind"], "input": inp, "id_column": plan.id_column,
+            "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided,
+                      "index": plan.shard.index if plan.shard else 0, "count": plan.shard.count if plan.shard else 1},
+            "earlier_fingerprints": sorted(plan.accepted)}
+
+
+def _check_retry_columns(sink: Sink) -> None:
+    """A job fixed before --retry-errors may ask for other output columns: the output keeps its own."""
+    schema = getattr(sink, "schema", None)
+    if schema is None:
+        return
+    wanted, have = sink.column_names(), schema.names
+    added = [c for c in wanted if c not in have]
+    if added:
+        log.warning("--retry-errors: the output has no column %s (written before the job asked for it); the "
+                    "retried rows keep the output's columns", ", ".join(added))
 
 
 def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple[int, str]:
@@ -218,7 +265,7 @@ def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], 
     metrics = {
         **sink.committed.as_dict(), "complete": complete, "wall_time_s": round(wall_s, 3),
         "generated_tokens_per_s": rate(run.completion_tokens),
-        "this_run": {**run.as_dict(), "input_rows": sink.committed.end - plan.committed,
+        "this_run": {**run.as_dict(), "input_rows": run.inputs,
                      "wall_time_s": round(wall_s, 3), "generated_tokens_per_s": rate(run.completion_tokens),
                      "prompt_tokens_per_s": rate(run.prompt_tokens), "reorder_buffer_peak": writer.peak_buffered},
         "engine": engine, "model": plan.cfg.model["path"],

@@ -17,9 +17,9 @@ import pyarrow as pa
 
 from batchrun.config import JobConfig, JobError
 from batchrun.engine_args import EngineArgsError, job_key
+from batchrun.io.openai_sink import OpenAIBatchSink
 from batchrun.io.sinks import (
     SUCCESS,
-    OpenAIBatchSink,
     OutputSpec,
     ParquetSink,
     Sink,
@@ -164,7 +164,12 @@ class JobPlan:
     hi: int | None = None  # one past its last row (None: to the end)
     strided: bool = False  # slice i % N == I instead (when the row count is unknown)
     resume: bool = True  # False: --no-resume (start afresh whatever is committed)
-    state: str = "fresh"  # fresh | resume | complete
+    retry_errors: bool = False  # --retry-errors: compute again the rows of a complete output with an error
+    state: str = "fresh"  # fresh | resume | complete | retry
+    damaged: list[str] = field(default_factory=list)  # committed parts found damaged (computed again)
+    accepted: frozenset[str] = frozenset()  # earlier fingerprints of this output's parts (kept by a retry)
+    checksums: str = "last"  # parts whose checksum the run checks: "last" on a resume, "all" on a complete output
+    unrecorded: int = 0  # sound parts the manifest has no entry for (the run records them)
     committed: int = 0  # input rows already committed
     total: int | None = None  # rows this shard covers (after --limit), when known
     notes: list[str] = field(default_factory=list)
@@ -198,10 +203,13 @@ def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | None = None,
-             resume: bool = True) -> JobPlan:
+             resume: bool = True, retry_errors: bool = False) -> JobPlan:
     """Every check short of loading the model. Raises JobError (exit 2)."""
     if limit is not None and limit < 0:
         raise JobError(f"--limit: must be >= 0, got {limit}")
+    if retry_errors and (not resume or limit is not None):
+        raise JobError(f"--retry-errors: not with {'--no-resume' if not resume else '--limit'} (it retries the "
+                       "rows with an error of a complete output, and keeps every other row)")
     if cfg.executor["kind"] == "ray":
         from batchrun.distributed import require_ray
 
@@ -243,7 +251,8 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
-                   fingerprint=fingerprint, id_column=id_column, model=model, resume=resume)
+                   fingerprint=fingerprint, id_column=id_column, model=model, resume=resume,
+                   retry_errors=retry_errors)
     _plan_slice(plan)
     plan_resume(plan)
     return plan
@@ -272,29 +281,56 @@ def _plan_slice(plan: JobPlan) -> None:
 
 
 def plan_resume(plan: JobPlan) -> None:
-    """What the output folder holds: fresh, resume (after plan.committed rows) or complete. Run once when
-    planning and again by the run once it holds the folder's lock (another run may have written since)."""
+    """What the output folder holds: fresh, resume (after plan.committed rows), complete, or retry
+    (--retry-errors on a complete output). Run once when planning and again by the run once it holds the
+    folder's lock (another run may have written since). The parts are checked against their manifest here
+    (batchrun.io.manifest): a damaged part makes a complete output resume, to compute it again."""
     out = plan.out_dir
+    plan.damaged = []
     if not plan.resume:
         plan.state = "fresh"
         return
     old = read_job_file(out)
     committed_parts = bool(part_files(out)) or (out / "_progress.json").exists()
-    if old is not None and committed_parts and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
-        raise JobError(f"output.path: {out} holds rows of a different job "
-                       f"({_describe_changes(old.get('fingerprint', {}), plan.fingerprint)}); "
-                       "rerun with --no-resume to start afresh, or choose another output.path")
     if not committed_parts:
+        if plan.retry_errors:
+            raise JobError(f"--retry-errors: {out} holds no output yet; run the job without it first")
         plan.state = "fresh"
         return
+    earlier = set(old.get("earlier_fingerprints", [])) if old else set()
+    if old is not None and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
+        changes = _describe_changes(old.get("fingerprint", {}), plan.fingerprint)
+        if not plan.retry_errors:
+            raise JobError(f"output.path: {out} holds rows of a different job ({changes}); rerun with "
+                           "--no-resume to start afresh, or choose another output.path")
+        earlier.add(fingerprint_hash(old.get("fingerprint", {})))  # a job fixed before retrying its errors
+        note = f"the job changed since the output was written ({changes}); the rows with an error are " \
+               "computed again with the new one"
+        if note not in plan.notes:
+            plan.notes.append(note)
+    plan.accepted = frozenset(earlier - {plan.fp_hash})
+    # A resume must start fast, and what an interruption can damage is the last part; a complete output is
+    # checked whole (docs/durability.md: "What a rerun checks").
+    plan.checksums = "all" if (out / SUCCESS).exists() else "last"
     sink = make_sink(plan)
     try:
         counts = sink.scan()
     except SinkError as e:
         raise JobError(f"output.path: cannot resume: {e}") from None
+    inspection = getattr(sink, "inspection", None)
+    plan.damaged = [f"{p.path.name} ({p.damage})" for p in inspection.damaged] if inspection else []
+    plan.unrecorded = len(inspection.unrecorded()) if inspection else 0
     plan.committed = counts.end
     done = (out / SUCCESS).exists()
-    plan.state = "complete" if done else "resume"
+    if plan.retry_errors:
+        if plan.source.format == "openai-batch":
+            raise JobError("--retry-errors: not available for openai-batch output yet (Parquet outputs only)")
+        if not done:
+            raise JobError(f"--retry-errors: {out} is not complete (no _SUCCESS); run the job without "
+                           "--retry-errors to finish it first")
+        plan.state = "retry"
+    else:
+        plan.state = "complete" if done and not plan.damaged else "resume"
 
 
 def make_sink(plan: JobPlan) -> Sink:
@@ -311,14 +347,18 @@ def make_sink(plan: JobPlan) -> Sink:
     if plan.id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
     cls = OpenAIBatchSink if source.format == "openai-batch" else ParquetSink
-    return cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
+    sink = cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
+    sink.accepted, sink.checksums = plan.accepted, plan.checksums
+    return sink
 
 
 def describe_plan(plan: JobPlan) -> str:
     src = plan.source
     rows = plan.total if plan.total is not None else "?"
     what = {"fresh": "starts afresh", "resume": f"resumes after {plan.committed} committed rows",
-            "complete": "is already complete"}[plan.state]
+            "complete": "is already complete", "retry": "retries its rows with an error"}[plan.state]
+    if plan.damaged:
+        what += f"; damaged parts computed again: {', '.join(plan.damaged)}"
     shard = f", shard {plan.shard}" if plan.shard else ""
     ex = plan.cfg.executor
     n = ex["replicas"]

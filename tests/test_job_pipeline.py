@@ -65,6 +65,7 @@ class ListSink:
     """The Sink methods the writer uses: rows in, commits counted."""
 
     rows_per_part = 3
+    repairs = ()  # no damaged part to compute again
 
     def __init__(self):
         self.pending, self.parts = [], []

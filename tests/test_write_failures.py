@@ -89,6 +89,8 @@ CASES = [  # (operation, file, after): the write that fails
     ("fsync", "part-", 1),
     ("replace", "part-", 3),
     ("open", "part-", 0),  # the very first part
+    ("write", "_manifest.json", 1),  # the second part's entry: the part is never renamed into place
+    ("replace", "_manifest.json", 3),
     ("write", "_metrics.json", 0),  # every row committed, the metrics not
     ("replace", "_SUCCESS", 0),  # metrics written, the completion mark not
     ("open", "_job.json", 0),  # before anything runs

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +45,24 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_SUFFIX}")
 
 
-def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+def write_bytes_atomic(path: Path, data: bytes | memoryview | Iterable[bytes]) -> None:
     """`path` holds `data` or is as it was before, also after a crash (fsync before the rename)."""
     rename_into_place(write_unrenamed(path, data), path)
 
 
-def write_unrenamed(path: Path, data: bytes | memoryview) -> Path:
-    """The first half of write_bytes_atomic: `data` durable under `path`'s temporary name, which is returned."""
+def write_unrenamed(path: Path, data: bytes | memoryview | Iterable[bytes]) -> Path:
+    """The first half of write_bytes_atomic: `data` (or its chunks, in order) durable under `path`'s temporary
+    name, which is returned."""
     path = Path(path)
     tmp = tmp_path(path)
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) or hasattr(data, "to_pybytes") else data
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -121,6 +125,16 @@ def fsync_dir(path: Path) -> None:
             raise WriteFailure(path, e) from None
     finally:
         os.close(fd)
+
+
+def remove_file(path: Path) -> None:
+    """Remove `path` if it is there; a failure to is a write failure."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise WriteFailure(path, e) from None
 
 
 def remove_quietly(path: Path) -> None:

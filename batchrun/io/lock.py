@@ -79,6 +79,25 @@ class Holder:
         return True
 
 
+def in_use(folder: Path) -> str | None:
+    """Who holds `folder`, if a process does (None: free, or never locked); takes nothing and writes nothing."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = Holder.parse(os.read(fd, 4096).decode("utf-8", "replace"))
+        return holder.describe() if holder else "a process whose record is empty"
+    except OSError:
+        return None  # no flock on this filesystem: nothing to tell
+    finally:
+        os.close(fd)
+    return None
+
+
 class OutputLock:
     """`with OutputLock(folder, what):` holds folder/_lock exclusively inside, or raises OutputBusy.
 

@@ -33,6 +33,8 @@ class RowTask:
     params: SamplingParams | None = None
     error: str | None = None
     extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model
+    truncated: int | None = None  # prompt tokens cut to fit (input.on_too_long: truncate_left / truncate_right)
+    skipped: bool = False  # not run, by choice (input.on_too_long: skip): no error, no completion
 
 
 class RequestBuilder:

@@ -4,7 +4,8 @@ It owns the reorder buffer (rows finished ahead of an earlier one still generati
 bounds it by holding back input), the sink, the commit clock and the signals: a part is committed when it
 holds `rows_per_part` rows, or when `commit_interval_s` has passed since the last commit (checked whenever
 the executor hands over a row or ticks), so a SIGKILL loses at most that much work. SIGINT / SIGTERM
-arriving during a commit wait for it to finish.
+arriving during a commit wait for it to finish. Rows of parts already committed that are computed again (a
+damaged part, `--retry-errors`) go to a PartPatcher instead (batchrun.pipeline.patches).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from batchrun.io.rows import RowTask
 from batchrun.io.sinks import Sink
+from batchrun.pipeline.patches import PartPatcher
 from batchrun.pipeline.signals import Interrupts, JobInterrupted
 from batchrun.progress import Progress
 
@@ -43,13 +45,27 @@ class OrderedWriter:
         self.last_commit = time.monotonic()
         self.progress: Progress | None = None
         self.done_rows = self.errors = self.generated_tokens = 0  # finished by this run
+        self.patcher: PartPatcher | None = None  # rows of committed parts computed again
 
     # -------------------------------------------------------- lifecycle (the job's side)
 
-    def open(self) -> int:
-        """Open the sink (clean up an interrupted write); returns the position after the committed rows."""
+    def open(self, *, retry_errors: bool = False) -> int:
+        """Open the sink (clean up an interrupted write); returns the position after the committed rows.
+        Damaged parts the sink found in the middle, and with retry_errors the parts holding error rows, are
+        patched: their positions are in `redo`."""
         self.next_pos = self.sink.open().end
+        parts = {p.index: list(range(p.start, p.end)) for p in self.sink.repairs}
+        if retry_errors:
+            for index, positions in self.sink.error_rows().items():
+                parts.setdefault(index, positions)
+        if parts:
+            self.patcher = PartPatcher(self.sink, parts, whole={p.index for p in self.sink.repairs})
         return self.next_pos
+
+    @property
+    def redo(self) -> tuple[int, ...]:
+        """Positions of committed parts this run computes again."""
+        return self.patcher.positions if self.patcher is not None else ()
 
     @contextlib.contextmanager
     def signals(self) -> Iterator[None]:
@@ -60,6 +76,8 @@ class OrderedWriter:
     def finish(self) -> None:
         """The executor is done: write and commit every row, and check none is left behind."""
         self.commit_finished()
+        if self.patcher is not None:
+            self.patcher.check_done()
         if self.buffer:
             raise RuntimeError(f"internal error: {len(self.buffer)} rows unwritten after the executor finished "
                                f"(the next due is position {self.next_pos})")
@@ -72,6 +90,8 @@ class OrderedWriter:
             except RowFailure:
                 pass
             self._commit()
+            if self.patcher is not None:
+                self.patcher.flush()
 
     def held(self) -> contextlib.AbstractContextManager[None]:
         """A section that signals do not interrupt (clean-up after a failure)."""
@@ -102,6 +122,11 @@ class OrderedWriter:
             self.generated_tokens += sum(len(o.token_ids) for o in outputs)
         if self.progress is not None:
             self.progress.update(self.done_rows, self.generated_tokens, self.errors)
+        if self.patcher is not None and self.patcher.wants(task.pos):
+            with self.interrupts.deferred():
+                self._check_row(task)
+                self.patcher.put(task, outputs, self._writes(task))
+            return
         with self.interrupts.deferred():
             self.buffer[task.pos] = (task, outputs)
             self.peak_buffered = max(self.peak_buffered, len(self.buffer))
@@ -110,9 +135,12 @@ class OrderedWriter:
     def tick(self) -> None:
         """Called often (every engine step, every block of results): commits on time, keeps progress alive."""
         now = time.monotonic()
-        if self.sink.pending_rows and now - self.last_commit >= self.commit_interval_s:
+        patched = self.patcher is not None and self.patcher.held
+        if (self.sink.pending_rows or patched) and now - self.last_commit >= self.commit_interval_s:
             with self.interrupts.deferred():
                 self._commit()
+                if self.patcher is not None:
+                    self.patcher.flush()
         if self.progress is not None:
             self.progress.tick(now)
         if self.on_tick is not None:
@@ -132,15 +160,22 @@ class OrderedWriter:
     def _drain(self) -> None:
         while self.next_pos in self.buffer:
             task, outputs = self.buffer[self.next_pos]
-            if task.error is not None and self.on_error == "fail":
-                raise RowFailure(f"row {task.index} (id {task.id!r}): {task.error} (input.on_error: fail)")
+            self._check_row(task)
             del self.buffer[self.next_pos]
-            self.sink.add(task, outputs, write=task.error is None or self.on_error == "record")
+            self.sink.add(task, outputs, write=self._writes(task))
             self.next_pos += 1
             if self.sink.pending_rows >= self.sink.rows_per_part:
                 self._commit()
         if self.sink.pending_rows and time.monotonic() - self.last_commit >= self.commit_interval_s:
             self._commit()
+
+    def _check_row(self, task: RowTask) -> None:
+        if task.error is not None and self.on_error == "fail":
+            raise RowFailure(f"row {task.index} (id {task.id!r}): {task.error} (input.on_error: fail)")
+
+    def _writes(self, task: RowTask) -> bool:
+        """Does the row get output rows (an error row: only with on_error: record)?"""
+        return task.error is None or self.on_error == "record"
 
     def _commit(self) -> None:
         self.sink.commit()

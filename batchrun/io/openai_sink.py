@@ -1,0 +1,112 @@
+"""OpenAI batch output (`input.format: openai-batch`): `output.jsonl`, one line per request in OpenAI's batch
+output format, resumable.
+
+Lines are appended to ``output.jsonl`` and fsynced, then ``_progress.json`` (input position and byte length) is
+replaced atomically; a rerun cuts ``output.jsonl`` back to the recorded length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from batchrun.io.files import SinkError, WriteFailure, write_at, write_json_atomic
+from batchrun.io.rows import RowTask
+from batchrun.io.sinks import OPENAI_OUTPUT, PROGRESS, Counts, OutputSpec, Sink
+
+
+class OpenAIBatchSink(Sink):
+    """OpenAI batch output: one JSON line per request, {id, custom_id, response: {status_code, body}, error}."""
+
+    def __init__(self, out_dir: Path, spec: OutputSpec, rows_per_part: int, fp_hash: str) -> None:
+        super().__init__(out_dir, spec, rows_per_part, fp_hash)
+        self.lines: list[str] = []
+        self.length = 0
+
+    def scan(self) -> Counts:
+        path = self.out_dir / PROGRESS
+        if not path.exists():
+            return Counts()
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SinkError(f"{path} is unreadable ({e}); rerun with --no-resume") from None
+        if info.get("fingerprint") != self.fp_hash:
+            raise SinkError(f"{self.out_dir / OPENAI_OUTPUT} was written by a different job")
+        out = self.out_dir / OPENAI_OUTPUT
+        if not out.exists() or out.stat().st_size < info["bytes"]:
+            raise SinkError(f"{out} is shorter than {path} records; rerun with --no-resume")
+        c = Counts(end=info["end"], rows=info["rows"], errors=info["errors"],
+                   prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"])
+        self.length = info["bytes"]
+        return c
+
+    def open(self) -> Counts:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.committed = self.scan()
+        self.pending = Counts(end=self.committed.end)
+        out = self.out_dir / OPENAI_OUTPUT
+        try:
+            with open(out, "ab") as f:
+                f.truncate(self.length)
+        except OSError as e:
+            raise WriteFailure(out, e) from None
+        return self.committed
+
+    def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
+        self.lines.append(json.dumps(openai_line(task, outputs, self.spec.model), ensure_ascii=False))
+        self.pending.rows += 1
+
+    def commit(self) -> None:
+        if self.pending.end == self.committed.end:
+            return
+        data = "".join(line + "\n" for line in self.lines).encode("utf-8")
+        write_at(self.out_dir / OPENAI_OUTPUT, self.length, data)  # a rerun cuts it to _progress.json's length
+        self.length += len(data)
+        self._committed_pending()
+        write_json_atomic(self.out_dir / PROGRESS, {**self._progress(), "bytes": self.length})
+        self.lines = []
+
+    def _progress(self) -> dict[str, Any]:
+        c = self.committed
+        return {"end": c.end, "rows": c.rows, "errors": c.errors, "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
+
+
+
+
+def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[str, Any]:
+    extra = task.extra or {}
+    cid = extra.get("custom_id", task.id)
+    digest = hashlib.sha256(f"{cid}:{task.index}".encode()).hexdigest()
+    request_id = digest[:32]
+    line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
+    if outputs is None:
+        line["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": {
+            "message": task.error, "type": "invalid_request_error", "param": None, "code": None}}}
+        line["error"] = None
+        return line
+    chat = "chat" in (extra.get("url") or "")
+    choices = []
+    for j, out in enumerate(outputs):
+        reason = out.finish_reason or "length"
+        if chat:
+            choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": None, "finish_reason": reason})
+        else:
+            choices.append({"index": j, "text": out.text, "logprobs": None, "finish_reason": reason})
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = task.prompt_tokens or 0
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:24]}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    errors = [o.error for o in outputs if getattr(o, "error", None)]
+    line["error"] = {"code": "structured_output_incomplete", "message": errors[0]} if errors else None
+    return line
