@@ -118,8 +118,8 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
     retry = plan.state == "retry"
 
     def make_progress(initial: int) -> Progress:
-        total = len(writer.redo) if retry else plan.total
-        return Progress(total=total, initial=0 if retry else initial - len(writer.redo), quiet=quiet,
+        total = len(redo) if retry else plan.total
+        return Progress(total=total, initial=0 if retry else initial - len(redo), quiet=quiet,
                         metrics=executor.progress_metrics, interval=progress_interval)
 
     series = TimeSeries(start=t0)
@@ -135,12 +135,13 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
         start = writer.open(retry_errors=retry)
     except SinkError as e:
         return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
+    redo = writer.redo
     if retry:
         _check_retry_columns(sink)
-        log.info("retrying %d rows with an error in %s", len(writer.redo), out)
+        log.info("retrying %d rows with an error in %s", len(redo), out)
     elif start:
         log.info("resuming %s after %d committed input rows", out, start)
-    rows = RowSlice.of_plan(plan, start, redo=writer.redo, new_rows=not retry)
+    rows = RowSlice.of_plan(plan, start, redo=redo, new_rows=not retry)
     errors_before = sink.committed.errors
     code, message = _execute(executor, rows, writer)
     complete = code == EXIT_OK and (retry or rows.complete_at(writer.next_pos))
@@ -158,7 +159,7 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
     counts = sink.committed.as_dict()
     if code == EXIT_OK and retry:
         fixed = errors_before - sink.committed.errors
-        message = (f"retried {len(writer.redo)} rows with an error in {out}: {fixed} now without, "
+        message = (f"retried {len(redo)} rows with an error in {out}: {fixed} now without, "
                    f"{counts['row_errors']} row errors left")
     elif code == EXIT_OK:
         if complete:

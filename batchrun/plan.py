@@ -181,9 +181,12 @@ class JobPlan:
 
 def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
     inp = cfg.input
-    return {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
-            "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
-            "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+    fp = {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
+          "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
+          "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+    if inp["on_too_long"] != "error":  # absent at its default: outputs written before the key existed resume
+        fp["on_too_long"] = inp["on_too_long"]
+    return fp
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -343,7 +346,7 @@ def make_sink(plan: JobPlan) -> Sink:
         include_prompt=cfg.output["include_prompt"], include_token_ids=cfg.output["include_token_ids"],
         sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
         logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
-        model=cfg.model["path"])
+        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"])
     if plan.id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
     cls = OpenAIBatchSink if source.format == "openai-batch" else ParquetSink

@@ -85,6 +85,10 @@ def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[st
     digest = hashlib.sha256(f"{cid}:{task.index}".encode()).hexdigest()
     request_id = digest[:32]
     line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
+    if outputs is None and task.skipped is not None:
+        line["response"] = None
+        line["error"] = {"code": "skipped", "message": task.skipped}
+        return line
     if outputs is None:
         line["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": {
             "message": task.error, "type": "invalid_request_error", "param": None, "code": None}}}

@@ -151,7 +151,7 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
     if spec.include_prompt:
         base["prompt"] = task.prompt
     if spec.truncated_tokens:
-        base["truncated_tokens"] = task.truncated
+        base["truncated_tokens"] = task.truncated or (0 if outputs is not None else None)
     if outputs is None:
         reason = "skipped" if task.skipped else "error"
         rec = {**base, "completion": None, "finish_reason": reason, "prompt_tokens": task.prompt_tokens,
@@ -412,6 +412,17 @@ class ParquetSink(Sink):
         self.this_run.add(Counts(rows=new.rows, inputs=len(rows), errors=sum(
             row_counts(t, o).errors for t, o, _ in rows.values())))
         self.parts[index] = new
+        self._refresh_metrics()
+
+    def _refresh_metrics(self) -> None:
+        """_metrics.json's counts of what is committed, after a part changed in place: a run stopped before it
+        writes its metrics leaves them true of the parts."""
+        path = self.out_dir / METRICS
+        try:
+            metrics = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # none yet: the run writes it at its end
+        write_json_atomic(path, {**metrics, **self.committed.as_dict()})
 
     def _rebuild(self, index: int, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]) -> tuple[pa.Table, PartInfo]:
         start, end = self.part_range(index)
