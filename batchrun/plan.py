@@ -31,52 +31,11 @@ from batchrun.io.sinks import (
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.locate import ModelSource, locate_model
+from batchrun.shards import ShardSpec
+
+__all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
-
-
-# ---------------------------------------------------------------- shards
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    index: int
-    count: int
-
-    @classmethod
-    def parse(cls, text: str | None, env: dict[str, str] | None = None) -> ShardSpec | None:
-        if text is None:
-            return None
-        env = os.environ if env is None else env
-        if text == "auto":
-            if "SLURM_ARRAY_TASK_ID" not in env or "SLURM_ARRAY_TASK_COUNT" not in env:
-                raise JobError("--shard auto: SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT are not set "
-                               "(not inside a Slurm job array); use --shard I/N")
-            try:
-                task, count = int(env["SLURM_ARRAY_TASK_ID"]), int(env["SLURM_ARRAY_TASK_COUNT"])
-                base = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-            except ValueError:
-                raise JobError("--shard auto: the SLURM_ARRAY_TASK_* variables are not integers") from None
-            return cls._checked(task - base, count, text)
-        i, sep, n = text.partition("/")
-        try:
-            return cls._checked(int(i), int(n), text) if sep else cls._checked(-1, 0, text)
-        except ValueError:
-            raise JobError(f"--shard {text}: expected I/N (0 <= I < N) or auto") from None
-
-    @classmethod
-    def _checked(cls, index: int, count: int, text: str) -> ShardSpec:
-        if count < 1 or not 0 <= index < count:
-            raise JobError(f"--shard {text}: expected I/N with 0 <= I < N, or auto")
-        return cls(index, count)
-
-    @property
-    def dirname(self) -> str:
-        width = len(str(self.count - 1))
-        return f"shard-{self.index:0{width}d}-of-{self.count}"
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 # ---------------------------------------------------------------- checks that need no model

@@ -5,9 +5,9 @@ skipped when the array is resubmitted, and `batchrun merge` gives the rows of an
 import json
 import os
 import subprocess
+import sys
 
 import pyarrow.parquet as pq
-import pytest
 from click.testing import CliRunner
 from test_job_fakes import REPO, cli_env, read_rows, write_job
 
@@ -22,13 +22,11 @@ def cli(*args):
 
 def array_task(task, count, out, *extra):
     env = cli_env(fake=True, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_COUNT=str(count),
-                  SLURM_ARRAY_TASK_MIN="0")
+                  SLURM_ARRAY_TASK_MIN="0", BATCHRUN=f"{sys.executable} -m batchrun.cli")
     return subprocess.run(["bash", "jobs/slurm_array.sh", "jobs/example.yaml", "--set", f"output.path={out}",
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "batchrun")),
-                    reason="the console script is not installed (make setup)")
 def test_slurm_array_skips_complete_shards_and_merges_in_order(tmp_path, monkeypatch):
     out = tmp_path / "out"
     for task in range(3):
