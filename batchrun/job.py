@@ -119,7 +119,7 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
 
     def make_progress(initial: int) -> Progress:
         total = len(redo) if retry else plan.total
-        return Progress(total=total, initial=0 if retry else initial - len(redo), quiet=quiet,
+        return Progress(total=total, initial=0 if retry else initial - len(redo) + len(writer.ahead), quiet=quiet,
                         metrics=executor.progress_metrics, interval=progress_interval)
 
     series = TimeSeries(start=t0)
@@ -141,7 +141,7 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
         log.info("retrying %d rows with an error in %s", len(redo), out)
     elif start:
         log.info("resuming %s after %d committed input rows", out, start)
-    rows = RowSlice.of_plan(plan, start, redo=redo, new_rows=not retry)
+    rows = RowSlice.of_plan(plan, start, redo=redo, ahead=writer.ahead, new_rows=not retry)
     errors_before = sink.committed.errors
     code, message = _execute(executor, rows, writer)
     complete = code == EXIT_OK and (retry or rows.complete_at(writer.next_pos))

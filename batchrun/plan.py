@@ -19,6 +19,9 @@ from batchrun.config import JobConfig, JobError
 from batchrun.engine_args import EngineArgsError, job_key
 from batchrun.io.openai_sink import OpenAIBatchSink
 from batchrun.io.sinks import (
+    AHEAD,
+    AHEAD_JSONL,
+    PROGRESS,
     SUCCESS,
     OutputSpec,
     ParquetSink,
@@ -253,7 +256,7 @@ def plan_resume(plan: JobPlan) -> None:
         plan.state = "fresh"
         return
     old = read_job_file(out)
-    committed_parts = bool(part_files(out)) or (out / "_progress.json").exists()
+    committed_parts = bool(part_files(out)) or any((out / name).exists() for name in (PROGRESS, AHEAD, AHEAD_JSONL))
     if not committed_parts:
         if plan.retry_errors:
             raise JobError(f"--retry-errors: {out} holds no output yet; run the job without it first")

@@ -78,9 +78,14 @@ def _verify_folder(folder: Path, report: Report) -> None:
     if not (folder / SUCCESS).exists():
         report.problems.append(f"{folder}: not complete (no {SUCCESS}); a rerun of the job finishes it")
     for name in (AHEAD, AHEAD_JSONL):
-        if (folder / name).exists() and (folder / SUCCESS).exists():
-            report.problems.append(f"{folder / name}: left in a complete output (rows finished ahead are folded "
+        if not (folder / name).exists():
+            continue
+        if (folder / SUCCESS).exists():
+            report.problems.append(f"{folder / name}: left in a complete output (rows finished ahead are written "
                                    "into the parts before the output completes)")
+        else:
+            report.notes.append(f"{folder}: rows finished ahead of an earlier row are kept in {name}; the rerun "
+                                "writes them in their place without computing them again")
 
 
 def _verify_parts(folder: Path, report: Report) -> None:

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from batchrun.io.files import SinkError, WriteFailure, write_at, write_json_atomic
+from batchrun.io.files import (
+    SinkError,
+    WriteFailure,
+    remove_file,
+    write_at,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from batchrun.io.rows import RowTask
-from batchrun.io.sinks import OPENAI_OUTPUT, PROGRESS, Counts, OutputSpec, Sink
+from batchrun.io.sinks import AHEAD_JSONL, OPENAI_OUTPUT, PROGRESS, Counts, OutputSpec, Sink, StoredRow
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIBatchSink(Sink):
@@ -57,9 +67,40 @@ class OpenAIBatchSink(Sink):
             raise WriteFailure(out, e) from None
         return self.committed
 
-    def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
-        self.lines.append(json.dumps(openai_line(task, outputs, self.spec.model), ensure_ascii=False))
-        self.pending.rows += 1
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
+        return [json.dumps(openai_line(task, outputs, self.spec.model), ensure_ascii=False)]
+
+    def _add_payload(self, row: StoredRow) -> None:
+        self.lines += row.payload
+        self.pending.rows += len(row.payload)
+
+    def save_ahead(self, rows: list[StoredRow]) -> None:
+        path = self.out_dir / AHEAD_JSONL
+        if not rows:
+            remove_file(path)
+            return
+        text = "".join(json.dumps({"pos": r.pos, "index": r.index, "id": r.id_text, "error": r.error,
+                                   "counts": [r.counts.errors, r.counts.prompt_tokens, r.counts.completion_tokens],
+                                   "lines": r.payload, "fingerprint": self.fp_hash}) + "\n" for r in rows)
+        write_bytes_atomic(path, text.encode("utf-8"))
+
+    def load_ahead(self) -> list[StoredRow]:
+        path = self.out_dir / AHEAD_JSONL
+        rows = []
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    d = json.loads(line)
+                    if d["fingerprint"] == self.fp_hash and d["pos"] >= self.committed.end:
+                        errors, prompt, completion = d["counts"]
+                        rows.append(StoredRow(d["pos"], d["index"], d["id"], d["error"], Counts(
+                            errors=errors, prompt_tokens=prompt, completion_tokens=completion, inputs=1), d["lines"]))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s is unreadable (%s): the rows it kept are computed again", path, e)
+            return []
+        return rows
 
     def commit(self) -> None:
         if self.pending.end == self.committed.end:
@@ -75,8 +116,6 @@ class OpenAIBatchSink(Sink):
         c = self.committed
         return {"end": c.end, "rows": c.rows, "errors": c.errors, "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
-
-
 
 
 def openai_line(task: RowTask, outputs: list[Any] | None, model: str) -> dict[str, Any]:

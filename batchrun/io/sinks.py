@@ -29,8 +29,10 @@ from batchrun.io.files import (
     TMP_SUFFIX,
     SinkError,
     WriteFailure,
+    remove_file,
     remove_quietly,
     rename_into_place,
+    write_bytes_atomic,
     write_json_atomic,
     write_unrenamed,
 )
@@ -98,6 +100,19 @@ class Counts:
     def as_dict(self) -> dict[str, int]:
         return {"input_rows": self.end, "output_rows": self.rows, "row_errors": self.errors,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+
+@dataclass
+class StoredRow:
+    """A finished row as the sink keeps it aside (batchrun.pipeline.writer's reorder buffer, `_ahead.*`): its
+    output rows already encoded, so it is written later exactly as `Sink.add` would have written it."""
+
+    pos: int
+    index: int
+    id_text: str  # repr of the id, for an on_error: fail message
+    error: str | None  # the row error, if any (on_error decides whether the row is written)
+    counts: Counts
+    payload: list[Any]  # Parquet: output records; OpenAI batch: JSON lines
 
 
 def row_counts(task: RowTask, outputs: list[Any] | None) -> Counts:
@@ -212,14 +227,37 @@ class Sink(ABC):
     def add(self, task: RowTask, outputs: list[Any] | None, *, write: bool = True) -> None:
         """The next input row in order: its outputs (None for an error row). write=False skips it but
         still counts its position (on_error: skip)."""
-        self.pending.add(row_counts(task, outputs))
-        self.pending.end = task.pos + 1
+        self.add_stored(self.stored(task, outputs), write=write)
+
+    def stored(self, task: RowTask, outputs: list[Any] | None) -> StoredRow:
+        """A finished row, encoded for writing now or later."""
+        return StoredRow(task.pos, task.index, repr(task.id), task.error, row_counts(task, outputs),
+                         self._payload(task, outputs))
+
+    def add_stored(self, row: StoredRow, *, write: bool = True) -> None:
+        """Sink.add for a row encoded earlier (kept aside, or read back from `_ahead.*`)."""
+        self.pending.add(row.counts)
+        self.pending.end = row.pos + 1
         if write:
-            self._add(task, outputs)
+            self._add_payload(row)
 
     @abstractmethod
-    def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
+        """One row's output rows, encoded."""
+
+    @abstractmethod
+    def _add_payload(self, row: StoredRow) -> None:
         """Buffer one row's output rows for the next commit."""
+
+    # ------------------------------------------------------------ rows finished ahead (kept across a stop)
+
+    @abstractmethod
+    def save_ahead(self, rows: list[StoredRow]) -> None:
+        """Keep rows finished ahead of an earlier one (written after the last commit); [] removes the file."""
+
+    @abstractmethod
+    def load_ahead(self) -> list[StoredRow]:
+        """What save_ahead kept, beyond what is committed (after open)."""
 
     @abstractmethod
     def commit(self) -> None:
@@ -331,14 +369,55 @@ class ParquetSink(Sink):
 
     # ------------------------------------------------------------ appending
 
-    def _add(self, task: RowTask, outputs: list[Any] | None) -> None:
-        records = output_records(task, outputs, self.spec)
-        if task.error is not None or any(getattr(o, "error", None) for o in outputs or ()):
-            self.errors_at.append([task.pos, self.pending.rows, len(records)])
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
+        return output_records(task, outputs, self.spec)
+
+    def _add_payload(self, row: StoredRow) -> None:
+        records = row.payload
+        if row.counts.errors:
+            self.errors_at.append([row.pos, self.pending.rows, len(records)])
         for rec in records:
             for name, values in self.columns.items():
                 values.append(rec.get(name))
         self.pending.rows += len(records)
+
+    def save_ahead(self, rows: list[StoredRow]) -> None:
+        path = self.out_dir / AHEAD
+        if not rows:
+            remove_file(path)
+            return
+        columns = {n: [rec.get(n) for r in rows for rec in r.payload] for n in self.column_names()}
+        schema = self.schema or pa.schema([pa.field(n, self._type_of(n, v)) for n, v in columns.items()])
+        table = pa.Table.from_arrays([self._array(f.name, columns.get(f.name, []), f.type) for f in schema],
+                                     schema=schema)
+        meta = {"fingerprint": self.fp_hash, "rows": [
+            [r.pos, r.index, r.id_text, r.error, r.counts.errors, r.counts.prompt_tokens,
+             r.counts.completion_tokens, len(r.payload)] for r in rows]}
+        table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        stream = pa.BufferOutputStream()
+        pq.write_table(table, stream)
+        write_bytes_atomic(path, stream.getvalue())
+
+    def load_ahead(self) -> list[StoredRow]:
+        path = self.out_dir / AHEAD
+        if not path.exists():
+            return []
+        try:
+            table = pq.read_table(path)
+            meta = json.loads(table.schema.metadata[META_KEY])
+        except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
+            log.warning("%s is unreadable (%s): the rows it kept are computed again", path, str(e).splitlines()[0])
+            return []
+        if meta.get("fingerprint") not in {self.fp_hash, *self.accepted}:
+            return []
+        records = table.replace_schema_metadata(None).to_pylist()
+        rows, at = [], 0
+        for pos, index, id_text, error, errors, prompt, completion, n in meta["rows"]:
+            if pos >= self.committed.end:
+                rows.append(StoredRow(pos, index, id_text, error, Counts(errors=errors, prompt_tokens=prompt,
+                                      completion_tokens=completion, inputs=1), records[at:at + n]))
+            at += n
+        return rows
 
     def commit(self) -> None:
         if self.pending.end == self.committed.end:
