@@ -82,7 +82,7 @@ class ListSink:
 
         return StoredRow(task.pos, task.index, repr(task.id), task.error, Counts(), [])
 
-    def add_stored(self, row, *, write=True):
+    def add_stored(self, row, *, write=True, earlier=False):
         if write:
             self.pending.append(row.pos)
 

@@ -99,6 +99,8 @@ def test_sigterm_keeps_rows_finished_out_of_order(tmp_path, monkeypatch, fmt):
     assert not set(second.rows) & kept and sorted(second.rows) == sorted(set(second.rows))
     assert read_out(out) == read_out(ref) and not side.exists()
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+    this_run = json.loads((out / "_metrics.json").read_text())["this_run"]
+    assert this_run["input_rows"] == len(second.rows)  # the rows kept aside are not this run's work
 
 
 def test_timed_commits_keep_rows_ahead_so_sigkill_loses_little(tmp_path):

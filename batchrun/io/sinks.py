@@ -86,11 +86,12 @@ class Counts:
         self.end = max(self.end, other.end)
 
     def remove(self, other: Counts) -> None:
-        """Take out what a part held before it was rewritten (its range stays covered)."""
+        """Take out what a part held before it was rewritten, or rows an earlier run computed (`end` stays)."""
         self.rows -= other.rows
         self.errors -= other.errors
         self.prompt_tokens -= other.prompt_tokens
         self.completion_tokens -= other.completion_tokens
+        self.inputs -= other.inputs
 
     @classmethod
     def of(cls, info: PartInfo) -> Counts:
@@ -203,6 +204,7 @@ class Sink(ABC):
         self.committed = Counts()  # everything committed, earlier runs included
         self.pending = Counts()
         self.this_run = Counts()  # committed by this run
+        self.carried = Counts()  # of the pending rows, those an earlier run computed (kept aside then)
         self.repairs: list[PartState] = []  # damaged committed parts to compute again (found by open)
 
     @property
@@ -234,12 +236,17 @@ class Sink(ABC):
         return StoredRow(task.pos, task.index, repr(task.id), task.error, row_counts(task, outputs),
                          self._payload(task, outputs))
 
-    def add_stored(self, row: StoredRow, *, write: bool = True) -> None:
-        """Sink.add for a row encoded earlier (kept aside, or read back from `_ahead.*`)."""
+    def add_stored(self, row: StoredRow, *, write: bool = True, earlier: bool = False) -> None:
+        """Sink.add for a row encoded earlier (kept aside; earlier: read back from `_ahead.*`, so not this
+        run's work)."""
         self.pending.add(row.counts)
         self.pending.end = row.pos + 1
+        rows_before = self.pending.rows
         if write:
             self._add_payload(row)
+        if earlier:
+            self.carried.add(row.counts)
+            self.carried.rows += self.pending.rows - rows_before
 
     @abstractmethod
     def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
@@ -266,6 +273,8 @@ class Sink(ABC):
     def _committed_pending(self) -> None:
         self.committed.add(self.pending)
         self.this_run.add(self.pending)
+        self.this_run.remove(self.carried)
+        self.carried = Counts()
         self.pending = Counts(end=self.committed.end)
 
 
@@ -486,8 +495,7 @@ class ParquetSink(Sink):
             self.committed.remove(Counts.of(info))
         else:
             self.repairs = [p for p in self.repairs if p.index != index]
-        self.committed.add(Counts(rows=new.rows, errors=new.errors, prompt_tokens=new.prompt_tokens,
-                                  completion_tokens=new.completion_tokens))
+        self.committed.add(Counts.of(new))
         self.this_run.add(Counts(rows=new.rows, inputs=len(rows), errors=sum(
             row_counts(t, o).errors for t, o, _ in rows.values())))
         self.parts[index] = new

@@ -189,8 +189,9 @@ class OrderedWriter:
             del self.buffer[self.next_pos]
             self.unsaved = True
             if row is not None:
-                self.from_earlier -= 1 if row.pos in self._earlier else 0
-                self.sink.add_stored(row, write=self._writes(row.error))
+                earlier = row.pos in self._earlier
+                self.from_earlier -= earlier
+                self.sink.add_stored(row, write=self._writes(row.error), earlier=earlier)
             else:
                 self.sink.add(*entry, write=self._writes(entry[0].error))
             self.next_pos += 1
