@@ -168,7 +168,8 @@ def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] |
             message = (f"wrote {counts['output_rows']} rows to {out} (stopped at --limit {plan.limit}; a rerun "
                        "without it continues)")
     else:
-        message = f"{message}; {counts['input_rows']} input rows committed in {out} (a rerun resumes)"
+        aside = f" and {len(writer.buffer)} finished after them kept aside" if writer.buffer else ""
+        message = f"{message}; {counts['input_rows']} input rows committed in {out}{aside} (a rerun resumes)"
     return RunResult(code, out, message, counts)
 
 

@@ -16,8 +16,9 @@
 # in GPU memory) and about 2 GiB of runtime: 8G fits models up to about 1B parameters in float32.
 #
 # Robust to preemption and time limits: Slurm sends SIGTERM first (here 120 s before the limit, see --signal);
-# batchrun commits what has finished and exits 143 (docs/durability.md says exactly what is kept). Resubmitting
-# the same array resumes the unfinished shards and skips the shards that have _SUCCESS. Two tasks of the same shard never write at once: the second exits 2 naming the first.
+# batchrun commits every finished row (those finished out of input order kept aside) and exits 143. Resubmitting
+# the same array resumes the unfinished shards, computing only rows that had not finished, and skips the shards
+# that have _SUCCESS (docs/durability.md says exactly what each kind of stop keeps). Two tasks of the same shard never write at once: the second exits 2 naming the first.
 #
 #SBATCH --job-name=batchrun
 #SBATCH --array=0-7
