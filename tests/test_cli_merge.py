@@ -82,3 +82,20 @@ def test_merge_interleaves_strided_shards(tmp_path):
     merged = cli("merge", tmp_path / "out", "--to", tmp_path / "all")
     assert merged.exit_code == 0, merged.output
     assert [r["id"] for r in read_rows(tmp_path / "all")] == list(range(11))
+
+
+def test_merge_and_verify_openai_batch_shards(tmp_path):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": f"hello {i}", "max_tokens": 3}} for i in range(7)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.jsonl"), "format": "openai-batch"},
+                    output={"path": str(tmp_path / "out")})
+    for i in range(2):
+        assert cli("run", job, "--shard", f"{i}/2", "-q").exit_code == 0
+    assert cli("verify", tmp_path / "out").exit_code == 0
+    merged = cli("merge", tmp_path / "out")
+    assert merged.exit_code == 0, merged.output
+    got = (tmp_path / "out-merged" / "output.jsonl").read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in got] == [f"c{i}" for i in range(7)]
+    result = cli("verify", tmp_path / "out-merged")
+    assert result.exit_code == 0, result.output

@@ -28,7 +28,7 @@ from batchrun.io.files import SinkError, write_bytes_atomic, write_json_atomic
 from batchrun.io.lock import LOCK_FILE, OutputBusy, OutputLock
 from batchrun.io.manifest import Entry, Manifest, inspect_parts
 from batchrun.io.parts import PartInfo, encode, part_files, part_name, read_info
-from batchrun.io.sinks import JOB_FILE, METRICS, OPENAI_OUTPUT, SUCCESS, clear_output, read_job_file
+from batchrun.io.sinks import JOB_FILE, METRICS, OPENAI_OUTPUT, PROGRESS, SUCCESS, clear_output, read_job_file
 
 SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 _COUNTS = ("input_rows", "output_rows", "row_errors", "prompt_tokens", "completion_tokens")
@@ -125,6 +125,11 @@ def _merge_locked(output: Path, shards: list[Path], dest: Path) -> dict[str, Any
     manifest = Manifest()
     if (shards[0] / OPENAI_OUTPUT).exists():
         write_bytes_atomic(dest / OPENAI_OUTPUT, _file_chunks([s / OPENAI_OUTPUT for s in shards]))
+        progress = [json.loads((s / PROGRESS).read_text()) for s in shards]
+        write_json_atomic(dest / PROGRESS, {"end": sum(p["end"] for p in progress), "fingerprint": fingerprint,
+                                            "bytes": (dest / OPENAI_OUTPUT).stat().st_size,
+                                            **{k: sum(p[k] for p in progress) for k in
+                                               ("rows", "errors", "prompt_tokens", "completion_tokens")}})
     elif any(_strided(s) for s in shards):
         _interleave(shards, dest, fingerprint, manifest)
     else:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchrun.io.files import WriteFailure
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "_lock"
@@ -118,8 +120,11 @@ class OutputLock:
         self.release()
 
     def acquire(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # opened for writing: NFS needs it for LOCK_EX
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # for writing: NFS needs it for LOCK_EX
+        except OSError as e:
+            raise WriteFailure(self.path, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
