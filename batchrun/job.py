@@ -81,6 +81,8 @@ def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., An
         lock.acquire()
     except OutputBusy as e:
         raise JobError(f"output.path: {e}") from None
+    except WriteFailure as e:
+        return RunResult(EXIT_FAILED, plan.out_dir, f"{e}; nothing was run")
     try:
         plan_resume(plan)  # again, now that no other run writes the folder: it may have moved on since the plan
         if plan.state == "complete":

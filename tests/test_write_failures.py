@@ -126,6 +126,20 @@ def test_a_failed_write_exits_1_in_one_line_and_the_rerun_completes(job, tmp_pat
     assert json.loads((out / "_metrics.json").read_text())["output_rows"] == N_ROWS
 
 
+def test_a_failure_to_keep_rows_aside(job, tmp_path, monkeypatch):
+    """_ahead.parquet (rows finished ahead, kept at each timed commit): the same one line, and nothing lost."""
+    monkeypatch.setenv("BATCHRUN_FAKE_DELAY", "0.02")
+    failing = FailingOs("write", "_ahead.parquet", errno.ENOSPC)
+    monkeypatch.setattr(files, "os", failing)
+    result = cli("run", job, "--set", "output.commit_interval_s=0.1")
+    monkeypatch.undo()
+    assert failing.failures == 1 and result.exit_code == 1
+    assert "cannot write" in result.stderr and "_ahead.parquet: No space left on device (ENOSPC)" in result.stderr
+    assert "Traceback" not in result.output and leftovers(tmp_path / "out") == []
+    assert cli("run", job).exit_code == 0
+    assert [r["id"] for r in read_rows(tmp_path / "out")] == IDS
+
+
 def test_openai_batch_output_write_failure(tmp_path, monkeypatch):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "m", "prompt": f"hello {i}", "max_tokens": 3}} for i in range(9)]
