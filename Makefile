@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test test-cluster demo bench lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# jobs/slurm_array.sh under a real one-node Slurm, from a fresh clone of HEAD: SIGTERM and SIGKILL half way,
+# resubmit, merge, compare (tests/cluster/slurm_check.py). Installs slurm-wlm and munge with apt-get when they
+# are missing (root, Debian or Ubuntu) and starts their daemons itself; not part of `make test`.
+test-cluster: setup
+	$(PY) tests/cluster/slurm_check.py
 
 # Answers 16 questions with the built-in real model, then prints the first few (question and answer).
 demo: setup

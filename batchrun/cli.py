@@ -1,9 +1,10 @@
 """The `batchrun` command: parse, call, map outcomes to exit codes. The work is in batchrun.job (run,
 validate) and batchrun.distributed (the Ray executor, merge).
 
-Exit codes: 0 done; 1 a failure during the run (what is committed stays, a rerun resumes); 2 a bad job
-or unreadable input, one line on stderr, before any model is loaded; 130 / 143 after SIGINT / SIGTERM,
-with every finished row committed first.
+Exit codes: 0 done; 1 a failure during the run (a write failure included: what is committed stays, a rerun
+resumes), or damage found by `verify`; 2 a bad job or unreadable input, or an output folder another run holds,
+one line on stderr, before any model is loaded; 130 / 143 after SIGINT / SIGTERM, with every finished row
+committed first (docs/durability.md).
 """
 
 from __future__ import annotations
@@ -69,16 +70,20 @@ def main() -> None:
 @_shard_option
 @_executor_option
 @click.option("--no-resume", is_flag=True, help="Discard committed output in the output folder and start afresh.")
+@click.option("--retry-errors", is_flag=True,
+              help="Compute again only the rows of a complete output whose error is set (after a fix to the job), "
+                   "in place; every other row stays as it is.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or progress lines, only warnings and errors.")
 def run(job: str, overrides: tuple[str, ...], limit: int | None, shard: str | None, executor: str | None,
-        no_resume: bool, quiet: bool) -> None:
+        no_resume: bool, retry_errors: bool, quiet: bool) -> None:
     """Run JOB (a YAML job file) and write its output folder."""
     from batchrun.job import ShardSpec, plan_job, run_job
 
     _setup_logging(quiet)
     try:
         cfg = load_job(job, _with_executor(overrides, executor))
-        plan = plan_job(cfg, shard=ShardSpec.parse(shard), limit=limit, resume=not no_resume)
+        plan = plan_job(cfg, shard=ShardSpec.parse(shard), limit=limit, resume=not no_resume,
+                        retry_errors=retry_errors)
     except JobError as e:
         _fail(str(e))
     try:
@@ -124,12 +129,38 @@ def merge(output: str, dest: str | None, count: int | None) -> None:
     from batchrun.distributed.merge import merge as merge_shards
 
     _setup_logging(quiet=True)
+    from batchrun.io.files import SinkError
+
     try:
         result = merge_shards(output, dest, count)
     except JobError as e:
         _fail(str(e))
+    except SinkError as e:  # a write into DEST failed: the shards are untouched, a rerun merges again
+        _fail(str(e), code=1)
     click.echo(f"batchrun: merged {result['shards']} shards ({result['output_rows']} rows, "
                f"{result['row_errors']} row errors) into {result['dest']}")
+
+
+@main.command()
+@click.argument("output", type=click.Path(file_okay=False))
+def verify(output: str) -> None:
+    """Check OUTPUT fully: every part's size, checksum, footer and rows, the ids once each and in input order,
+    _metrics.json and _SUCCESS. Exit 1 with one line per problem when anything is wrong."""
+    from batchrun.verify import verify as verify_output
+
+    _setup_logging(quiet=True)
+    try:
+        report = verify_output(output)
+    except JobError as e:
+        _fail(str(e))
+    for note in report.notes:
+        click.echo(f"batchrun: note: {note}", err=True)
+    for problem in report.problems:
+        click.echo(f"batchrun: problem: {problem}", err=True)
+    if report.problems:
+        sys.exit(1)
+    click.echo(f"batchrun: {output} is whole: {report.parts} parts, {report.rows} rows for {report.positions} "
+               "input rows, checksums and ids as recorded")
 
 
 def _with_executor(overrides: tuple[str, ...], executor: str | None) -> tuple[str, ...]:

@@ -73,6 +73,9 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "data_files": Key(None, "data_files", nullable=True),
         "sampling_columns": Key({}, "str_map"),
         "on_error": Key("record", "str", ("record", "skip", "fail")),
+        # a prompt longer than the model takes: a row error (error), cut to fit with max_tokens (its start, or
+        # its end), or not run and written with finish_reason "skipped" (skip)
+        "on_too_long": Key("error", "str", ("error", "truncate_left", "truncate_right", "skip")),
     },
     "engine": job_rules("engine"),  # block_size, kv_cache_memory, ... (EngineArgs)
     "output": {

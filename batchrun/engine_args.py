@@ -172,6 +172,9 @@ class EngineArgs:
     num_speculative_tokens: int | None = _setting(None, "int", "engine.num_speculative_tokens", nullable=True, min=0)
     # a step adds drafts only while its decode rows plus drafts stay within this many rows
     speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1)
+    # CPU threads of torch, OpenMP and the C kernels; None: the CPUs this process may use (affinity mask, cgroup
+    # CPU quota, SLURM_CPUS_PER_TASK; or OMP_NUM_THREADS when set), logged at start (batchrun/model/threads.py)
+    num_threads: int | None = _setting(None, "int", "engine.num_threads", nullable=True, min=1)
     # how long one structured-output grammar may take to compile before it is refused (a row error)
     grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001)
     # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)

@@ -11,6 +11,7 @@ same and exits 1. `_metrics.json` is written at the end of every run, by `write_
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
-from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
+from batchrun.io.files import SinkError, WriteFailure, remove_file, write_bytes_atomic, write_json_atomic
+from batchrun.io.lock import OutputBusy, OutputLock
+from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, Sink, clear_output
 from batchrun.model.errors import ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
@@ -28,7 +31,15 @@ from batchrun.pipeline.local import LocalExecutor
 from batchrun.pipeline.signals import JobInterrupted, JobStopped
 from batchrun.pipeline.slicing import RowSlice
 from batchrun.pipeline.writer import OrderedWriter, RowFailure
-from batchrun.plan import JobPlan, ShardSpec, describe_plan, make_sink, plan_job, probe_output_dir
+from batchrun.plan import (
+    JobPlan,
+    ShardSpec,
+    describe_plan,
+    make_sink,
+    plan_job,
+    plan_resume,
+    probe_output_dir,
+)
 from batchrun.progress import Progress
 from batchrun.timeseries import TimeSeries
 
@@ -62,56 +73,138 @@ def make_executor(plan: JobPlan, llm_factory: Callable[..., Any] | None) -> Exec
 def run_job(plan: JobPlan, *, quiet: bool = False, llm_factory: Callable[..., Any] | None = None,
             progress_interval: float | None = None, stop: threading.Event | None = None) -> RunResult:
     """Run a planned job. Returns the exit code and a one-line summary; raises JobError for a bad job
-    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template).
+    that only shows once the model is there (e.g. messages with a tokenizer lacking a chat template), and for
+    an output folder another run holds.
 
     stop: set from another thread, it ends the run within an engine step as SIGTERM would (EXIT_STOPPED,
     the finished rows committed). batchrun serve cancels batches with it, and runs them all on one loaded
     engine through `llm_factory`."""
+    if plan.state == "complete" and not plan.unrecorded:
+        return _already_complete(plan)
+    probe_output_dir(plan.out_dir)
+    try:
+        lock = OutputLock(plan.out_dir, "run")
+        lock.acquire()
+    except OutputBusy as e:
+        raise JobError(f"output.path: {e}") from None
+    except WriteFailure as e:
+        return RunResult(EXIT_FAILED, plan.out_dir, f"{e}; nothing was run")
+    try:
+        plan_resume(plan)  # again, now that no other run writes the folder: it may have moved on since the plan
+        if plan.state == "complete":
+            if plan.unrecorded:  # a lost manifest: record the parts' checksums as they are now
+                try:
+                    make_sink(plan).open()
+                except WriteFailure as e:
+                    return RunResult(EXIT_FAILED, plan.out_dir, str(e))
+            return _already_complete(plan)
+        return _run_locked(plan, quiet=quiet, llm_factory=llm_factory, progress_interval=progress_interval,
+                           stop=stop)
+    finally:
+        lock.release()
+
+
+def _already_complete(plan: JobPlan) -> RunResult:
+    return RunResult(EXIT_OK, plan.out_dir, f"{plan.out_dir} is already complete ({plan.committed} input rows); "
+                     "nothing to do (--no-resume starts it afresh)")
+
+
+def _run_locked(plan: JobPlan, *, quiet: bool, llm_factory: Callable[..., Any] | None,
+                progress_interval: float | None, stop: threading.Event | None) -> RunResult:
     out = plan.out_dir
-    if plan.state == "complete":
-        return RunResult(EXIT_OK, out, f"{out} is already complete ({plan.committed} input rows); nothing to do "
-                         "(--no-resume starts it afresh)")
-    probe_output_dir(out)
-    if plan.state == "fresh":
-        clear_output(out)
-    write_json_atomic(out / JOB_FILE, {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash,
-                                       "job": plan.cfg.source, "executor": plan.cfg.executor["kind"],
-                                       "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided}})
+    for note in plan.notes:
+        log.warning("%s", note)
+    try:
+        if plan.state == "fresh":
+            clear_output(out)
+        if plan.damaged:  # not complete until the damaged parts are computed again
+            remove_file(out / SUCCESS)
+        write_json_atomic(out / JOB_FILE, _job_record(plan))
+    except WriteFailure as e:
+        return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
     t0 = time.monotonic()
     executor = make_executor(plan, llm_factory)
+    retry = plan.state == "retry"
 
     def make_progress(initial: int) -> Progress:
-        return Progress(total=plan.total, initial=initial, quiet=quiet, metrics=executor.progress_metrics,
-                        interval=progress_interval)
+        total = len(redo) if retry else plan.total
+        return Progress(total=total, initial=0 if retry else initial - len(redo) + len(writer.ahead), quiet=quiet,
+                        metrics=executor.progress_metrics, interval=progress_interval)
 
     series = TimeSeries(start=t0)
 
     def sample_series(now: float) -> None:
         series.maybe_sample(now, writer.done_rows, executor.progress_metrics, writer.generated_tokens)
 
-    writer = OrderedWriter(make_sink(plan), on_error=plan.cfg.input["on_error"],
+    sink = make_sink(plan)
+    writer = OrderedWriter(sink, on_error=plan.cfg.input["on_error"],
                            commit_interval_s=float(plan.cfg.output["commit_interval_s"]), make_progress=make_progress,
                            on_tick=sample_series, stop=stop)
-    start = writer.open()
-    if start:
+    try:
+        start = writer.open(retry_errors=retry)
+    except SinkError as e:
+        return RunResult(EXIT_FAILED, out, f"{e}; nothing was run")
+    redo = writer.redo
+    if retry:
+        _check_retry_columns(sink)
+        log.info("retrying %d rows with an error in %s", len(redo), out)
+    elif start:
         log.info("resuming %s after %d committed input rows", out, start)
-    rows = RowSlice.of_plan(plan, start)
+    rows = RowSlice.of_plan(plan, start, redo=redo, ahead=writer.ahead, new_rows=not retry)
+    errors_before = sink.committed.errors
     code, message = _execute(executor, rows, writer)
-    complete = code == EXIT_OK and rows.complete_at(writer.next_pos)
+    complete = code == EXIT_OK and (retry or rows.complete_at(writer.next_pos))
     engine = _quiet_metrics(executor)
-    write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
-                  series=series.finish(writer.done_rows, engine, writer.generated_tokens))
-    counts = writer.sink.committed.as_dict()
-    if code == EXIT_OK:
+    try:
+        write_metrics(plan, writer, engine, wall_s=time.monotonic() - t0, complete=complete,
+                      series=series.finish(writer.done_rows, engine, writer.generated_tokens))
         if complete:
-            (out / SUCCESS).write_text("")
+            write_bytes_atomic(out / SUCCESS, b"")  # last: only a complete output with its metrics has it
+    except WriteFailure as e:
+        if code == EXIT_OK:
+            code, message = EXIT_FAILED, str(e)
+        else:
+            log.error("%s", e)  # the run's own failure is what gets reported
+    counts = sink.committed.as_dict()
+    if code == EXIT_OK and retry:
+        fixed = errors_before - sink.committed.errors
+        message = (f"retried {len(redo)} rows with an error in {out}: {fixed} now without, "
+                   f"{counts['row_errors']} row errors left")
+    elif code == EXIT_OK:
+        if complete:
             message = f"wrote {counts['output_rows']} rows ({counts['row_errors']} row errors) to {out}"
         else:
             message = (f"wrote {counts['output_rows']} rows to {out} (stopped at --limit {plan.limit}; a rerun "
                        "without it continues)")
     else:
-        message = f"{message}; {counts['input_rows']} input rows committed in {out} (a rerun resumes)"
+        aside = f" and {len(writer.buffer)} finished after them kept aside" if writer.buffer else ""
+        message = f"{message}; {counts['input_rows']} input rows committed in {out}{aside} (a rerun resumes)"
     return RunResult(code, out, message, counts)
+
+
+def _job_record(plan: JobPlan) -> dict[str, Any]:
+    """`_job.json`: what the committed rows were made with (a rerun compares), and how to read the input
+    again (`batchrun verify` checks the ids against it)."""
+    inp = dict(plan.cfg.input)
+    if os.path.exists(inp["path"]):
+        inp["path"] = os.path.abspath(inp["path"])  # verify may run from another folder
+    return {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fp_hash, "job": plan.cfg.source,
+            "executor": plan.cfg.executor["kind"], "input": inp, "id_column": plan.id_column,
+            "slice": {"lo": plan.lo, "hi": plan.hi, "strided": plan.strided,
+                      "index": plan.shard.index if plan.shard else 0, "count": plan.shard.count if plan.shard else 1},
+            "earlier_fingerprints": sorted(plan.accepted)}
+
+
+def _check_retry_columns(sink: Sink) -> None:
+    """A job fixed before --retry-errors may ask for other output columns: the output keeps its own."""
+    schema = getattr(sink, "schema", None)
+    if schema is None:
+        return
+    wanted, have = sink.column_names(), schema.names
+    added = [c for c in wanted if c not in have]
+    if added:
+        log.warning("--retry-errors: the output has no column %s (written before the job asked for it); the "
+                    "retried rows keep the output's columns", ", ".join(added))
 
 
 def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple[int, str]:
@@ -136,10 +229,14 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
         except ModelLoadError as e:  # found only when it loads (e.g. a .gguf of an unsupported architecture)
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             raise JobError(f"model.path: {e}") from None
+        except SinkError as e:  # a write failed, or the output cannot take a row: one line, no traceback
+            if not isinstance(e, WriteFailure):  # after a failed write, writing again would only fail again
+                _quietly(writer, writer.commit_finished, "commit the finished rows")
+            code, message = EXIT_FAILED, str(e)
         except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = EXIT_FAILED, _one_line(e)
-            if not isinstance(e, (SinkError, NotImplementedError)):
+            if not isinstance(e, NotImplementedError):
                 log.error("the run failed", exc_info=True)
         finally:
             _quietly(writer, executor.close, "shut the executor down")
@@ -155,6 +252,8 @@ def _quietly(writer: OrderedWriter, fn: Callable[[], None], what: str) -> None:
             fn()
         except JobInterrupted:
             pass
+        except WriteFailure as e:
+            log.error("could not %s: %s", what, e)
         except Exception:  # noqa: BLE001
             log.error("could not %s", what, exc_info=True)
 
@@ -180,7 +279,7 @@ def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], 
     metrics = {
         **sink.committed.as_dict(), "complete": complete, "wall_time_s": round(wall_s, 3),
         "generated_tokens_per_s": rate(run.completion_tokens),
-        "this_run": {**run.as_dict(), "input_rows": sink.committed.end - plan.committed,
+        "this_run": {**run.as_dict(), "input_rows": run.inputs,
                      "wall_time_s": round(wall_s, 3), "generated_tokens_per_s": rate(run.completion_tokens),
                      "prompt_tokens_per_s": rate(run.prompt_tokens), "reorder_buffer_peak": writer.peak_buffered},
         "engine": engine, "model": plan.cfg.model["path"],
@@ -188,10 +287,7 @@ def write_metrics(plan: JobPlan, writer: OrderedWriter, engine: dict[str, Any], 
         "shard": str(plan.shard) if plan.shard else None,
         "series": series,
     }
-    try:
-        write_json_atomic(plan.out_dir / METRICS, metrics)
-    except OSError:
-        log.error("could not write %s", plan.out_dir / METRICS, exc_info=True)
+    write_json_atomic(plan.out_dir / METRICS, metrics)
 
 
 def _one_line(e: BaseException) -> str:

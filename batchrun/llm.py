@@ -20,6 +20,7 @@ from batchrun.model.loader import load_config, load_model, resolve_path
 from batchrun.model.locate import locate_model
 from batchrun.model.memory import cpu_default_bytes, profile_cuda_kv_bytes
 from batchrun.model.runner import ModelRunner, cache_shape
+from batchrun.model.threads import configure_threads
 from batchrun.outputs import RequestOutput
 from batchrun.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class LLM:
         kv_bytes = args.kv_cache_bytes
         swap_bytes = args.swap_space_bytes
         self.device = _resolve_device(args.device)
+        configure_threads(args.num_threads)  # before the weights load: reordering them runs on these threads
         self.seed = args.seed
         self._requests = 0
 

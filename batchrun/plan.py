@@ -17,9 +17,12 @@ import pyarrow as pa
 
 from batchrun.config import EngineSettings, JobConfig, JobError
 from batchrun.engine_args import EngineArgsError, job_key
+from batchrun.io.openai_sink import OpenAIBatchSink
 from batchrun.io.sinks import (
+    AHEAD,
+    AHEAD_JSONL,
+    PROGRESS,
     SUCCESS,
-    OpenAIBatchSink,
     OutputSpec,
     ParquetSink,
     Sink,
@@ -31,52 +34,11 @@ from batchrun.io.sinks import (
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.locate import ModelSource, locate_model
+from batchrun.shards import ShardSpec
+
+__all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
-
-
-# ---------------------------------------------------------------- shards
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    index: int
-    count: int
-
-    @classmethod
-    def parse(cls, text: str | None, env: dict[str, str] | None = None) -> ShardSpec | None:
-        if text is None:
-            return None
-        env = os.environ if env is None else env
-        if text == "auto":
-            if "SLURM_ARRAY_TASK_ID" not in env or "SLURM_ARRAY_TASK_COUNT" not in env:
-                raise JobError("--shard auto: SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT are not set "
-                               "(not inside a Slurm job array); use --shard I/N")
-            try:
-                task, count = int(env["SLURM_ARRAY_TASK_ID"]), int(env["SLURM_ARRAY_TASK_COUNT"])
-                base = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-            except ValueError:
-                raise JobError("--shard auto: the SLURM_ARRAY_TASK_* variables are not integers") from None
-            return cls._checked(task - base, count, text)
-        i, sep, n = text.partition("/")
-        try:
-            return cls._checked(int(i), int(n), text) if sep else cls._checked(-1, 0, text)
-        except ValueError:
-            raise JobError(f"--shard {text}: expected I/N (0 <= I < N) or auto") from None
-
-    @classmethod
-    def _checked(cls, index: int, count: int, text: str) -> ShardSpec:
-        if count < 1 or not 0 <= index < count:
-            raise JobError(f"--shard {text}: expected I/N with 0 <= I < N, or auto")
-        return cls(index, count)
-
-    @property
-    def dirname(self) -> str:
-        width = len(str(self.count - 1))
-        return f"shard-{self.index:0{width}d}-of-{self.count}"
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 # ---------------------------------------------------------------- checks that need no model
@@ -163,7 +125,13 @@ class JobPlan:
     lo: int = 0  # global index of this shard's first row (contiguous slices)
     hi: int | None = None  # one past its last row (None: to the end)
     strided: bool = False  # slice i % N == I instead (when the row count is unknown)
-    state: str = "fresh"  # fresh | resume | complete
+    resume: bool = True  # False: --no-resume (start afresh whatever is committed)
+    retry_errors: bool = False  # --retry-errors: compute again the rows of a complete output with an error
+    state: str = "fresh"  # fresh | resume | complete | retry
+    damaged: list[str] = field(default_factory=list)  # committed parts found damaged (computed again)
+    accepted: frozenset[str] = frozenset()  # earlier fingerprints of this output's parts (kept by a retry)
+    checksums: str = "last"  # parts whose checksum the run checks: "last" on a resume, "all" on a complete output
+    unrecorded: int = 0  # sound parts the manifest has no entry for (the run records them)
     committed: int = 0  # input rows already committed
     total: int | None = None  # rows this shard covers (after --limit), when known
     notes: list[str] = field(default_factory=list)
@@ -175,9 +143,12 @@ class JobPlan:
 
 def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
     inp = cfg.input
-    return {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
-            "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
-            "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+    fp = {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
+          "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
+          "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+    if inp["on_too_long"] != "error":  # absent at its default: outputs written before the key existed resume
+        fp["on_too_long"] = inp["on_too_long"]
+    return fp
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -197,11 +168,14 @@ def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | None = None,
-             resume: bool = True, source: Source | None = None) -> JobPlan:
+             resume: bool = True, retry_errors: bool = False, source: Source | None = None) -> JobPlan:
     """Every check short of loading the model. Raises JobError (exit 2). source: the input, already open
     (batchrun serve reads a batch's input through its own checks); None: open_source(cfg.input)."""
     if limit is not None and limit < 0:
         raise JobError(f"--limit: must be >= 0, got {limit}")
+    if retry_errors and (not resume or limit is not None):
+        raise JobError(f"--retry-errors: not with {'--no-resume' if not resume else '--limit'} (it retries the "
+                       "rows with an error of a complete output, and keeps every other row)")
     if cfg.executor["kind"] == "ray":
         from batchrun.distributed import require_ray
 
@@ -243,9 +217,10 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
-                   fingerprint=fingerprint, id_column=id_column, model=model)
+                   fingerprint=fingerprint, id_column=id_column, model=model, resume=resume,
+                   retry_errors=retry_errors)
     _plan_slice(plan)
-    _plan_resume(plan, resume)
+    plan_resume(plan)
     return plan
 
 
@@ -271,28 +246,57 @@ def _plan_slice(plan: JobPlan) -> None:
     plan.total = total
 
 
-def _plan_resume(plan: JobPlan, resume: bool) -> None:
+def plan_resume(plan: JobPlan) -> None:
+    """What the output folder holds: fresh, resume (after plan.committed rows), complete, or retry
+    (--retry-errors on a complete output). Run once when planning and again by the run once it holds the
+    folder's lock (another run may have written since). The parts are checked against their manifest here
+    (batchrun.io.manifest): a damaged part makes a complete output resume, to compute it again."""
     out = plan.out_dir
-    if not resume:
+    plan.damaged = []
+    if not plan.resume:
         plan.state = "fresh"
         return
     old = read_job_file(out)
-    committed_parts = bool(part_files(out)) or (out / "_progress.json").exists()
-    if old is not None and committed_parts and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
-        raise JobError(f"output.path: {out} holds rows of a different job "
-                       f"({_describe_changes(old.get('fingerprint', {}), plan.fingerprint)}); "
-                       "rerun with --no-resume to start afresh, or choose another output.path")
+    committed_parts = bool(part_files(out)) or any((out / name).exists() for name in (PROGRESS, AHEAD, AHEAD_JSONL))
     if not committed_parts:
+        if plan.retry_errors:
+            raise JobError(f"--retry-errors: {out} holds no output yet; run the job without it first")
         plan.state = "fresh"
         return
+    earlier = set(old.get("earlier_fingerprints", [])) if old else set()
+    if old is not None and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
+        changes = _describe_changes(old.get("fingerprint", {}), plan.fingerprint)
+        if not plan.retry_errors:
+            raise JobError(f"output.path: {out} holds rows of a different job ({changes}); rerun with "
+                           "--no-resume to start afresh, or choose another output.path")
+        earlier.add(fingerprint_hash(old.get("fingerprint", {})))  # a job fixed before retrying its errors
+        note = f"the job changed since the output was written ({changes}); the rows with an error are " \
+               "computed again with the new one"
+        if note not in plan.notes:
+            plan.notes.append(note)
+    plan.accepted = frozenset(earlier - {plan.fp_hash})
+    # A resume must start fast, and what an interruption can damage is the last part; a complete output is
+    # checked whole (docs/durability.md: "What a rerun checks").
+    plan.checksums = "all" if (out / SUCCESS).exists() else "last"
     sink = make_sink(plan)
     try:
         counts = sink.scan()
     except SinkError as e:
         raise JobError(f"output.path: cannot resume: {e}") from None
+    inspection = getattr(sink, "inspection", None)
+    plan.damaged = [f"{p.path.name} ({p.damage})" for p in inspection.damaged] if inspection else []
+    plan.unrecorded = len(inspection.unrecorded()) if inspection else 0
     plan.committed = counts.end
     done = (out / SUCCESS).exists()
-    plan.state = "complete" if done else "resume"
+    if plan.retry_errors:
+        if plan.source.format == "openai-batch":
+            raise JobError("--retry-errors: not available for openai-batch output yet (Parquet outputs only)")
+        if not done:
+            raise JobError(f"--retry-errors: {out} is not complete (no _SUCCESS); run the job without "
+                           "--retry-errors to finish it first")
+        plan.state = "retry"
+    else:
+        plan.state = "complete" if done and not plan.damaged else "resume"
 
 
 def make_sink(plan: JobPlan) -> Sink:
@@ -305,18 +309,22 @@ def make_sink(plan: JobPlan) -> Sink:
         include_prompt=cfg.output["include_prompt"], include_token_ids=cfg.output["include_token_ids"],
         sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
         logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
-        model=cfg.model["path"])
+        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"])
     if plan.id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
     cls = OpenAIBatchSink if source.format == "openai-batch" else ParquetSink
-    return cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
+    sink = cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
+    sink.accepted, sink.checksums = plan.accepted, plan.checksums
+    return sink
 
 
 def describe_plan(plan: JobPlan) -> str:
     src = plan.source
     rows = plan.total if plan.total is not None else "?"
     what = {"fresh": "starts afresh", "resume": f"resumes after {plan.committed} committed rows",
-            "complete": "is already complete"}[plan.state]
+            "complete": "is already complete", "retry": "retries its rows with an error"}[plan.state]
+    if plan.damaged:
+        what += f"; damaged parts computed again: {', '.join(plan.damaged)}"
     shard = f", shard {plan.shard}" if plan.shard else ""
     ex = plan.cfg.executor
     n = ex["replicas"]

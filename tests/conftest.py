@@ -8,6 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# LLM() sizes torch's threads itself (batchrun/model/threads.py); OMP_NUM_THREADS keeps it at the tests' count.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # Built-in models are made into a cache folder of the test session, not the user's.
 os.environ.setdefault("BATCHRUN_CACHE", tempfile.mkdtemp(prefix="batchrun-test-cache-"))
 

@@ -100,7 +100,7 @@ CASES = {
     "ray executor without replicas": (lambda d: good_job(d, executor={"kind": "ray", "replicas": 0}), [],
                                       "executor.replicas: must be >= 1, got 0"),
     "bad shard": (lambda d: good_job(d), ["--shard", "3/2"], "--shard 3/2: expected I/N with 0 <= I < N"),
-    "shard auto outside slurm": (lambda d: good_job(d), ["--shard", "auto"], "--shard auto: SLURM_ARRAY_TASK_ID"),
+    "shard auto outside slurm": (lambda d: good_job(d), ["--shard", "auto"], "--shard auto: not inside a job array"),
     "output inside the input folder": (lambda d: good_job(d, input={"path": str(d / "pq")},
                                                           output={"path": str(d / "pq" / "o")}),
                                        [], "output.path: {d}/pq/o is inside the input folder {d}/pq"),

@@ -5,9 +5,9 @@ skipped when the array is resubmitted, and `batchrun merge` gives the rows of an
 import json
 import os
 import subprocess
+import sys
 
 import pyarrow.parquet as pq
-import pytest
 from click.testing import CliRunner
 from test_job_fakes import REPO, cli_env, read_rows, write_job
 
@@ -22,13 +22,11 @@ def cli(*args):
 
 def array_task(task, count, out, *extra):
     env = cli_env(fake=True, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_COUNT=str(count),
-                  SLURM_ARRAY_TASK_MIN="0")
+                  SLURM_ARRAY_TASK_MIN="0", BATCHRUN=f"{sys.executable} -m batchrun.cli")
     return subprocess.run(["bash", "jobs/slurm_array.sh", "jobs/example.yaml", "--set", f"output.path={out}",
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "batchrun")),
-                    reason="the console script is not installed (make setup)")
 def test_slurm_array_skips_complete_shards_and_merges_in_order(tmp_path, monkeypatch):
     out = tmp_path / "out"
     for task in range(3):
@@ -84,3 +82,20 @@ def test_merge_interleaves_strided_shards(tmp_path):
     merged = cli("merge", tmp_path / "out", "--to", tmp_path / "all")
     assert merged.exit_code == 0, merged.output
     assert [r["id"] for r in read_rows(tmp_path / "all")] == list(range(11))
+
+
+def test_merge_and_verify_openai_batch_shards(tmp_path):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": f"hello {i}", "max_tokens": 3}} for i in range(7)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.jsonl"), "format": "openai-batch"},
+                    output={"path": str(tmp_path / "out")})
+    for i in range(2):
+        assert cli("run", job, "--shard", f"{i}/2", "-q").exit_code == 0
+    assert cli("verify", tmp_path / "out").exit_code == 0
+    merged = cli("merge", tmp_path / "out")
+    assert merged.exit_code == 0, merged.output
+    got = (tmp_path / "out-merged" / "output.jsonl").read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in got] == [f"c{i}" for i in range(7)]
+    result = cli("verify", tmp_path / "out-merged")
+    assert result.exit_code == 0, result.output

@@ -1,14 +1,15 @@
 """Ordered Parquet parts and OpenAI batch output: atomic commits, counts, schema, resume state."""
 
 import json
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchrun.io.openai_sink import OpenAIBatchSink
 from batchrun.io.rows import RowTask
 from batchrun.io.sinks import (
-    OpenAIBatchSink,
     OutputSpec,
     ParquetSink,
     SinkError,
@@ -94,7 +95,12 @@ def test_scan_refuses_other_jobs_and_gaps(tmp_path):
         s.commit()
     with pytest.raises(SinkError, match="different job"):
         ParquetSink(tmp_path, OutputSpec(), 1, "other").scan()
-    (tmp_path / "part-00001.parquet").unlink()
+    (tmp_path / "part-00001.parquet").unlink()  # a part lost in the middle: damage, computed again
+    s2 = ParquetSink(tmp_path, OutputSpec(), 1, "f")
+    assert s2.scan().end == 3 and [(p.index, p.damage, p.start, p.end) for p in s2.inspection.damaged] == [
+        (1, "missing", 1, 2)]
+    shutil.copy(tmp_path / "part-00002.parquet", tmp_path / "part-00001.parquet")
+    (tmp_path / "_manifest.json").unlink()  # nothing left to say which of two parts covering 2..3 is right
     with pytest.raises(SinkError, match="not contiguous"):
         ParquetSink(tmp_path, OutputSpec(), 1, "f").scan()
     (tmp_path / "notes.txt").write_text("mine")
@@ -152,7 +158,7 @@ def test_openai_batch_output_and_truncation_on_resume(tmp_path):
 def test_openai_lines_carry_logprobs_in_openai_shapes():
     """A request that asked for logprobs gets OpenAI's objects: chat `content` entries, completions' parallel
     lists; the top N are the first N of each token's dict (the engine puts them first, best first)."""
-    from batchrun.io.sinks import openai_line
+    from batchrun.io.openai_sink import openai_line
     from batchrun.sampling_params import SamplingParams
 
     words = {0: "Hi", 1: " there", 7: "é", 8: "!"}

@@ -164,7 +164,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
                           "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
                           "attention_backend": "auto", "enforce_eager": False, "batch_invariant": None,
                           "num_speculative_tokens": None, "speculative_max_rows": 128,
-                          "grammar_compile_timeout_s": 30.0}
+                          "num_threads": None, "grammar_compile_timeout_s": 30.0}
     assert parse("sampling: {seed: null}").llm_kwargs()["seed"] == 0
 
 

@@ -65,9 +65,26 @@ class ListSink:
     """The Sink methods the writer uses: rows in, commits counted."""
 
     rows_per_part = 3
+    repairs = ()  # no damaged part to compute again
 
     def __init__(self):
         self.pending, self.parts = [], []
+        self.kept_aside = []  # what save_ahead was given last
+
+    def load_ahead(self):
+        return []
+
+    def save_ahead(self, rows):
+        self.kept_aside = [r.pos for r in rows]
+
+    def stored(self, task, outputs):
+        from batchrun.io.sinks import Counts, StoredRow
+
+        return StoredRow(task.pos, task.index, repr(task.id), task.error, Counts(), [])
+
+    def add_stored(self, row, *, write=True, earlier=False):
+        if write:
+            self.pending.append(row.pos)
 
     def open(self):
         from batchrun.io.sinks import Counts
@@ -121,7 +138,8 @@ def test_writer_stops_at_a_failing_row_keeping_the_rows_before_it():
         writer.put(task(0), [])
     writer.commit_finished()
     assert sink.parts == [[0]] and writer.next_pos == 1
-    with pytest.raises(RuntimeError, match="2 rows unwritten"):
+    assert sink.kept_aside == [1, 2]  # the failing row and the one after it are kept for the rerun
+    with pytest.raises(RowFailure, match="row 1"):  # the executor ending does not get past it
         writer.finish()
 
 

@@ -4,15 +4,19 @@ Shards are committed independently (`OUTPUT/shard-I-of-N/`), so a downstream ste
 input order either reads `OUTPUT` with a Parquet reader that sorts paths (contiguous shards sort in input
 order) or runs this: it checks every shard of the array is complete, unifies the column types the shards
 inferred on their own, and writes `DEST` (default `OUTPUT-merged`, outside OUTPUT so that reading OUTPUT
-does not see the rows twice) as parts in input order with `_metrics.json` and `_SUCCESS`.
+does not see the rows twice) as parts in input order with `_metrics.json` and `_SUCCESS`. A shard part whose
+size, footer or checksum is not what its manifest records stops the merge (exit 2, naming it); the merged
+parts carry footers and a manifest of their own, with positions in the whole input, so `batchrun verify`
+checks a merged folder as it checks any output.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
-from batchrun.io.sinks import (
-    JOB_FILE,
-    METRICS,
-    OPENAI_OUTPUT,
-    SUCCESS,
-    clear_output,
-    part_files,
-    write_json_atomic,
-)
+from batchrun.io.files import SinkError, write_bytes_atomic, write_json_atomic
+from batchrun.io.lock import LOCK_FILE, OutputBusy, OutputLock
+from batchrun.io.manifest import Entry, Manifest, inspect_parts
+from batchrun.io.parts import PartInfo, encode, part_files, part_name, read_info
+from batchrun.io.sinks import JOB_FILE, METRICS, OPENAI_OUTPUT, PROGRESS, SUCCESS, clear_output, read_job_file
 
 SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 _COUNTS = ("input_rows", "output_rows", "row_errors", "prompt_tokens", "completion_tokens")
@@ -84,34 +84,93 @@ def _schema(parts: list[Path]) -> pa.Schema:
 
 
 def merge(output: str | os.PathLike, dest: str | os.PathLike | None = None, count: int | None = None) -> dict[str, Any]:
-    """Write the shards of `output` into `dest` in input order. Returns the merged counts."""
+    """Write the shards of `output` into `dest` in input order. Returns the merged counts.
+
+    Holds the lock of every shard folder (no shard run may start, e.g. a resubmitted task with --no-resume,
+    while its parts are read) and of `dest` (no second merge writes it at the same time)."""
     output = Path(output)
     dest = Path(dest) if dest is not None else output.with_name(output.name + "-merged")
     if dest.resolve() == output.resolve() or output.resolve() in dest.resolve().parents:
         raise JobError(f"--to {dest}: must be outside {output} (reading {output} would see every row twice)")
-    shards = find_shards(output, count)
-    if dest.exists() and any(dest.iterdir()) and not _is_merged(dest):
-        raise JobError(f"--to {dest}: exists and is not an earlier merge; choose another folder")
-    dest.mkdir(parents=True, exist_ok=True)
+    if not output.is_dir():
+        raise JobError(f"{output} is not a folder")
+    with contextlib.ExitStack() as held:
+        try:
+            for folder in _array_folders(output, count):  # a shard still running is named first
+                held.enter_context(OutputLock(folder, "merge"))
+            shards = find_shards(output, count)
+            if dest.exists() and any(p.name != LOCK_FILE for p in dest.iterdir()) and not _is_merged(dest):
+                raise JobError(f"--to {dest}: exists and is not an earlier merge; choose another folder")
+            held.enter_context(OutputLock(dest, "merge"))
+        except OutputBusy as e:
+            raise JobError(str(e)) from None
+        return _merge_locked(output, shards, dest)
+
+
+def _array_folders(output: Path, count: int | None) -> list[Path]:
+    """The shard folders of the array being merged (complete or not: a running one must be seen)."""
+    found = [p for p in output.iterdir() if SHARD_RE.match(p.name) and p.is_dir()]
+    if count is None:
+        counts = {int(SHARD_RE.match(p.name).group(2)) for p in found}
+        count = counts.pop() if len(counts) == 1 else None
+    return sorted(p for p in found if count is None or int(SHARD_RE.match(p.name).group(2)) == count)
+
+
+def _merge_locked(output: Path, shards: list[Path], dest: Path) -> dict[str, Any]:
+    _check_shards(shards)
     clear_output(dest)
+    jobs = [read_job_file(s) or {} for s in shards]
+    fingerprint = "merged-" + hashlib.sha256("".join(j.get("fingerprint_hash", "") for j in jobs).encode()
+                                             ).hexdigest()[:16]
+    manifest = Manifest()
     if (shards[0] / OPENAI_OUTPUT).exists():
-        _concat_jsonl(shards, dest)
+        write_bytes_atomic(dest / OPENAI_OUTPUT, _file_chunks([s / OPENAI_OUTPUT for s in shards]))
+        progress = [json.loads((s / PROGRESS).read_text()) for s in shards]
+        write_json_atomic(dest / PROGRESS, {"end": sum(p["end"] for p in progress), "fingerprint": fingerprint,
+                                            "bytes": (dest / OPENAI_OUTPUT).stat().st_size,
+                                            **{k: sum(p[k] for p in progress) for k in
+                                               ("rows", "errors", "prompt_tokens", "completion_tokens")}})
     elif any(_strided(s) for s in shards):
-        _interleave(shards, dest)
+        _interleave(shards, dest, fingerprint, manifest)
     else:
         parts = [p for s in shards for p in part_files(s)]
         schema = _schema(parts) if parts else None
         for i, p in enumerate(parts):
-            _write_part(pq.read_table(p).cast(schema), dest, i, f"{p.parent.name}/{p.name}")
+            lo = int(((read_job_file(p.parent) or {}).get("slice") or {}).get("lo") or 0)
+            info = read_info(p)[0]
+            info = PartInfo(info.start + lo, info.end + lo, info.rows, info.errors, info.prompt_tokens,
+                            info.completion_tokens, fingerprint, [[pos + lo, first, n] for pos, first, n in
+                                                                   info.errors_at])
+            _write_part(pq.read_table(p).cast(schema), dest, i, info, manifest)
     totals = {k: 0 for k in _COUNTS}
     for s in shards:
         m = json.loads((s / METRICS).read_text())
         for k in _COUNTS:
             totals[k] += int(m.get(k) or 0)
+    first = jobs[0]
+    write_json_atomic(dest / JOB_FILE, {"fingerprint_hash": fingerprint, "merged_from": str(output),
+                                        "input": first.get("input"), "id_column": first.get("id_column"),
+                                        "slice": {"lo": 0, "hi": totals["input_rows"], "strided": False,
+                                                  "count": 1}})
     write_json_atomic(dest / METRICS, {**totals, "complete": True, "shards": len(shards),
                                        "merged_from": str(output)})
-    (dest / SUCCESS).write_text("")
+    write_bytes_atomic(dest / SUCCESS, b"")
     return {**totals, "shards": len(shards), "dest": str(dest)}
+
+
+def _check_shards(shards: list[Path]) -> None:
+    """Every part of every shard whole (size, footer, checksum): a merge must not copy a damaged part."""
+    for s in shards:
+        if (s / OPENAI_OUTPUT).exists():
+            continue
+        try:
+            damaged = inspect_parts(s, checksums="all").damaged
+        except SinkError as e:
+            raise JobError(f"{s}: {e}") from None
+        if damaged:
+            p = damaged[0]
+            raise JobError(f"{p.path} is damaged ({p.damage}); rerun that shard's task: it computes the part "
+                           "again")
 
 
 def _is_merged(path: Path) -> bool:
@@ -121,15 +180,16 @@ def _is_merged(path: Path) -> bool:
         return False
 
 
-def _write_part(table: pa.Table, dest: Path, i: int, origin: str) -> None:
-    name = f"part-{i:05d}.parquet"
-    table = table.replace_schema_metadata({b"batchrun_merged_from": origin.encode()})
-    tmp = dest / f".{name}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, dest / name)
+def _write_part(table: pa.Table, dest: Path, i: int, info: PartInfo, manifest: Manifest) -> None:
+    """A merged part, with the footer and manifest entry of any part (positions in the whole input), so that
+    `batchrun verify` checks a merged folder as it checks a job's."""
+    data, digest = encode(table, info)
+    write_bytes_atomic(dest / part_name(i), data)
+    manifest.entries[i] = Entry(info.start, info.end, info.rows, len(data), digest)
+    manifest.save(dest)
 
 
-def _interleave(shards: list[Path], dest: Path) -> None:
+def _interleave(shards: list[Path], dest: Path, fingerprint: str, manifest: Manifest) -> None:
     """Strided shards (an input of unknown length: shard I holds rows I, I+N, ...) back into row order.
     Only when each input row made exactly one output row; n > 1 or skipped rows leave no way to align."""
     tables = []
@@ -143,16 +203,23 @@ def _interleave(shards: list[Path], dest: Path) -> None:
     schema = _schema([p for s in shards for p in part_files(s)])
     columns = [pa.concat_tables([t.cast(schema) for t in ts]) if ts else schema.empty_table() for ts in tables]
     n = len(shards)
-    order = [(k % n, k // n) for k in range(sum(t.num_rows for t in columns))]
+    total = sum(t.num_rows for t in columns)
+    order = [(k % n, k // n) for k in range(total)]
     merged = pa.concat_tables(columns)
     offsets = [sum(t.num_rows for t in columns[:i]) for i in range(n)]
-    _write_part(merged.take(pa.array([offsets[s] + r for s, r in order], pa.int64())), dest, 0, "interleaved")
+    table = merged.take(pa.array([offsets[s] + r for s, r in order], pa.int64()))
+    errors = table.column("error").to_pylist()
+    reasons = table.column("finish_reason").to_pylist()
+    prompt, completion = table.column("prompt_tokens").to_pylist(), table.column("completion_tokens").to_pylist()
+    info = PartInfo(0, total, total, errors=sum(e is not None for e in errors),
+                    prompt_tokens=sum(p or 0 for p, r in zip(prompt, reasons) if r not in ("error", "skipped")),
+                    completion_tokens=sum(c or 0 for c in completion), fingerprint=fingerprint,
+                    errors_at=[[k, k, 1] for k, e in enumerate(errors) if e is not None])
+    _write_part(table, dest, 0, info, manifest)
 
 
-def _concat_jsonl(shards: list[Path], dest: Path) -> None:
-    tmp = dest / f".{OPENAI_OUTPUT}.tmp"
-    with open(tmp, "wb") as out:
-        for s in shards:
-            with open(s / OPENAI_OUTPUT, "rb") as f:
-                shutil.copyfileobj(f, out)
-    os.replace(tmp, dest / OPENAI_OUTPUT)
+def _file_chunks(paths: list[Path]):
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                yield chunk

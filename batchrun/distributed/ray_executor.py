@@ -192,16 +192,16 @@ class RayExecutor(Executor):
         # Iterated on the main thread: SIGTERM / SIGINT interrupt it there, which unwinds Ray Data's
         # iterator and stops the pipeline before Ray itself is shut down.
         blocks = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1)
-        end, pos = rows.end, rows.start  # pos: the next position due back
+        pos = rows.next_wanted(rows.first)  # the next position due back (None: none left)
         try:
             for block in blocks:
-                pos = self._take(block, pos, receiver)
+                pos = self._take(block, pos, rows, receiver)
                 receiver.tick()
-                if end is not None and pos >= end:
+                if pos is None:
                     return
             if rows.short_at(pos):
-                raise RuntimeError(f"Ray returned rows up to input position {pos} of {end}; what came back is "
-                                   "committed, and a rerun resumes")
+                raise RuntimeError(f"Ray returned rows up to input position {pos} of {rows.end}; what came back "
+                                   "is committed, and a rerun resumes")
         except Exception as e:  # noqa: BLE001 - re-raised, unwrapped from Ray's remote traceback
             cause = _remote_failure(e)
             if cause is e:
@@ -212,7 +212,7 @@ class RayExecutor(Executor):
             if close is not None:
                 close()
 
-    def _take(self, block: Any, pos: int, receiver: RowReceiver) -> int:
+    def _take(self, block: Any, pos: int | None, rows: RowSlice, receiver: RowReceiver) -> int | None:
         """One block of results, in input order, to the receiver; returns the next position due."""
         for got, gen, payload in zip(block.column(POS).to_pylist(), block.column(GEN).to_pylist(),
                                      block.column(RESULT).to_pylist()):
@@ -226,7 +226,7 @@ class RayExecutor(Executor):
                                    "nothing after the last committed row was written")
             task, outputs = pickle.loads(payload)
             receiver.put(task, outputs)
-            pos += 1
+            pos = rows.next_wanted(got + 1)
         for name, text in zip(block.column(REPLICA).to_pylist(), block.column(METRICS).to_pylist()):
             if text is not None:
                 m = json.loads(text)

@@ -99,7 +99,8 @@ class EngineReplica:
         self.llm = make(cfg.model["path"], **cfg.llm_kwargs())
         self.builder = RequestBuilder(cfg, source_format=source_format, tokenizer=self.llm.tokenizer,
                                       check_prompt=self.llm.check_prompt, id_column=id_column,
-                                      check_structured=getattr(self.llm, "check_structured", None))
+                                      check_structured=getattr(self.llm, "check_structured", None),
+                                      max_model_len=getattr(self.llm, "max_model_len", None))
         self.columns = self.builder.columns()
         self.max_in_flight = max_in_flight(cfg.engine["max_num_seqs"])
         self.keep_prompt = cfg.output["include_prompt"]
@@ -125,7 +126,7 @@ class EngineReplica:
         rows: list[tuple[RowTask, list[Any] | None]] = []
         try:
             for task in tasks:
-                if task.error is not None:
+                if not task.runs:
                     rows.append((task, None))
                     continue
                 while len(loop) >= self.max_in_flight:

@@ -33,6 +33,13 @@ class RowTask:
     params: SamplingParams | None = None
     error: str | None = None
     extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model
+    truncated: int | None = None  # prompt tokens cut to fit (input.on_too_long: truncate_left / truncate_right)
+    skipped: str | None = None  # why it is not run, by the job's choice (input.on_too_long: skip)
+
+    @property
+    def runs(self) -> bool:
+        """Does the row go to the engine (else it is finished as it is: an error, or skipped)?"""
+        return self.error is None and self.skipped is None
 
 
 class RequestBuilder:
@@ -41,9 +48,12 @@ class RequestBuilder:
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
                  check_prompt: Callable[[list[int]], str | None],
                  id_column: str | None,
-                 check_structured: Callable[[SamplingParams], str | None] | None = None) -> None:
+                 check_structured: Callable[[SamplingParams], str | None] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.cfg = cfg
         self.inp = cfg.input
+        self.on_too_long = cfg.input.get("on_too_long", "error")
+        self.max_model_len = max_model_len  # None: prompts are not cut (on_too_long acts as error)
         self.openai = source_format == "openai-batch"
         self.tokenizer = tokenizer
         self.check_prompt = check_prompt
@@ -198,12 +208,37 @@ class RequestBuilder:
             if task.error is None and task.prompt_ids is not None:
                 task.prompt_tokens = len(task.prompt_ids)
                 why = self.check_prompt(task.prompt_ids)
+                if why and self._too_long(task.prompt_ids):
+                    why = self._fit(task, why)
                 if why:
                     task.error = why
-            if task.error is not None:
+            if not task.runs:
                 task.prompt_ids = None
                 task.params = None
         return tasks
+
+    def _too_long(self, ids: list[int]) -> bool:
+        return self.on_too_long != "error" and self.max_model_len is not None and len(ids) >= self.max_model_len
+
+    def _fit(self, task: RowTask, why: str) -> str | None:
+        """input.on_too_long for a prompt the model cannot take: cut it so that it and max_tokens fit (the
+        start kept: truncate_right; the end kept, after the BOS token if it has one: truncate_left), or skip
+        the row. Returns the row error that remains, if any."""
+        if self.on_too_long == "skip":
+            task.skipped = f"{why} (input.on_too_long: skip)"
+            return None
+        ids, limit = task.prompt_ids, self.max_model_len
+        room = min(task.params.max_tokens or 1, limit - 1)  # keep at least one prompt token
+        keep = limit - room
+        if self.on_too_long == "truncate_right":
+            cut = ids[:keep]
+        else:
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            head = ids[:1] if bos is not None and ids[0] == bos and keep > 1 else []
+            cut = head + ids[len(ids) - (keep - len(head)):]
+        task.truncated = len(ids) - len(cut)
+        task.prompt_ids, task.prompt_tokens = cut, len(cut)
+        return self.check_prompt(cut)
 
 
 def input_columns(cfg: JobConfig, source_format: str, id_column: str | None) -> list[str] | None:

@@ -24,6 +24,8 @@ class JobEngine(Protocol):
     # A Hugging Face (fast) tokenizer: rows are tokenized and chat templates rendered with it, in batches,
     # before they reach the engine.
     tokenizer: Any
+    # The longest prompt plus completion a request may have (input.on_too_long cuts prompts to fit it).
+    max_model_len: int
 
     def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         """None when the prompt can run, else a one-line reason (the row becomes a row error)."""

@@ -36,11 +36,15 @@ class LocalExecutor(Executor):
 
     def run(self, rows: RowSlice, receiver: RowReceiver) -> None:
         cfg = self.cfg
+        if rows.empty:  # every row is committed (or finished ahead): no model to load
+            receiver.start()
+            return
         log.info("loading model %s", cfg.model["path"])
         self.engine = engine = self.factory(cfg.model["path"], **cfg.llm_kwargs())
         builder = RequestBuilder(cfg, source_format=self.source.format, tokenizer=engine.tokenizer,
                                  check_prompt=engine.check_prompt, id_column=self.id_column,
-                                 check_structured=getattr(engine, "check_structured", None))
+                                 check_structured=getattr(engine, "check_structured", None),
+                                 max_model_len=getattr(engine, "max_model_len", None))
         self.loop = loop = EngineLoop(engine)
         receiver.start()
         for batch in rows.read(self.source, builder.columns()):
@@ -50,7 +54,7 @@ class LocalExecutor(Executor):
                 # it is full the oldest unwritten row is in flight (else the buffer would drain): a step frees room.
                 while len(loop) >= self.max_in_flight or len(loop) + receiver.buffered >= self.reorder_limit:
                     self._step(receiver)
-                if task.error is not None:
+                if not task.runs:
                     receiver.put(task, None)
                 else:
                     loop.add(task)

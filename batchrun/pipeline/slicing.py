@@ -4,7 +4,9 @@ Rows are numbered twice: a global `index` in the whole input, and a `pos`ition i
 (what `--limit` counts and what the output's parts record for resume). A contiguous shard holds indices
 [base, base + length) and pos = index - base; a strided shard (an input whose length is unknown) holds every
 `stride`-th row from `base`, pos = (index - base) // stride. A run reads positions [start, end): `start` is
-where the committed rows end, `end` the shard's length or `--limit`, whichever is less.
+where the committed rows end, `end` the shard's length or `--limit`, whichever is less; less the positions
+already finished `ahead` of an earlier row (kept at the last commit, batchrun.io.ahead), and plus the positions
+to `redo` before `start` (the range of a damaged part, the error rows of `--retry-errors`).
 
 Both executors use one RowSlice: the local one reads its rows with `read`, the Ray one picks the input files
 and the Indexer's keep test (`position_of`) from it. The dataclass is small and picklable for that.
@@ -12,6 +14,8 @@ and the Indexer's keep test (`position_of`) from it. The dataclass is small and 
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,14 +35,29 @@ class RowSlice:
     start: int = 0  # the first position this run reads (rows before it are committed)
     length: int | None = None  # positions in the shard, when known (contiguous shards of a counted input)
     limit: int | None = None  # --limit: positions this shard may reach, in all runs together
+    redo: tuple[int, ...] = ()  # positions before `start` to compute again, ascending
+    ahead: tuple[int, ...] = ()  # positions from `start` on already finished (not computed again)
 
     @classmethod
-    def of_plan(cls, plan: JobPlan, start: int) -> RowSlice:
-        """The slice a plan gives this shard (contiguous or strided, --limit), resuming at position `start`."""
+    def of_plan(cls, plan: JobPlan, start: int, *, redo: tuple[int, ...] = (), ahead: tuple[int, ...] = (),
+                new_rows: bool = True) -> RowSlice:
+        """The slice a plan gives this shard (contiguous or strided, --limit), resuming at position `start`.
+        new_rows False: only `redo` (--retry-errors computes no row that was not computed before)."""
+        limit = plan.limit if new_rows else start
         if plan.strided:
-            return cls(base=plan.shard.index, stride=plan.shard.count, start=start, limit=plan.limit)
+            return cls(base=plan.shard.index, stride=plan.shard.count, start=start, limit=limit,
+                       redo=tuple(sorted(redo)), ahead=tuple(sorted(ahead)))
         length = None if plan.hi is None else plan.hi - plan.lo
-        return cls(base=plan.lo, start=start, length=length, limit=plan.limit)
+        return cls(base=plan.lo, start=start, length=length, limit=limit, redo=tuple(sorted(redo)),
+                   ahead=tuple(sorted(ahead)))
+
+    @functools.cached_property
+    def _redo(self) -> frozenset[int]:
+        return frozenset(self.redo)
+
+    @functools.cached_property
+    def _ahead(self) -> frozenset[int]:
+        return frozenset(self.ahead)
 
     # ------------------------------------------------------------ positions
 
@@ -50,9 +69,33 @@ class RowSlice:
         return self.length if self.limit is None else min(self.limit, self.length)
 
     @property
+    def first(self) -> int:
+        """The first position this run reads."""
+        return self.redo[0] if self.redo else self.start
+
+    @property
     def empty(self) -> bool:
+        """Nothing to compute: no position to redo, and every one from `start` to `end` done already."""
+        return self.next_wanted(self.first) is None
+
+    def wants(self, pos: int) -> bool:
+        """Is position `pos` computed by this run?"""
+        if pos < self.start:
+            return pos in self._redo
         end = self.end
-        return end is not None and self.start >= end
+        return (end is None or pos < end) and pos not in self._ahead
+
+    def next_wanted(self, pos: int) -> int | None:
+        """The first position >= pos this run computes; None when there is none."""
+        i = bisect.bisect_left(self.redo, pos)
+        if i < len(self.redo):
+            return self.redo[i]
+        pos = max(pos, self.start)
+        j = bisect.bisect_left(self.ahead, pos)
+        while j < len(self.ahead) and self.ahead[j] == pos:
+            pos, j = pos + 1, j + 1
+        end = self.end
+        return None if end is not None and pos >= end else pos
 
     def index_of(self, pos: int) -> int:
         return self.base + pos * self.stride
@@ -63,16 +106,21 @@ class RowSlice:
         if offset < 0 or offset % self.stride:
             return None
         pos = offset // self.stride
-        end = self.end
-        if pos < self.start or (end is not None and pos >= end):
-            return None
-        return pos
+        return pos if self.wants(pos) else None
 
     def index_range(self) -> tuple[int, int | None]:
         """[first, stop) global indices that hold this run's rows (stop None: not known, or strided)."""
+        last = self.last
+        stop = None if self.stride > 1 or last is None else self.index_of(last)
+        return self.index_of(self.first), stop
+
+    @property
+    def last(self) -> int | None:
+        """One past the last position this run reads (None: wherever the input ends)."""
         end = self.end
-        stop = None if self.stride > 1 or end is None else self.index_of(end)
-        return self.index_of(self.start), stop
+        if self.redo and end is not None and self.start >= end:
+            return self.redo[-1] + 1  # only rows to redo: read no further than the last of them
+        return end
 
     # ------------------------------------------------------------ the end of a run
 
@@ -95,17 +143,19 @@ class RowSlice:
         """This run's rows of `source`, in batches as the source reads them."""
         if self.empty:
             return
-        end = self.end
-        pos, index = self.start, self.index_of(self.start)
+        last = self.last
+        pos = self.first
+        index = self.index_of(pos)
         for rows in source.iter_rows(index, columns):
             first = (self.base - index) % self.stride  # where this batch's first row of the shard sits
             kept = rows[first::self.stride] if self.stride > 1 else rows
-            if end is not None:
-                kept = kept[:end - pos]
-            batch = [(pos + k, index + first + k * self.stride, row) for k, row in enumerate(kept)]
+            if last is not None:
+                kept = kept[:last - pos]
+            batch = [(pos + k, index + first + k * self.stride, row) for k, row in enumerate(kept)
+                     if self.wants(pos + k)]
             pos += len(kept)
             index += len(rows)
             if batch:
                 yield batch
-            if end is not None and pos >= end:
+            if last is not None and pos >= last:
                 return
