@@ -1,6 +1,6 @@
 """Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
-batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache and for
-bf16 models on CPUs where oneDNN has no bf16 kernels.
+batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache, for
+bf16 models on CPUs where oneDNN has no bf16 kernels, and for bf16 models in the batch-invariant mode.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
@@ -24,7 +24,9 @@ the fp32 one (linear_f32) on bf16 panels, widened to fp32 as they load: 0.52-0.9
 rows (cpu_kernels.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
 replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
-lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off. (Changed 2026-12, issue 33:
+the engine keeps this second copy only where it fits the free memory beside the KV cache, and logs its choice;
+docs/memory.md.)
 On a CPU with AMX the same call runs on AMX tiles instead (cpu_kernels.c, amx_panel; weights packed in AMX's pair
 layout), up to cpu_kernels.AMX_SMALL_ROWS = 64 rows: a pass over SmolLM2's linears took 11.2-11.5 ms from 1 to 16
 rows where the widened panels took 10.4-18.4 ms (the 9.2-row decode tail: 15.3), 0.65-0.87x oneDNN's time at 1-64
@@ -59,10 +61,17 @@ same rows computed in 2-row calls (tests/test_batch_invariance.py holds these fa
 - fp32 MKL (F.linear) gives different bits at almost every row count: it is never used in that mode;
 - fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K = 1536 and 2048 (a matrix-vector
   kernel for long rows), so a 1-row call is padded to 2 rows (min_rows);
-- bf16 oneDNN gives the same bits for M in 1..32 and different ones for most M >= 33 (AMX tiles), so the
-  rows go through in tiles of at most 32 (max_rows); prefill linears then run at 32-row speed.
-So in that mode every linear is reordered, whatever the weights' size, and the tied lm_head too (a reordered
-copy), in fp32 and bf16; fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding.
+- bf16 oneDNN does not keep one kernel for any range of row counts that can be relied on. It was measured above
+  to give the same bits for M in 1..32, so the mode ran it in 32-row tiles; that did not hold (issue 27): on an
+  AMD EPYC (Zen 4, AVX512-BF16, no AMX) 3 rows of K = 1536 differ from the same rows alone, and on the AMX Xeon
+  1 to 7 of 10 requests of a bf16 model changed tokens inside a batch. (Changed 2026-12: the figures above this
+  line are from before.)
+So in that mode every fp32 linear is reordered for oneDNN, whatever the weights' size, and the tied lm_head too
+(a reordered copy); fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding. Every bf16
+linear, the tied lm_head's packed copy too, takes batchrun's bf16 panels (PackedLinear, cpu_kernels.linear_bf16)
+at every row count: its sums are fixed chains over k whatever the row count (fp32 multiply-adds on AVX-512 or
+AVX2, AMX tile products over the same k order on a CPU with AMX), and it holds one copy of the weights. The cost
+is prefill speed where oneDNN's bf16 kernels are faster: docs/reproducibility-kernels.md has the figures.
 """
 
 from __future__ import annotations
@@ -83,8 +92,9 @@ _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count wo
 
 
 # Row counts between which oneDNN keeps one kernel per dtype (measured, see the module docstring): a call
-# of fewer rows is padded, one of more is cut into tiles.
-INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
+# of fewer rows is padded, one of more is cut into tiles. bf16 has none: the batch-invariant mode puts bf16
+# linears on batchrun's panels (own_kernel).
+INVARIANT_ROWS = {torch.float32: (2, None)}
 
 
 class PackedLinear(nn.Module):
@@ -108,11 +118,12 @@ class PackedLinear(nn.Module):
 class OneDNNLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (an opaque mkldnn tensor).
 
-    Batch-invariant (`invariant=True`): a call of fewer than `min_rows` rows is padded with zero rows, and one
-    of more than `max_rows` is computed `max_rows` rows at a time, so every row goes through the one kernel
-    whatever the call's row count."""
+    Batch-invariant (`invariant=True`, fp32): a call of fewer than `min_rows` rows is padded with zero rows, and
+    one of more than `max_rows` is computed `max_rows` rows at a time, so every row goes through the one kernel
+    whatever the call's row count. `few_rows_copy`: a bf16 linear keeps a second copy of its weights for
+    linear_bf16's few-row calls (see below), where the engine found the memory for it (llm.py)."""
 
-    def __init__(self, linear: nn.Linear, invariant: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, invariant: bool = False, few_rows_copy: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
@@ -122,7 +133,8 @@ class OneDNNLinear(nn.Module):
         # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
         # (cpu_kernels.linear_bf16): a second copy of the weights. Not in the batch-invariant mode, whose rows must
         # all go through one kernel.
-        self.small = cpu_kernels.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
+        self.small = cpu_kernels.pack_linear(linear.weight) \
+            if few_rows_copy and not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -153,11 +165,12 @@ def _takes_small(linear: nn.Linear) -> bool:
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_panel_linears())
 
 
-def own_kernel(model: nn.Module) -> bool:
+def own_kernel(model: nn.Module, batch_invariant: bool = False) -> bool:
     """Whether the model's linears go to PackedLinear (the C kernels built for a CPU with AVX-512, or AVX2 and FMA).
 
-    bf16: where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3), always; there torch's
-    bf16 F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
+    bf16: in the batch-invariant mode, always (oneDNN's bf16 kernels change with the row count: module docstring);
+    else where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
+    F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
     speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed.
     fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
     decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
@@ -170,7 +183,7 @@ def own_kernel(model: nn.Module) -> bool:
         return False
     dtype = linears[0].weight.dtype
     if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
@@ -217,8 +230,12 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         choice = "onednn"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl":
         return False
-    if own_kernel(model):
+    if own_kernel(model, batch_invariant):
         return True
+    if batch_invariant and dtype == torch.bfloat16:
+        log.warning("batch_invariant in bfloat16 needs batchrun's C kernels (a C compiler, a CPU with AVX-512 or "
+                    "AVX2), which are not built here: oneDNN's bf16 linears are used, whose kernels change with "
+                    "the number of rows, so a row's logits can depend on its batch")
     if not torch.backends.mkldnn.is_available() or \
             (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
@@ -234,13 +251,31 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     return works
 
 
-def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
+def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
+    """Bytes the second copies of the weights would take (OneDNNLinear's few-row panels: bf16 linears outside the
+    batch-invariant mode, on oneDNN's bf16 kernels), the tied lm_head's included; 0 where there are none. The
+    engine keeps them only where they fit the free memory (llm.py)."""
+    if own_kernel(model, batch_invariant) or batch_invariant:
+        return 0
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    with_tied = weight is not None and weight.dtype == torch.bfloat16
+    return _weight_bytes([m for _, _, m in _linears(model, with_tied=with_tied) if _takes_small(m)])
+
+
+def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_copy: bool = True) -> int:
     """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedLinear where own_kernel says (in bf16
-    models, and in batch-invariant mode, the tied lm_head too); returns how many."""
+    models, and in batch-invariant mode, the tied lm_head too); returns how many. `few_rows_copy`: whether bf16
+    OneDNNLinears keep their few-row copy (few_rows_copy_bytes). One linear at a time: each plain weight is
+    released as soon as its packed copy is made, so the model is never held twice."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
-    own = own_kernel(model)
+    own = own_kernel(model, batch_invariant)
     linears = _linears(model, with_tied=with_tied)
-    for parent, name, linear in linears:
-        setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
-    return len(linears)
+    count = len(linears)
+    del weight
+    while linears:
+        parent, name, linear = linears.pop()
+        setattr(parent, name, PackedLinear(linear) if own
+                else OneDNNLinear(linear, invariant=batch_invariant, few_rows_copy=few_rows_copy))
+        del linear  # the last reference to its plain weight (unless tied to the embedding)
+    return count
