@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from batchrun import LLM, SamplingParams
-from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-BF16_MODEL = cpu_kernels.has_panel_linears()  # bf16's invariant linears are batchrun's panels
+BF16_MODEL = cpu_linears.has_panel_linears()  # bf16's invariant linears are batchrun's panels
 
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
              num_key_value_heads=3, vocab_size=49152, max_position_embeddings=1024)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from benchmarks.report import compare_outputs
 from benchmarks.worker import metrics_delta
 from benchmarks.workload import (
@@ -221,7 +222,7 @@ def test_phases_times_each_phase_on_fresh_prompts():
     assert got["prefill_tok_s"] == pytest.approx(64 * 128 / (1e-3 + 64 * 128 * 1e-6))
 
 
-@pytest.mark.skipif(not cpu_kernels.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
+@pytest.mark.skipif(not cpu_linears.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(capsys):
     """benchmarks.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
     count, each with the oneDNN and baseline ratios (ratios only: no timing is asserted)."""
@@ -248,3 +249,54 @@ def test_attention_benchmark_runs_against_a_git_baseline(capsys):
                          "--baseline", "HEAD"]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out.split("decode")[1] and "speed-up" in out.split("prefill")[1]
+
+
+def _commit(repo, files: dict[str, bytes]) -> str:
+    """A commit of repo whose csrc/ holds exactly `files`; its hash."""
+    import subprocess
+
+    csrc = repo / "batchrun/model/csrc"
+    if csrc.exists():
+        for old in csrc.iterdir():
+            old.unlink()
+    csrc.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (csrc / name).write_bytes(text)
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True).stdout.decode().strip()
+
+    if not (repo / ".git").exists():
+        git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "csrc")
+    return git("rev-parse", "HEAD")
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler for the CPU kernels")
+def test_a_baseline_builds_from_the_single_file_layout_and_the_split_one(tmp_path, monkeypatch):
+    """--baseline REF reads REF's csrc/ whatever its layout: one cpu_kernels.c (before the kernels were split by
+    family) or a .c file per family and common.h. Both build, and give the current library's bits: here the
+    sampling family alone, as one file (common.h pasted in front of sampling.c) and as two."""
+    from batchrun.model.cpu_kernels import sampling as cpu_sampling
+    from benchmarks.kernels import mentions, revision_source
+
+    now = cpu_kernels.sources()
+    single = now["common.h"] + now["sampling.c"].replace(b'#include "common.h"', b"")
+    old = _commit(tmp_path, {"cpu_kernels.c": single})
+    new = _commit(tmp_path, {"common.h": now["common.h"], "sampling.c": now["sampling.c"]})
+    assert revision_source(old, tmp_path) == {"cpu_kernels.c": single}
+    assert revision_source(new, tmp_path) == {"common.h": now["common.h"], "sampling.c": now["sampling.c"]}
+    assert mentions(revision_source(old, tmp_path), "void logits_top(")
+    assert not mentions(revision_source(new, tmp_path), "int paged_attention(")
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want, want_top = cpu_sampling.logits_top(logits, 8)
+    monkeypatch.setenv("BATCHRUN_CACHE", str(tmp_path / "cache"))
+    for ref in (old, new):
+        lib = cpu_kernels.build(revision_source(ref, tmp_path), cpu_sampling.SIGNATURES)
+        assert lib is not None, ref
+        got, top = torch.empty(3, 1000), torch.empty(3, 8, dtype=torch.int64)
+        lib.logits_top(logits.data_ptr(), got.data_ptr(), 3, 1000, 8, top.data_ptr())
+        assert torch.equal(got, want) and torch.equal(top, want_top)

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchrun.model import cpu_kernels
 from batchrun.model.context import ForwardContext
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
 from batchrun.model.ops import Rotary, TorchOps
 
 
@@ -202,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if logits.dtype != torch.bfloat16 or weight is None:
             return logits.float()
         if logits.device.type == "cpu" and cpu_kernels.available():
-            logits, top = cpu_kernels.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
+            logits, top = cpu_sampling.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
         else:
             logits = logits.float()
             top = logits.topk(REFINE_TOP, dim=-1).indices
