@@ -129,11 +129,11 @@ class LLM:
         runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
                              batch_invariant=self.batch_invariant)
         n_params = sum(p.numel() for p in loaded.model.parameters())
-        if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant):
-            kernel = "batchrun's panel kernel" if own_kernel(loaded.model, self.batch_invariant) else "oneDNN"
-            few_rows_copy = self._few_rows_copy(loaded.model, memory)
+        room = self._few_rows_room(loaded.model, memory)
+        if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant, room):
+            kernel = "batchrun's panel kernel" if own_kernel(loaded.model, self.batch_invariant, room) else "oneDNN"
             log.info("%d linear layers reordered for %s%s (see batchrun/model/cpu_linear.py)",
-                     reorder_linears(loaded.model, self.batch_invariant, few_rows_copy), kernel,
+                     reorder_linears(loaded.model, self.batch_invariant, room), kernel,
                      ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
         num_speculative = args.num_speculative_tokens
@@ -175,16 +175,19 @@ class LLM:
                      weights / 2**30, memory.available.detail)
         return memory
 
-    def _few_rows_copy(self, model, memory: MemoryPlan | None) -> bool:
-        """Whether bf16 linears keep a second copy of their weights for few-row steps (cpu_linear: faster decode
-        tails): only where it fits what is left beside the weights, the pools and the working set."""
-        extra = few_rows_copy_bytes(model, self.batch_invariant)
+    def _few_rows_room(self, model, memory: MemoryPlan | None) -> bool:
+        """Whether bf16 linears on oneDNN may keep a second copy of their weights for few-row steps (cpu_linear:
+        faster decode tails): only where it fits what is left beside the weights, the pools and the working set;
+        else every linear is packed once, for batchrun's panels."""
+        extra = few_rows_copy_bytes(model, self.batch_invariant) if self.device.type == "cpu" else 0
         if extra == 0 or memory is None:
             return True
-        keep = memory.spare >= extra
-        log.info("%s the few-row copy of the bf16 weights (%.2f GiB; %.2f GiB spare beside the weights and the KV "
-                 "cache)", "keeping" if keep else "not making", extra / 2**30, memory.spare / 2**30)
-        return keep
+        room = memory.spare >= extra
+        log.info("%s (%.2f GiB; %.2f GiB spare beside the weights and the KV cache)",
+                 "keeping the few-row copy of the bf16 weights beside oneDNN's" if room else
+                 "no room for a second copy of the bf16 weights: one copy, on batchrun's panels", extra / 2**30,
+                 memory.spare / 2**30)
+        return room
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -165,13 +165,17 @@ def _takes_small(linear: nn.Linear) -> bool:
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_linears.has_panel_linears())
 
 
-def own_kernel(model: nn.Module, batch_invariant: bool = False) -> bool:
+def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> bool:
     """Whether the model's linears go to PackedLinear (the C kernels built for a CPU with AVX-512, or AVX2 and FMA).
 
     bf16: in the batch-invariant mode, always (oneDNN's bf16 kernels change with the row count: module docstring);
-    else where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
+    where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
     F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
-    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed.
+    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; where linear_bf16 runs on vdpbf16ps
+    (AVX512-BF16 without AMX, e.g. AMD Zen 4), which keeps up with oneDNN's bf16 kernels at prefill sizes and
+    outruns them at a few rows (module docstring); and where the few-row copy beside oneDNN's layout does not fit
+    the memory (`few_rows_room` False, llm.py): one copy that serves every row count. BATCHRUN_CPU_MATMUL=onednn
+    keeps bf16 models on oneDNN outside the batch-invariant mode.
     fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
     decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
     0: none."""
@@ -183,7 +187,11 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False) -> bool:
         return False
     dtype = linears[0].weight.dtype
     if dtype == torch.bfloat16:
-        return batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return True
+        if os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "onednn":
+            return False
+        return cpu_linears.bf16_kernel() == "dot" or not few_rows_room
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
@@ -218,9 +226,11 @@ def _works(linear: nn.Linear) -> bool:
         return False
 
 
-def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
-    """Whether to reorder the model's linears for oneDNN. batch_invariant: always where oneDNN works (fp32 and
-    bf16 on a CPU), since MKL's kernels change with the row count; BATCHRUN_CPU_MATMUL=mkl is then ignored."""
+def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False,
+               few_rows_room: bool = True) -> bool:
+    """Whether to reorder (pack) the model's linears, for oneDNN or batchrun's panels (own_kernel). batch_invariant:
+    always where oneDNN works (fp32 and bf16 on a CPU), since MKL's kernels change with the row count;
+    BATCHRUN_CPU_MATMUL=mkl is then ignored."""
     choice = os.environ.get("BATCHRUN_CPU_MATMUL", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ValueError(f"BATCHRUN_CPU_MATMUL must be auto, mkl or onednn, got {choice!r}")
@@ -230,7 +240,7 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         choice = "onednn"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl":
         return False
-    if own_kernel(model, batch_invariant):
+    if own_kernel(model, batch_invariant, few_rows_room):
         return True
     if batch_invariant and dtype == torch.bfloat16:
         log.warning("batch_invariant in bfloat16 needs batchrun's C kernels (a C compiler, a CPU with AVX-512 or "
@@ -252,30 +262,30 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
 
 
 def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
-    """Bytes the second copies of the weights would take (OneDNNLinear's few-row panels: bf16 linears outside the
-    batch-invariant mode, on oneDNN's bf16 kernels), the tied lm_head's included; 0 where there are none. The
-    engine keeps them only where they fit the free memory (llm.py)."""
-    if own_kernel(model, batch_invariant) or batch_invariant:
+    """Bytes the second copies of the weights would take (OneDNNLinear's few-row panels: bf16 linears on oneDNN's
+    bf16 kernels), the tied lm_head's included; 0 where there are none. The engine keeps them only where they fit
+    the free memory, else packs every linear once for the panels (llm.py, own_kernel's few_rows_room)."""
+    if own_kernel(model, batch_invariant):
         return 0
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and weight.dtype == torch.bfloat16
     return _weight_bytes([m for _, _, m in _linears(model, with_tied=with_tied) if _takes_small(m)])
 
 
-def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_copy: bool = True) -> int:
+def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> int:
     """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedLinear where own_kernel says (in bf16
-    models, and in batch-invariant mode, the tied lm_head too); returns how many. `few_rows_copy`: whether bf16
-    OneDNNLinears keep their few-row copy (few_rows_copy_bytes). One linear at a time: each plain weight is
-    released as soon as its packed copy is made, so the model is never held twice."""
+    models, and in batch-invariant mode, the tied lm_head too); returns how many. `few_rows_room`: whether bf16
+    OneDNNLinears may keep their few-row copy (few_rows_copy_bytes; without room bf16 models take the panels).
+    One linear at a time: each plain weight is released as soon as its packed copy is made, so the model is never
+    held twice."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
-    own = own_kernel(model, batch_invariant)
+    own = own_kernel(model, batch_invariant, few_rows_room)
     linears = _linears(model, with_tied=with_tied)
     count = len(linears)
     del weight
     while linears:
         parent, name, linear = linears.pop()
-        setattr(parent, name, PackedLinear(linear) if own
-                else OneDNNLinear(linear, invariant=batch_invariant, few_rows_copy=few_rows_copy))
+        setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
         del linear  # the last reference to its plain weight (unless tied to the embedding)
     return count
