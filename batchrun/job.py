@@ -20,7 +20,7 @@ from typing import Any
 
 from batchrun.config import JobError
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, SinkError, clear_output, write_json_atomic
-from batchrun.model.errors import ModelLoadError
+from batchrun.model.errors import InsufficientMemoryError, ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
 from batchrun.pipeline.local import LocalExecutor
@@ -126,7 +126,8 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
             raise
         except ModelLoadError as e:  # found only when it loads (e.g. a .gguf of an unsupported architecture)
             _quietly(writer, writer.commit_finished, "commit the finished rows")
-            raise JobError(f"model.path: {e}") from None
+            # a model that does not fit the memory: the line names the model and the settings itself
+            raise JobError(str(e) if isinstance(e, InsufficientMemoryError) else f"model.path: {e}") from None
         except Exception as e:  # noqa: BLE001 - any failure: keep what is done, report, exit 1
             _quietly(writer, writer.commit_finished, "commit the finished rows")
             code, message = EXIT_FAILED, _one_line(e)

@@ -1,6 +1,7 @@
 """Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
 batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache, for
-bf16 models on CPUs where oneDNN has no bf16 kernels, and for bf16 models in the batch-invariant mode.
+bf16 models on CPUs where oneDNN has no bf16 kernels or where the panels run on vdpbf16ps (AVX512-BF16 without
+AMX), for bf16 models in the batch-invariant mode, and for bf16 models whose second copy does not fit.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
@@ -39,6 +40,20 @@ There every linear of a bf16 model, the tied lm_head's packed copy too, goes to 
 (`python -m benchmarks.linears`, AMD EPYC, 2026-12-02), at the fp32 kernel's speed where compute-bound and twice
 it where the weights stream.
 
+On a CPU with AVX512-BF16 and no AMX (AMD Zen 4 here) the bf16 panels run on vdpbf16ps instead of widening to
+fp32 (csrc/linears.c, dot_tile; added 2026-12, issue 33): it does twice the multiply-adds a cycle of an fp32 FMA
+there (a loop of independent chains of each, in turn), the instruction oneDNN's bf16 kernels use. Measured rough
+(SmolLM2's four layer linears x 4, weights streamed, oneDNN's calls in turn with it, best of 4, on a machine with
+a load average of 5-9 on its 2 cores from other jobs): one thread, 0.95-1.02x oneDNN's time at 256 and 1024 rows
+(the widening kernel 1.46-2.09x), 0.29-0.30x at 1 row, 0.83-1.20x at 16; two threads, 0.93-1.48x at 256 and
+1.23-1.79x at 1024 (the widening kernel 1.73-2.08x and 2.37-2.74x), too noisy there to say more. So on such a
+CPU every bf16 model takes the panels (own_kernel): one copy of the weights that serves every row count, batch
+invariant whatever the mode. BATCHRUN_BF16_DOT=0 keeps the widening kernel (then oneDNN and the few-row copy).
+Where oneDNN keeps bf16 models and the few-row copy does not fit the free memory (llm.py), every linear takes
+the panels too (AMX tiles on a CPU with AMX: 0.65-0.87x oneDNN's time up to 64 rows and 1.01-1.16x at 96-256, the
+figures above; larger prefills were not measured): a model too large for two copies streams them in every
+decode step, where the panels read at up to twice oneDNN's speed.
+
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
 fp32 models whose linear weights pass ONEDNN_MIN_BYTES go to batchrun's own kernel instead (PackedLinear,
@@ -69,9 +84,11 @@ same rows computed in 2-row calls (tests/test_batch_invariance.py holds these fa
 So in that mode every fp32 linear is reordered for oneDNN, whatever the weights' size, and the tied lm_head too
 (a reordered copy); fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding. Every bf16
 linear, the tied lm_head's packed copy too, takes batchrun's bf16 panels (PackedLinear, cpu_linears.linear_bf16)
-at every row count: its sums are fixed chains over k whatever the row count (fp32 multiply-adds on AVX-512 or
-AVX2, AMX tile products over the same k order on a CPU with AMX), and it holds one copy of the weights. The cost
-is prefill speed where oneDNN's bf16 kernels are faster: docs/reproducibility-kernels.md has the figures.
+at every row count: its sums are fixed chains over k whatever the row count (AMX tile products on a CPU with AMX
+where k is a multiple of 32, vdpbf16ps on pairs of k where the CPU has AVX512-BF16, fp32 multiply-adds of the
+widened weights elsewhere; which one a linear takes depends on its shape and the CPU only), and it holds one copy
+of the weights. The cost is prefill speed where oneDNN's bf16 kernels are faster than the panels (CPUs with AMX,
+or without AVX512-BF16): docs/reproducibility-kernels.md has the figures.
 """
 
 from __future__ import annotations

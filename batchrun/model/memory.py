@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from batchrun.model.errors import ModelLoadError
+from batchrun.model.errors import InsufficientMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,6 @@ MIN_KV_TOKENS = 2048
 # activations (a 4096-token prefill of an 8B model: 0.2-0.3 GiB in bf16) and logits, the packing of the largest
 # linear (one linear's copy at a time), oneDNN's scratch.
 WORKING_BYTES = GIB
-
-
-class InsufficientMemoryError(ModelLoadError):
-    """The model and its KV cache do not fit the memory this machine has available (raised before loading)."""
 
 
 def gib(n: int | float) -> str:

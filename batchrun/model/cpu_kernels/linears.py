@@ -22,8 +22,8 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "dot_linears": (ctypes.c_int, []),
 }
 
-# The most rows OneDNNLinear gives linear_bf16 where oneDNN has bf16 kernels (elsewhere every row count goes to
-# it: cpu_linear.py); AMX_SMALL_ROWS where the library runs them on AMX, set when this module first reaches the
+# The most rows OneDNNLinear gives linear_bf16 where oneDNN runs a bf16 model (elsewhere every row count goes to
+# it: cpu_linear.py, own_kernel); AMX_SMALL_ROWS where the library runs them on AMX, set when this module first reaches the
 # library (has_panel_linears, which cpu_linear asks before it packs a weight). Measured on SmolLM2's 120 layer
 # linears and its lm_head in a forward's order, 2 threads, weights streamed, on an AVX512-BF16/AMX Xeon
 # (`python -m benchmarks.linears`):

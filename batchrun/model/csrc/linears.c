@@ -444,7 +444,8 @@ ALWAYS void dot_tile(const int rows, const bf16 *x, int64_t ldx, const char *pan
 DOT_TILE_FN(1) DOT_TILE_FN(2) DOT_TILE_FN(3) DOT_TILE_FN(4) DOT_TILE_FN(5) DOT_TILE_FN(6) DOT_TILE_FN(7) DOT_TILE_FN(8)
 
 /* y [rows, n] = x [rows, k] W^T + bias on DOT_PANELS weights: the threads split the panels; the rows go in
- * chunks whose bf16 activations stay in L2 beside a panel, every row tile of a chunk through each panel. */
+ * chunks whose bf16 activations stay in L2 beside a panel, every row tile of a chunk through each panel. (No
+ * widened copy of x to share, so the threads need no barrier between chunks.) */
 static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
                        bf16 *y) {
     int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
@@ -457,7 +458,9 @@ static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t 
         const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
         const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
         const int64_t fetchers = tiles < DOT_FETCHERS ? tiles : DOT_FETCHERS;
-#pragma omp for schedule(static)
+        /* nowait: a thread's panels are the same in every chunk (a static schedule of the same count), and no
+         * chunk needs another thread's results, so the threads meet only at the end of the call */
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const char *panel = (const char *)packed + p * k * PANEL_WIDTH * 2;
             const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
