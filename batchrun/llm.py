@@ -15,6 +15,7 @@ from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
+from batchrun.model.cpu_kernels.linears import bf16_kernel
 from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
 from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.locate import locate_model
@@ -131,7 +132,10 @@ class LLM:
         n_params = sum(p.numel() for p in loaded.model.parameters())
         room = self._few_rows_room(loaded.model, memory)
         if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant, room):
-            kernel = "batchrun's panel kernel" if own_kernel(loaded.model, self.batch_invariant, room) else "oneDNN"
+            kernel = "oneDNN"
+            if own_kernel(loaded.model, self.batch_invariant, room):
+                kernel = f"batchrun's panel kernel ({bf16_kernel()})" if self.dtype == torch.bfloat16 else \
+                    "batchrun's panel kernel"
             log.info("%d linear layers reordered for %s%s (see batchrun/model/cpu_linear.py)",
                      reorder_linears(loaded.model, self.batch_invariant, room), kernel,
                      ", batch invariant" if self.batch_invariant else "")

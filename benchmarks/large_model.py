@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -138,10 +138,15 @@ def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, 
 
     job = write_job(work, model, requests, max_tokens)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "batchrun.cli", "run", str(job), "--no-resume"],
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "batchrun.cli", "run", str(job), "--no-resume"],
+                                env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not that of earlier children
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
     wall = time.monotonic() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child: the job
+    peak = usage.ru_maxrss * 1024
     weights = 2 * checkpoint_elements(model)
     metrics_file = work / "out" / "_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
@@ -149,14 +154,14 @@ def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, 
     block_size = EngineArgs.__dataclass_fields__["block_size"].default  # the job leaves it at the default
     kv = engine.get("kv_blocks_total", 0) * engine.get("kv_bytes_per_token", 0) * block_size
     bound = 1.15 * weights + kv + GIB
-    log_lines = [ln for ln in proc.stderr.splitlines()
+    log_lines = [ln for ln in stderr.splitlines()
                  if any(what in ln for what in ("few-row copy", "KV cache sized", "KV cache:", "needs"))]
     return {"exit_code": proc.returncode, "wall_s": round(wall, 1), "requests": requests,
             "generated_tokens_per_s": metrics.get("generated_tokens_per_s"),
             "weights_gib": round(weights / GIB, 2), "checkpoint_files": len(weight_files(model)),
             "kv_pool_gib": round(kv / GIB, 2), "peak_rss_gib": round(peak / GIB, 2),
             "bound_gib": round(bound / GIB, 2), "within_bound": peak <= bound, "engine_log": log_lines,
-            "stderr_tail": proc.stderr.splitlines()[-3:] if proc.returncode else []}
+            "stderr_tail": stderr.splitlines()[-3:] if proc.returncode else []}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,8 +164,7 @@ def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
 @pytest.mark.skipif(not (ONEDNN_BF16 and cpu_linears.has_panel_linears()),
                     reason="the few-row copy exists beside oneDNN's bf16 kernels only")
 def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):
-    """Where oneDNN runs a bf16 model (a CPU with AMX, or one whose bf16 panels widen to fp32: the test takes that
-    policy here whatever this CPU is), its few-row copy is kept only where it fits; else every linear is packed
+    """Where oneDNN runs a bf16 model, its few-row copy is kept only where it fits; else every linear is packed
     once, for the panels."""
     import batchrun.llm as llm_module
     from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
@@ -175,21 +174,12 @@ def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, 
         return {type(m) for m in model.modules() if isinstance(m, (OneDNNLinear, PackedLinear))}, \
             {m.small is not None for m in model.modules() if isinstance(m, OneDNNLinear)}
 
-    monkeypatch.setattr(cpu_linears, "bf16_kernel", lambda: "widened")
     assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({OneDNNLinear}, {True})
     config = AutoConfig.from_pretrained(bf16_ckpt)
     held = memory.held_weight_bytes(memory.checkpoint_elements(bf16_ckpt), 2, config, packs_tied_lm_head=True)
     tight = Available(memory.WORKING_BYTES + 64 * 2**20 + held + 2**20, 16 * GIB, "tight")  # the weights fit, not twice
     monkeypatch.setattr(llm_module, "available_memory", lambda: tight)
     assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({PackedLinear}, set())
-
-
-@pytest.mark.skipif(cpu_linears.bf16_kernel() != "dot", reason="needs a CPU with AVX512-BF16 and no AMX")
-def test_where_bf16_panels_run_on_vdpbf16ps_they_are_the_one_copy_at_every_row_count(bf16_ckpt):
-    from batchrun.model.cpu_linear import PackedLinear
-
-    model = LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB").engine.runner.model
-    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.layers[1].mlp.gate_up_proj, PackedLinear)
 
 
 # ---- peak RSS -----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
 batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache, for
-bf16 models on CPUs where oneDNN has no bf16 kernels or where the panels run on vdpbf16ps (AVX512-BF16 without
-AMX), for bf16 models in the batch-invariant mode, and for bf16 models whose second copy does not fit.
+bf16 models on CPUs where oneDNN has no bf16 kernels, for bf16 models in the batch-invariant mode, and for bf16
+models whose few-row second copy does not fit the memory.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
@@ -45,14 +45,14 @@ fp32 (csrc/linears.c, dot_tile; added 2026-12, issue 33): it does twice the mult
 there (a loop of independent chains of each, in turn), the instruction oneDNN's bf16 kernels use. Measured rough
 (SmolLM2's four layer linears x 4, weights streamed, oneDNN's calls in turn with it, best of 4, on a machine with
 a load average of 5-9 on its 2 cores from other jobs): one thread, 0.95-1.02x oneDNN's time at 256 and 1024 rows
-(the widening kernel 1.46-2.09x), 0.29-0.30x at 1 row, 0.83-1.20x at 16; two threads, 0.93-1.48x at 256 and
-1.23-1.79x at 1024 (the widening kernel 1.73-2.08x and 2.37-2.74x), too noisy there to say more. So on such a
-CPU every bf16 model takes the panels (own_kernel): one copy of the weights that serves every row count, batch
-invariant whatever the mode. BATCHRUN_BF16_DOT=0 keeps the widening kernel (then oneDNN and the few-row copy).
-Where oneDNN keeps bf16 models and the few-row copy does not fit the free memory (llm.py), every linear takes
-the panels too (AMX tiles on a CPU with AMX: 0.65-0.87x oneDNN's time up to 64 rows and 1.01-1.16x at 96-256, the
-figures above; larger prefills were not measured): a model too large for two copies streams them in every
-decode step, where the panels read at up to twice oneDNN's speed.
+(the widening kernel 1.46-2.09x), 0.29-0.30x at 1 row, 0.83-1.20x at 16; two threads (after the chunks lost their
+barrier), 0.87-1.07x at 256, 0.96-1.00x at 1024, 1.02-1.03x at 4096. End to end, SmolLM2-135M bf16 (32 prompts of
+64-300 tokens, 32 tokens each, the same load) ran 7-27% longer with every linear on them than on oneDNN with the
+few-row copy (two rounds), so outside the batch-invariant mode oneDNN keeps bf16 models where the copy fits, and
+the copy is on vdpbf16ps. BATCHRUN_BF16_DOT=0 keeps the widening kernel. Where the few-row copy does not fit the
+free memory (llm.py), every linear takes the panels (AMX tiles on a CPU with AMX: 0.65-0.87x oneDNN's time up to
+64 rows and 1.01-1.16x at 96-256, the figures above; larger prefills were not measured): a model too large for
+two copies streams them in every decode step, where the panels read at up to twice oneDNN's speed.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
@@ -188,11 +188,9 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
     bf16: in the batch-invariant mode, always (oneDNN's bf16 kernels change with the row count: module docstring);
     where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
     F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
-    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; where linear_bf16 runs on vdpbf16ps
-    (AVX512-BF16 without AMX, e.g. AMD Zen 4), which keeps up with oneDNN's bf16 kernels at prefill sizes and
-    outruns them at a few rows (module docstring); and where the few-row copy beside oneDNN's layout does not fit
-    the memory (`few_rows_room` False, llm.py): one copy that serves every row count. BATCHRUN_CPU_MATMUL=onednn
-    keeps bf16 models on oneDNN outside the batch-invariant mode.
+    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; and where the few-row copy beside
+    oneDNN's layout does not fit the memory (`few_rows_room` False, llm.py): one copy that serves every row count.
+    BATCHRUN_CPU_MATMUL=onednn keeps bf16 models on oneDNN outside the batch-invariant mode.
     fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
     decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
     0: none."""
@@ -206,9 +204,7 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
     if dtype == torch.bfloat16:
         if batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return True
-        if os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "onednn":
-            return False
-        return cpu_linears.bf16_kernel() == "dot" or not few_rows_room
+        return not few_rows_room and os.environ.get("BATCHRUN_CPU_MATMUL", "auto") != "onednn"
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
