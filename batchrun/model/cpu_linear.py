@@ -49,7 +49,8 @@ a load average of 5-9 on its 2 cores from other jobs): one thread, 0.95-1.02x on
 barrier), 0.87-1.07x at 256, 0.96-1.00x at 1024, 1.02-1.03x at 4096. End to end, SmolLM2-135M bf16 (32 prompts of
 64-300 tokens, 32 tokens each, the same load) ran 7-27% longer with every linear on them than on oneDNN with the
 few-row copy (two rounds), so outside the batch-invariant mode oneDNN keeps bf16 models where the copy fits, and
-the copy is on vdpbf16ps. BATCHRUN_BF16_DOT=0 keeps the widening kernel. Where the few-row copy does not fit the
+the copy is on vdpbf16ps: that default then took 0.67-0.89x the time of the one before (oneDNN with the widened
+copy; three pairs, same workload and load). BATCHRUN_BF16_DOT=0 keeps the widening kernel. Where the few-row copy does not fit the
 free memory (llm.py), every linear takes the panels (AMX tiles on a CPU with AMX: 0.65-0.87x oneDNN's time up to
 64 rows and 1.01-1.16x at 96-256, the figures above; larger prefills were not measured): a model too large for
 two copies streams them in every decode step, where the panels read at up to twice oneDNN's speed.
