@@ -138,9 +138,11 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 class EngineArgs:
     """How to load the model and size the engine. Invalid values raise EngineArgsError at construction.
 
-    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool takes 2 GiB (or an eighth of the
-    machine's memory if less); on CUDA it takes `gpu_memory_utilization` of the GPU less the weights and a
-    profiled peak forward. `swap_space` sizes the host pool used by swap preemption.
+    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool holds `kv_cache_tokens` (a job's need)
+    or else takes 2 GiB (or an eighth of the machine's memory if less), within what is free beside the weights;
+    a model that cannot fit is refused before it loads (docs/memory.md). On CUDA it takes `gpu_memory_utilization`
+    of the GPU less the weights and a profiled peak forward. `swap_space` sizes the host pool used by swap
+    preemption.
     """
 
     # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.locate)
@@ -154,6 +156,10 @@ class EngineArgs:
     block_size: int = _setting(16, "int", "engine.block_size", min=1, power_of_two=True)
     kv_cache_memory: int | str | None = _setting(None, "size", "engine.kv_cache_memory", nullable=True)
     num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1)
+    # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
+    # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
+    # free beside the weights (batchrun.model.memory).
+    kv_cache_tokens: int | None = _setting(None, "int", None, nullable=True, min=1)
     gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0)
     swap_space: int | str = _setting(0, "size", "engine.swap_space")
     max_num_seqs: int = _setting(256, "int", "engine.max_num_seqs", min=1)

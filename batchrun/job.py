@@ -24,7 +24,7 @@ from batchrun.config import JobError
 from batchrun.io.files import SinkError, WriteFailure, remove_file, write_bytes_atomic, write_json_atomic
 from batchrun.io.lock import OutputBusy, OutputLock
 from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, Sink, clear_output
-from batchrun.model.errors import ModelLoadError
+from batchrun.model.errors import InsufficientMemoryError, ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
 from batchrun.pipeline.local import LocalExecutor
@@ -228,7 +228,8 @@ def _execute(executor: Executor, rows: RowSlice, writer: OrderedWriter) -> tuple
             raise
         except ModelLoadError as e:  # found only when it loads (e.g. a .gguf of an unsupported architecture)
             _quietly(writer, writer.commit_finished, "commit the finished rows")
-            raise JobError(f"model.path: {e}") from None
+            # a model that does not fit the memory: the line names the model and the settings itself
+            raise JobError(str(e) if isinstance(e, InsufficientMemoryError) else f"model.path: {e}") from None
         except SinkError as e:  # a write failed, or the output cannot take a row: one line, no traceback
             if not isinstance(e, WriteFailure):  # after a failed write, writing again would only fail again
                 _quietly(writer, writer.commit_finished, "commit the finished rows")

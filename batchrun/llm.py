@@ -15,10 +15,19 @@ from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
-from batchrun.model.cpu_linear import own_kernel, reorder_linears, use_onednn
-from batchrun.model.loader import load_config, load_model, resolve_path
+from batchrun.model.cpu_kernels.linears import bf16_kernel
+from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
+from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.locate import locate_model
-from batchrun.model.memory import cpu_default_bytes, profile_cuda_kv_bytes
+from batchrun.model.memory import (
+    MemoryPlan,
+    available_memory,
+    checkpoint_elements,
+    held_weight_bytes,
+    kv_bytes_per_token,
+    plan_cpu_memory,
+    profile_cuda_kv_bytes,
+)
 from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.model.threads import configure_threads
 from batchrun.outputs import RequestOutput
@@ -87,45 +96,50 @@ class LLM:
         self.seed = args.seed
         self._requests = 0
 
-        cfg = load_config(resolve_path(source.load_spec))  # the dtype decision needs the config before weights
+        path = resolve_path(source.load_spec)
+        cfg = load_config(path)  # the dtype decision and the memory check need the config before the weights
         self.dtype = _resolve_dtype(args.dtype, self.device, getattr(cfg, "dtype", None))
+        self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device, self.dtype)
+        block_size = args.block_size
+        memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
         loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len)
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        block_size = args.block_size
         shape = cache_shape(loaded.model, block_size, self.dtype)
 
-        if num_kv_blocks is None:
+        if memory is not None:
+            num_kv_blocks = memory.kv // shape.bytes_per_block
+        elif num_kv_blocks is None:
             if kv_bytes is None:
-                if self.device.type == "cuda":
-                    def probe():
-                        return ModelRunner(loaded.model, shape, 1, 0, self.device, args.attention_backend)
-                    kv_bytes = profile_cuda_kv_bytes(probe, self.device, args.gpu_memory_utilization,
-                                                     args.max_num_batched_tokens)
-                else:
-                    kv_bytes = cpu_default_bytes()
+                def probe():
+                    return ModelRunner(loaded.model, shape, 1, 0, self.device, args.attention_backend)
+                kv_bytes = profile_cuda_kv_bytes(probe, self.device, args.gpu_memory_utilization,
+                                                 args.max_num_batched_tokens)
             num_kv_blocks = kv_bytes // shape.bytes_per_block
-            if num_kv_blocks < 1:
-                raise EngineArgsError("kv_cache_memory", f"{args.kv_cache_memory!r} holds no block of "
-                                                         f"{shape.bytes_per_block} bytes")
+        if num_kv_blocks < 1:
+            raise EngineArgsError("kv_cache_memory", f"{args.kv_cache_memory!r} holds no block of "
+                                                     f"{shape.bytes_per_block} bytes")
         num_host_blocks = swap_bytes // shape.bytes_per_block
         self.max_model_len = loaded.max_model_len
         if self.max_model_len > num_kv_blocks * block_size:
             log.warning("max_model_len %d capped at the KV cache's %d tokens", self.max_model_len,
                         num_kv_blocks * block_size)
             self.max_model_len = num_kv_blocks * block_size
-        log.info("KV cache: %d blocks of %d tokens (%d bytes/token), %d host blocks", num_kv_blocks, block_size,
-                 shape.bytes_per_token, num_host_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%d bytes/token, %.2f GiB), %d host blocks", num_kv_blocks,
+                 block_size, shape.bytes_per_token, num_kv_blocks * shape.bytes_per_block / 2**30, num_host_blocks)
 
-        self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device, self.dtype)
         runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
                              batch_invariant=self.batch_invariant)
         n_params = sum(p.numel() for p in loaded.model.parameters())
-        if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant):
-            kernel = "batchrun's panel kernel" if own_kernel(loaded.model) else "oneDNN"
+        room = self._few_rows_room(loaded.model, memory)
+        if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant, room):
+            kernel = "oneDNN"
+            if own_kernel(loaded.model, self.batch_invariant, room):
+                kernel = f"batchrun's panel kernel ({bf16_kernel()})" if self.dtype == torch.bfloat16 else \
+                    "batchrun's panel kernel"
             log.info("%d linear layers reordered for %s%s (see batchrun/model/cpu_linear.py)",
-                     reorder_linears(loaded.model, self.batch_invariant), kernel,
+                     reorder_linears(loaded.model, self.batch_invariant, room), kernel,
                      ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
         num_speculative = args.num_speculative_tokens
@@ -146,6 +160,40 @@ class LLM:
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)
         self.eos_token_ids = loaded.eos_token_ids
         self._structured = None  # batchrun.structured's compiler, made at the first structured request
+
+    def _plan_memory(self, args: EngineArgs, path, config) -> MemoryPlan:
+        """The CPU memory of this engine, from the checkpoint's headers and the config, before anything loads:
+        the KV pool's size, or InsufficientMemoryError (one line) when the model cannot fit (batchrun.model.memory)."""
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = kv_bytes_per_token(config, element_size)
+        kv_bytes = args.kv_cache_bytes
+        if args.num_kv_blocks is not None:
+            kv_bytes = args.num_kv_blocks * args.block_size * per_token
+        max_len = args.max_model_len or model_max_len(config)
+        packs_tied = self.dtype == torch.bfloat16 or self.batch_invariant
+        weights = held_weight_bytes(checkpoint_elements(path), element_size, config, packs_tied)
+        memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
+                                 max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
+                                 swap=args.swap_space_bytes, available=available_memory(), model=args.model)
+        if kv_bytes is None:
+            why = f"the job's rows need {args.kv_cache_tokens} tokens" if args.kv_cache_tokens else "the default"
+            log.info("KV cache sized for %s: %.2f GiB, beside %.2f GiB of weights (%s)", why, memory.kv / 2**30,
+                     weights / 2**30, memory.available.detail)
+        return memory
+
+    def _few_rows_room(self, model, memory: MemoryPlan | None) -> bool:
+        """Whether bf16 linears on oneDNN may keep a second copy of their weights for few-row steps (cpu_linear:
+        faster decode tails): only where it fits what is left beside the weights, the pools and the working set;
+        else every linear is packed once, for batchrun's panels."""
+        extra = few_rows_copy_bytes(model, self.batch_invariant) if self.device.type == "cpu" else 0
+        if extra == 0 or memory is None:
+            return True
+        room = memory.spare >= extra
+        log.info("%s (%.2f GiB; %.2f GiB spare beside the weights and the KV cache)",
+                 "keeping the few-row copy of the bf16 weights beside oneDNN's" if room else
+                 "no room for a second copy of the bf16 weights: one copy, on batchrun's panels", extra / 2**30,
+                 memory.spare / 2**30)
+        return room
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

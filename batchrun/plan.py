@@ -8,6 +8,8 @@ another one (refused, exit 2). Nothing is loaded, nothing is written.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +36,15 @@ from batchrun.io.sinks import (
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.locate import ModelSource, locate_model
+from batchrun.pipeline.slicing import RowSlice
+from batchrun.sampling_params import SamplingParams
 from batchrun.shards import ShardSpec
 
 __all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- checks that need no model
@@ -135,6 +141,7 @@ class JobPlan:
     committed: int = 0  # input rows already committed
     total: int | None = None  # rows this shard covers (after --limit), when known
     notes: list[str] = field(default_factory=list)
+    kv_cache_tokens: int | None = None  # what the run's rows need of the KV pool (job_kv_tokens), None: unknown
 
     @property
     def fp_hash(self) -> str:
@@ -221,6 +228,8 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    retry_errors=retry_errors)
     _plan_slice(plan)
     plan_resume(plan)
+    if plan.state != "complete":
+        plan.kv_cache_tokens = job_kv_tokens(plan)
     return plan
 
 
@@ -297,6 +306,62 @@ def plan_resume(plan: JobPlan) -> None:
         plan.state = "retry"
     else:
         plan.state = "complete" if done and not plan.damaged else "resume"
+
+
+# ---------------------------------------------------------------- what the rows need of the KV cache
+
+# Rows read to find the longest prompt before anything loads: a longer prompt later in the input still runs
+# (the pool holds max_num_seqs such rows; a row that exceeds the whole pool is a row error, as before).
+KV_SAMPLE_ROWS = 10_000
+# Tokens a chat template may add to a row's messages beyond their JSON text (a system header and role tags).
+TEMPLATE_TOKENS = 64
+
+
+def _prompt_bytes(row: dict[str, Any], key: str | None) -> int:
+    """An upper bound of a row's prompt tokens: its UTF-8 bytes (a byte-level BPE or SentencePiece token covers at
+    least one byte), its messages as JSON text (which outgrows the template's own tags), or its token ids."""
+    value = row.get(key) if key is not None else row.get("messages", row.get("prompt"))
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list) and all(isinstance(t, int) for t in value):
+        return len(value)
+    return len(json.dumps(value, default=str).encode()) + TEMPLATE_TOKENS
+
+
+def job_kv_tokens(plan: JobPlan) -> int | None:
+    """Tokens the KV pool needs for this run's rows: the sequences that run at once (max_num_seqs, or all the rows'
+    samples if fewer) times the longest (its prompt's bytes, an upper bound of its tokens, found among the first
+    KV_SAMPLE_ROWS rows, plus max_tokens and room for drafts), each bounded by max_model_len. None when a row's
+    length has no bound here (max_tokens unset or per row, and the model's context unknown): LLM's default."""
+    cfg = plan.cfg
+    sampling, columns = cfg.sampling, cfg.input["sampling_columns"]
+    max_len = cfg.model["max_model_len"] or (plan.model.max_position_embeddings if plan.model else None)
+    max_tokens = sampling.get("max_tokens", SamplingParams().max_tokens)
+    n = 1 if "n" in columns else int(sampling.get("n", 1))
+    rows = None if plan.total is None else max(0, plan.total - plan.committed)
+    seqs = min(cfg.engine["max_num_seqs"], rows * n if rows is not None else cfg.engine["max_num_seqs"])
+    if seqs == 0:
+        return None
+    longest = 0
+    if max_tokens is not None and "max_tokens" not in columns:
+        key = None if plan.source.format == "openai-batch" else \
+            (cfg.input["messages_column"] or cfg.input["prompt_column"])
+        read = 0
+        try:
+            for batch in RowSlice.of_plan(plan, plan.committed).read(plan.source, [key] if key else None):
+                longest = max([longest, *(_prompt_bytes(row, key) for _, _, row in batch)])
+                read += len(batch)
+                if read >= KV_SAMPLE_ROWS:
+                    break
+        except Exception:  # noqa: BLE001 - an input the run will report row by row: no estimate from it
+            log.debug("no KV estimate from the input", exc_info=True)
+            longest = None
+        per_seq = None if longest is None else longest + max_tokens + 2 * cfg.engine["block_size"] + 8
+    else:
+        per_seq = None
+    if max_len is not None:
+        per_seq = max_len if per_seq is None else min(per_seq, max_len)
+    return None if per_seq is None else seqs * per_seq
 
 
 def make_sink(plan: JobPlan) -> Sink:

@@ -22,13 +22,12 @@ from batchrun import LLM, SamplingParams
 from batchrun.model import cpu_kernels
 from batchrun.model.cpu_kernels import attention as cpu_attention
 from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import OneDNNLinear
+from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-# bf16 models have invariant linears through oneDNN's bf16 kernels, or else (no AVX512-BF16 or AMX) through
-# batchrun's bf16 panels (cpu_linear.own_kernel)
-BF16_MODEL = BF16 or cpu_linears.has_panel_linears()
+# bf16 models have invariant linears through batchrun's bf16 panels (cpu_linear.own_kernel): oneDNN's bf16 kernels
+# change with the row count
+BF16_MODEL = cpu_linears.has_panel_linears()
 
 MAX_TOKENS = 8
 # The targets also return their chosen tokens' log-probs, compared bitwise: a function of the logits, so a
@@ -140,39 +139,73 @@ def test_tokens_do_not_depend_on_the_batch(references, dtype, name, settings, se
 
 # ---- the per-op facts ---------------------------------------------------------------------------------------
 
-ROW_COUNTS = (1, 2, 3, 17, 32, 33, 64, 100, 257)
+# Row counts of one call: every count up to 18 (row tiles of 8 and 16, a step's decode rows), tile edges past them
+# and prefill sizes up to 300 rows; the small ones also taken at an offset, so that a row sits elsewhere in its tile.
+ROW_COUNTS = (*range(1, 19), 24, 31, 32, 33, 47, 64, 65, 129, 257, 300)
+
+
+def _invariant_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
+    """The module the batch-invariant mode puts in a model's place of nn.Linear(in, out) (cpu_linear)."""
+    from batchrun.model.cpu_linear import reorder_linears, use_onednn
+
+    torch.manual_seed(in_features + out_features)
+    model = nn.Module()
+    model.proj = nn.Linear(in_features, out_features, bias=False).to(dtype)
+    weight = model.proj.weight.detach().clone()
+    assert use_onednn(model, torch.device("cpu"), dtype, batch_invariant=True)
+    reorder_linears(model, batch_invariant=True)
+    model.proj.reference_weight = weight
+    return model.proj
 
 
 @onednn
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not BF16, reason="no oneDNN bf16 kernels on this CPU"))], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("in_features", "out_features"), [(64, 2048), (576, 960), (1536, 576)])
+    not BF16_MODEL, reason="no batch-invariant bf16 linears here (no oneDNN bf16 kernels, no C kernels)"))],
+    ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 2048), (576, 960), (1536, 576), (2048, 200)])
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype, in_features, out_features):
-    """Each row of an invariant OneDNNLinear call equals that row computed alone, at every row count (K = 1536:
-    fp32 oneDNN has another kernel for 1 row; bf16 another one past 32 rows)."""
-    torch.manual_seed(0)
-    linear = nn.Linear(in_features, out_features, bias=False).to(dtype)
-    layer = OneDNNLinear(linear, invariant=True)
-    x = torch.randn(max(ROW_COUNTS), in_features).to(dtype)
+    """Each row of the mode's linear equals that row computed alone, at every row count from 1 to 300 and at any
+    place in the call (K = 1536: fp32 oneDNN has another kernel for 1 row; bf16 oneDNN changes kernels with the row
+    count, so bf16 takes batchrun's panels, which on a CPU with AMX run on AMX tiles)."""
+    layer = _invariant_linear(in_features, out_features, dtype)
+    if dtype == torch.bfloat16:
+        assert isinstance(layer, PackedLinear)
+    x = torch.randn(max(ROW_COUNTS) + 5, in_features).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     for rows in ROW_COUNTS:
-        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-    torch.testing.assert_close(alone.float(), F.linear(x, linear.weight).float(), atol=0.05, rtol=0.02)
+        for start in (0, 5) if rows < 40 else (3,):
+            assert torch.equal(layer(x[start : start + rows]), alone[start : start + rows]), (rows, start)
+    torch.testing.assert_close(alone.float(), F.linear(x, layer.reference_weight).float(), atol=0.05, rtol=0.02)
+
+
+@onednn
+@pytest.mark.skipif(not BF16_MODEL, reason="no batch-invariant bf16 linears here (no oneDNN bf16 kernels, no C kernels)")
+def test_invariant_bf16_lm_head_rows_do_not_depend_on_the_row_count():
+    """A SmolLM2-sized lm_head (vocab 49152 x 576), the largest linear of a small model's step."""
+    layer = _invariant_linear(576, 49152, torch.bfloat16)
+    x = torch.randn(70, 576).to(torch.bfloat16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows, start in ((2, 0), (3, 1), (9, 4), (17, 0), (33, 7), (64, 3), (70, 0)):
+        assert torch.equal(layer(x[start : start + rows]), alone[start : start + rows]), (rows, start)
 
 
 def test_refine_top_logits_one_row_as_in_a_batch():
     from batchrun.model.llama import refine_top_logits
 
     torch.manual_seed(0)
-    weight = torch.randn(4096, 576).bfloat16()
-    hidden = torch.randn(9, 576).bfloat16()
-    top = torch.randint(0, 4096, (9, 8))
-    batch = torch.zeros(9, 4096)
-    refine_top_logits(batch, hidden, weight, top)
-    for i in range(9):
-        alone = torch.zeros(1, 4096)
-        refine_top_logits(alone, hidden[i : i + 1], weight, top[i : i + 1])
-        assert torch.equal(alone, batch[i : i + 1]), i
+    weight = torch.randn(4096, 1536).bfloat16()
+    hidden_states = torch.randn(300, 1536).bfloat16()
+    top = torch.randint(0, 4096, (300, 8))
+
+    def refined(lo: int, hi: int) -> torch.Tensor:
+        logits = torch.zeros(hi - lo, 4096)
+        refine_top_logits(logits, hidden_states[lo:hi], weight, top[lo:hi])
+        return logits.gather(1, top[lo:hi])
+
+    alone = torch.cat([refined(i, i + 1) for i in range(300)])
+    for rows in (2, 3, 4, 7, 8, 9, 16, 17, 33, 64, 65, 257, 300):
+        start = 300 - rows if rows % 2 else 0
+        assert torch.equal(refined(start, start + rows), alone[start : start + rows]), rows
 
 
 def test_sampler_rows_do_not_depend_on_the_batch():

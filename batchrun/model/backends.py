@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 def resolve_batch_invariant(setting: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
     """EngineArgs.batch_invariant for this device and dtype. None (the default): on for float32 on a CPU, where
-    the invariant linears cost nothing measurable, off for bfloat16 (32-row tiles slow its prefill) and on
-    CUDA (cuBLAS is not invariant). True where batchrun has no invariant linears says so once."""
+    the invariant linears cost nothing measurable, off for bfloat16 (its linears then take batchrun's panels at
+    every row count, slower than oneDNN's bf16 kernels at prefill: docs/reproducibility-kernels.md) and on CUDA
+    (cuBLAS is not invariant). True where batchrun has no invariant linears says so once."""
     if setting is None:
         return device.type == "cpu" and dtype == torch.float32
     if setting and device.type != "cpu":

@@ -1,6 +1,7 @@
 """Linear layers on a CPU on weights packed once: oneDNN's blocked layout for bf16 models (and fp32 ones in the
-batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache and for
-bf16 models on CPUs where oneDNN has no bf16 kernels.
+batch-invariant mode), batchrun's own panel kernel for fp32 models whose weights do not stay in cache, for
+bf16 models on CPUs where oneDNN has no bf16 kernels, for bf16 models in the batch-invariant mode, and for bf16
+models whose few-row second copy does not fit the memory.
 
 A decode step multiplies a handful of rows by every weight matrix. When the weights are larger than the
 caches, each step streams them from memory, and MKL's plain sgemm (what `F.linear` calls) reads them far
@@ -24,7 +25,9 @@ the fp32 one (linear_f32) on bf16 panels, widened to fp32 as they load: 0.52-0.9
 rows (cpu_linears.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
 replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
-lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
+lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off. (Changed 2026-12, issue 33:
+the engine keeps this second copy only where it fits the free memory beside the KV cache, and logs its choice;
+docs/memory.md.)
 On a CPU with AMX the same call runs on AMX tiles instead (csrc/linears.c, amx_panel; weights packed in AMX's pair
 layout), up to cpu_linears.AMX_SMALL_ROWS = 64 rows: a pass over SmolLM2's linears took 11.2-11.5 ms from 1 to 16
 rows where the widened panels took 10.4-18.4 ms (the 9.2-row decode tail: 15.3), 0.65-0.87x oneDNN's time at 1-64
@@ -36,6 +39,21 @@ There every linear of a bf16 model, the tied lm_head's packed copy too, goes to 
 (PackedLinear, own_kernel): on SmolLM2's linears 0.21-0.26x F.linear's time at 8-2048 rows, 0.64x at 1 row
 (`python -m benchmarks.linears`, AMD EPYC, 2026-12-02), at the fp32 kernel's speed where compute-bound and twice
 it where the weights stream.
+
+On a CPU with AVX512-BF16 and no AMX (AMD Zen 4 here) the bf16 panels run on vdpbf16ps instead of widening to
+fp32 (csrc/linears.c, dot_tile; added 2026-12, issue 33): it does twice the multiply-adds a cycle of an fp32 FMA
+there (a loop of independent chains of each, in turn), the instruction oneDNN's bf16 kernels use. Measured rough
+(SmolLM2's four layer linears x 4, weights streamed, oneDNN's calls in turn with it, best of 4, on a machine with
+a load average of 5-9 on its 2 cores from other jobs): one thread, 0.95-1.02x oneDNN's time at 256 and 1024 rows
+(the widening kernel 1.46-2.09x), 0.29-0.30x at 1 row, 0.83-1.20x at 16; two threads (after the chunks lost their
+barrier), 0.87-1.07x at 256, 0.96-1.00x at 1024, 1.02-1.03x at 4096. End to end, SmolLM2-135M bf16 (32 prompts of
+64-300 tokens, 32 tokens each, the same load) ran 7-27% longer with every linear on them than on oneDNN with the
+few-row copy (two rounds), so outside the batch-invariant mode oneDNN keeps bf16 models where the copy fits, and
+the copy is on vdpbf16ps: that default then took 0.67-0.89x the time of the one before (oneDNN with the widened
+copy; three pairs, same workload and load). BATCHRUN_BF16_DOT=0 keeps the widening kernel. Where the few-row copy does not fit the
+free memory (llm.py), every linear takes the panels (AMX tiles on a CPU with AMX: 0.65-0.87x oneDNN's time up to
+64 rows and 1.01-1.16x at 96-256, the figures above; larger prefills were not measured): a model too large for
+two copies streams them in every decode step, where the panels read at up to twice oneDNN's speed.
 
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
@@ -59,10 +77,19 @@ same rows computed in 2-row calls (tests/test_batch_invariance.py holds these fa
 - fp32 MKL (F.linear) gives different bits at almost every row count: it is never used in that mode;
 - fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K = 1536 and 2048 (a matrix-vector
   kernel for long rows), so a 1-row call is padded to 2 rows (min_rows);
-- bf16 oneDNN gives the same bits for M in 1..32 and different ones for most M >= 33 (AMX tiles), so the
-  rows go through in tiles of at most 32 (max_rows); prefill linears then run at 32-row speed.
-So in that mode every linear is reordered, whatever the weights' size, and the tied lm_head too (a reordered
-copy), in fp32 and bf16; fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding.
+- bf16 oneDNN does not keep one kernel for any range of row counts that can be relied on. It was measured above
+  to give the same bits for M in 1..32, so the mode ran it in 32-row tiles; that did not hold (issue 27): on an
+  AMD EPYC (Zen 4, AVX512-BF16, no AMX) 3 rows of K = 1536 differ from the same rows alone, and on the AMX Xeon
+  1 to 7 of 10 requests of a bf16 model changed tokens inside a batch. (Changed 2026-12: the figures above this
+  line are from before.)
+So in that mode every fp32 linear is reordered for oneDNN, whatever the weights' size, and the tied lm_head too
+(a reordered copy); fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding. Every bf16
+linear, the tied lm_head's packed copy too, takes batchrun's bf16 panels (PackedLinear, cpu_linears.linear_bf16)
+at every row count: its sums are fixed chains over k whatever the row count (AMX tile products on a CPU with AMX
+where k is a multiple of 32, vdpbf16ps on pairs of k where the CPU has AVX512-BF16, fp32 multiply-adds of the
+widened weights elsewhere; which one a linear takes depends on its shape and the CPU only), and it holds one copy
+of the weights. The cost is prefill speed where oneDNN's bf16 kernels are faster than the panels (CPUs with AMX,
+or without AVX512-BF16): docs/reproducibility-kernels.md has the figures.
 """
 
 from __future__ import annotations
@@ -83,8 +110,9 @@ _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count wo
 
 
 # Row counts between which oneDNN keeps one kernel per dtype (measured, see the module docstring): a call
-# of fewer rows is padded, one of more is cut into tiles.
-INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
+# of fewer rows is padded, one of more is cut into tiles. bf16 has none: the batch-invariant mode puts bf16
+# linears on batchrun's panels (own_kernel).
+INVARIANT_ROWS = {torch.float32: (2, None)}
 
 
 class PackedLinear(nn.Module):
@@ -108,11 +136,12 @@ class PackedLinear(nn.Module):
 class OneDNNLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (an opaque mkldnn tensor).
 
-    Batch-invariant (`invariant=True`): a call of fewer than `min_rows` rows is padded with zero rows, and one
-    of more than `max_rows` is computed `max_rows` rows at a time, so every row goes through the one kernel
-    whatever the call's row count."""
+    Batch-invariant (`invariant=True`, fp32): a call of fewer than `min_rows` rows is padded with zero rows, and
+    one of more than `max_rows` is computed `max_rows` rows at a time, so every row goes through the one kernel
+    whatever the call's row count. `few_rows_copy`: a bf16 linear keeps a second copy of its weights for
+    linear_bf16's few-row calls (see below), where the engine found the memory for it (llm.py)."""
 
-    def __init__(self, linear: nn.Linear, invariant: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, invariant: bool = False, few_rows_copy: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
@@ -122,7 +151,8 @@ class OneDNNLinear(nn.Module):
         # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
         # (cpu_linears.linear_bf16): a second copy of the weights. Not in the batch-invariant mode, whose rows must
         # all go through one kernel.
-        self.small = cpu_linears.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
+        self.small = cpu_linears.pack_linear(linear.weight) \
+            if few_rows_copy and not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -153,12 +183,15 @@ def _takes_small(linear: nn.Linear) -> bool:
             and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_linears.has_panel_linears())
 
 
-def own_kernel(model: nn.Module) -> bool:
+def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> bool:
     """Whether the model's linears go to PackedLinear (the C kernels built for a CPU with AVX-512, or AVX2 and FMA).
 
-    bf16: where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3), always; there torch's
-    bf16 F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
-    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed.
+    bf16: in the batch-invariant mode, always (oneDNN's bf16 kernels change with the row count: module docstring);
+    where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
+    F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
+    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; and where the few-row copy beside
+    oneDNN's layout does not fit the memory (`few_rows_room` False, llm.py): one copy that serves every row count.
+    BATCHRUN_CPU_MATMUL=onednn keeps bf16 models on oneDNN outside the batch-invariant mode.
     fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
     decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
     0: none."""
@@ -170,7 +203,9 @@ def own_kernel(model: nn.Module) -> bool:
         return False
     dtype = linears[0].weight.dtype
     if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return True
+        return not few_rows_room and os.environ.get("BATCHRUN_CPU_MATMUL", "auto") != "onednn"
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
@@ -205,9 +240,11 @@ def _works(linear: nn.Linear) -> bool:
         return False
 
 
-def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
-    """Whether to reorder the model's linears for oneDNN. batch_invariant: always where oneDNN works (fp32 and
-    bf16 on a CPU), since MKL's kernels change with the row count; BATCHRUN_CPU_MATMUL=mkl is then ignored."""
+def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False,
+               few_rows_room: bool = True) -> bool:
+    """Whether to reorder (pack) the model's linears, for oneDNN or batchrun's panels (own_kernel). batch_invariant:
+    always where oneDNN works (fp32 and bf16 on a CPU), since MKL's kernels change with the row count;
+    BATCHRUN_CPU_MATMUL=mkl is then ignored."""
     choice = os.environ.get("BATCHRUN_CPU_MATMUL", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ValueError(f"BATCHRUN_CPU_MATMUL must be auto, mkl or onednn, got {choice!r}")
@@ -217,8 +254,12 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         choice = "onednn"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or choice == "mkl":
         return False
-    if own_kernel(model):
+    if own_kernel(model, batch_invariant, few_rows_room):
         return True
+    if batch_invariant and dtype == torch.bfloat16:
+        log.warning("batch_invariant in bfloat16 needs batchrun's C kernels (a C compiler, a CPU with AVX-512 or "
+                    "AVX2), which are not built here: oneDNN's bf16 linears are used, whose kernels change with "
+                    "the number of rows, so a row's logits can depend on its batch")
     if not torch.backends.mkldnn.is_available() or \
             (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
@@ -234,13 +275,31 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     return works
 
 
-def reorder_linears(model: nn.Module, batch_invariant: bool = False) -> int:
+def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
+    """Bytes the second copies of the weights would take (OneDNNLinear's few-row panels: bf16 linears on oneDNN's
+    bf16 kernels), the tied lm_head's included; 0 where there are none. The engine keeps them only where they fit
+    the free memory, else packs every linear once for the panels (llm.py, own_kernel's few_rows_room)."""
+    if own_kernel(model, batch_invariant):
+        return 0
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    with_tied = weight is not None and weight.dtype == torch.bfloat16
+    return _weight_bytes([m for _, _, m in _linears(model, with_tied=with_tied) if _takes_small(m)])
+
+
+def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> int:
     """Replace every unshared nn.Linear by a OneDNNLinear, or a PackedLinear where own_kernel says (in bf16
-    models, and in batch-invariant mode, the tied lm_head too); returns how many."""
+    models, and in batch-invariant mode, the tied lm_head too); returns how many. `few_rows_room`: whether bf16
+    OneDNNLinears may keep their few-row copy (few_rows_copy_bytes; without room bf16 models take the panels).
+    One linear at a time: each plain weight is released as soon as its packed copy is made, so the model is never
+    held twice."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
-    own = own_kernel(model)
+    own = own_kernel(model, batch_invariant, few_rows_room)
     linears = _linears(model, with_tied=with_tied)
-    for parent, name, linear in linears:
+    count = len(linears)
+    del weight
+    while linears:
+        parent, name, linear = linears.pop()
         setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
-    return len(linears)
+        del linear  # the last reference to its plain weight (unless tied to the embedding)
+    return count

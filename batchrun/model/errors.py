@@ -6,3 +6,8 @@ from __future__ import annotations
 
 class ModelLoadError(ValueError):
     """The model cannot be loaded (missing path, unsupported architecture, bad checkpoint)."""
+
+
+class InsufficientMemoryError(ModelLoadError):
+    """The model and its KV cache do not fit the memory this machine has available (raised before loading:
+    batchrun.model.memory)."""

@@ -1,5 +1,11 @@
 """Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors, or a
-GGUF file dequantized through transformers (batchrun.model.gguf)."""
+GGUF file dequantized through transformers (batchrun.model.gguf).
+
+The model is made in its dtype with its weights unallocated, and each checkpoint tensor is copied into its place
+as it is read, so a load holds the model once plus one tensor (issue 33). safetensors maps a file whole and its
+pages count in the process's memory until the file is closed: reading a 512 MB file through one open handle
+took the peak RSS to the model plus the file, one handle per tensor to the model plus one tensor (measured), so
+each tensor is read through its own handle."""
 
 from __future__ import annotations
 
@@ -77,7 +83,7 @@ def model_max_len(config: PretrainedConfig) -> int:
     return limit
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -88,12 +94,19 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json)")
 
 
+def _read_tensor(file: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, through a handle of its own (its mapping goes when it closes)."""
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name)
+
+
 def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(name, read it) for every tensor of the checkpoint: a tensor is read only when it has a place."""
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, functools.partial(f.get_tensor, name)
+            names = list(f.keys())
+        for name in names:
+            yield name, functools.partial(_read_tensor, file, name)
 
 
 def load_weights(model: LlamaForCausalLM, path: Path,
@@ -116,6 +129,7 @@ def load_weights(model: LlamaForCausalLM, path: Path,
         with torch.no_grad():
             p.data[offset : offset + t.shape[0]].copy_(t)
         rows_filled[dst] += t.shape[0]
+        del t  # before the next one is read
     missing = [n for n, p in params.items() if rows_filled[n] != p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
@@ -177,13 +191,15 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
     tokenizer = load_tokenizer(path)
     with torch.device("meta"):
-        m = LlamaForCausalLM(config)
-    m = m.to_empty(device=device)
+        m = LlamaForCausalLM(config).to(dtype)  # in the job's dtype from the start: no fp32 copy to convert
+    m = m.to_empty(device=device)  # unwritten pages are not resident: each fills as its tensors are copied in
     m.tie_weights()
     if is_gguf(path):
-        # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's.
+        # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's. transformers
+        # returns them all at once; each goes as it is copied into the model, so two copies are never held whole.
         tensors = gguf.gguf_tensors(path, config, dtype)
         load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)))
+        del tensors
         log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
                  "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
                  str(dtype).removeprefix("torch."))

@@ -26,8 +26,10 @@ class LocalExecutor(Executor):
     REORDER_FACTOR = 4  # rows finished or in flight but not yet written: at most this x max_in_flight
 
     def __init__(self, plan: JobPlan, factory: Callable[..., JobEngine]) -> None:
-        """factory(model path, **cfg.llm_kwargs()) builds the engine."""
+        """factory(model path, **cfg.llm_kwargs()) builds the engine, its KV pool sized for the rows of this run
+        (plan.kv_cache_tokens) unless the job sizes it."""
         self.cfg, self.source, self.id_column = plan.cfg, plan.source, plan.id_column
+        self.kv_cache_tokens = plan.kv_cache_tokens
         self.factory = factory
         self.max_in_flight = max_in_flight(self.cfg.engine["max_num_seqs"])
         self.reorder_limit = self.REORDER_FACTOR * self.max_in_flight
@@ -40,7 +42,10 @@ class LocalExecutor(Executor):
             receiver.start()
             return
         log.info("loading model %s", cfg.model["path"])
-        self.engine = engine = self.factory(cfg.model["path"], **cfg.llm_kwargs())
+        kwargs = cfg.llm_kwargs()
+        if self.kv_cache_tokens is not None:
+            kwargs["kv_cache_tokens"] = self.kv_cache_tokens
+        self.engine = engine = self.factory(cfg.model["path"], **kwargs)
         builder = RequestBuilder(cfg, source_format=self.source.format, tokenizer=engine.tokenizer,
                                  check_prompt=engine.check_prompt, id_column=self.id_column,
                                  check_structured=getattr(engine, "check_structured", None),

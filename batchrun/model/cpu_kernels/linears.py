@@ -19,10 +19,11 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "linear_bf16": (ctypes.c_int, [_P, _I, _P, _I, _I, _P, _P]),
     "f32_linear_panel": (ctypes.c_int, []),
     "amx_linears": (ctypes.c_int, []),
+    "dot_linears": (ctypes.c_int, []),
 }
 
-# The most rows OneDNNLinear gives linear_bf16 where oneDNN has bf16 kernels (elsewhere every row count goes to
-# it: cpu_linear.py); AMX_SMALL_ROWS where the library runs them on AMX, set when this module first reaches the
+# The most rows OneDNNLinear gives linear_bf16 where oneDNN runs a bf16 model (elsewhere every row count goes to
+# it: cpu_linear.py, own_kernel); AMX_SMALL_ROWS where the library runs them on AMX, set when this module first reaches the
 # library (has_panel_linears, which cpu_linear asks before it packs a weight). Measured on SmolLM2's 120 layer
 # linears and its lm_head in a forward's order, 2 threads, weights streamed, on an AVX512-BF16/AMX Xeon
 # (`python -m benchmarks.linears`):
@@ -48,6 +49,17 @@ def has_panel_linears() -> bool:
     a CPU with AVX-512, or AVX2 and FMA."""
     lib = _library()
     return lib is not None and lib.f32_linear_panel() > 0
+
+
+def bf16_kernel() -> str:
+    """Which kernel linear_bf16 runs here: "amx" (AMX tiles where k is a multiple of 32, vdpbf16ps for other even
+    k), "dot" (vdpbf16ps, k even: a CPU with AVX512-BF16 and no AMX), "widened" (bf16 widened to fp32
+    multiply-adds), or "" where the panels do not run. BATCHRUN_AMX=0 and BATCHRUN_BF16_DOT=0 turn the first two
+    off."""
+    if not has_panel_linears():
+        return ""
+    lib = _library()
+    return "amx" if lib.amx_linears() else "dot" if lib.dot_linears() else "widened"
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

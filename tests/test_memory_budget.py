@@ -1,0 +1,242 @@
+"""Models as large as the machine holds (issue 33): what the machine has (MemAvailable, cgroup limits), the KV pool
+sized for the job within it, one copy of the weights, a model that cannot fit refused before it loads, and the
+peak RSS of a load and a short job, measured in a child process on a model big enough for a second copy to show."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_job_fakes import cli_env, run_cli, write_job
+from transformers import AutoConfig
+
+from batchrun import LLM
+from batchrun.model import memory
+from batchrun.model.cpu_kernels import linears as cpu_linears
+from batchrun.model.memory import GIB, Available, InsufficientMemoryError, available_memory, plan_cpu_memory
+
+REPO = Path(__file__).resolve().parent.parent
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# ---- what the machine has -------------------------------------------------------------------------------------
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _proc(tmp_path: Path, cgroup_line: str, available_gib: float = 20) -> Path:
+    proc = tmp_path / "proc"
+    _write(proc / "meminfo", f"MemTotal: {24 * 2**20} kB\nMemFree: 1000 kB\nMemAvailable: {int(available_gib * 2**20)} kB\n")
+    _write(proc / "self" / "cgroup", cgroup_line + "\n")
+    return proc
+
+
+def test_available_memory_is_meminfo_without_a_cgroup_limit(tmp_path):
+    proc = _proc(tmp_path, "0::/job")
+    root = tmp_path / "cgroup"
+    _write(root / "job" / "memory.max", "max\n")
+    _write(root / "job" / "memory.current", str(5 * GIB))
+    got = available_memory(proc, root)
+    assert got == Available(20 * GIB, 24 * GIB, "20.0 GiB available of 24.0 GiB")
+
+
+def test_a_cgroup_v2_limit_leaves_less_the_tightest_one_up_the_tree_counts(tmp_path):
+    proc = _proc(tmp_path, "0::/slurm/job_7/step_0")
+    root = tmp_path / "cgroup"
+    step, job = root / "slurm" / "job_7" / "step_0", root / "slurm" / "job_7"
+    _write(step / "memory.max", str(12 * GIB))
+    _write(step / "memory.current", str(2 * GIB))
+    _write(job / "memory.max", str(8 * GIB))  # the job's limit is tighter than its step's
+    _write(job / "memory.current", str(3 * GIB))
+    _write(job / "memory.stat", f"anon 1\ninactive_file {GIB}\n")  # reclaimable file cache does not count
+    got = available_memory(proc, root)
+    assert got.free == 6 * GIB and got.total == 8 * GIB
+    assert got.detail == "6.0 GiB left under the cgroup memory limit of 8.0 GiB"
+
+
+def test_a_cgroup_v1_memory_limit(tmp_path):
+    proc = _proc(tmp_path, "4:memory:/docker/abc\n3:cpu:/docker/abc")
+    root = tmp_path / "cgroup"
+    _write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", str(10 * GIB))
+    _write(root / "memory" / "docker" / "abc" / "memory.usage_in_bytes", str(7 * GIB))
+    assert available_memory(proc, root).free == 3 * GIB
+    # a group hidden by the container's namespace: its controller's root is the group
+    proc = _proc(tmp_path, "4:memory:/elsewhere")
+    _write(root / "memory" / "memory.limit_in_bytes", str(2**63 - 4096))  # no limit
+    _write(root / "memory" / "memory.usage_in_bytes", str(GIB))
+    assert available_memory(proc, root).free == 20 * GIB
+
+
+# ---- the KV pool and the refusal --------------------------------------------------------------------------------
+
+PER_TOKEN, BLOCK = 64 * 1024, 16
+
+
+def _plan(free_gib: float, **kw):
+    args = dict(weights=4 * GIB, bytes_per_token=PER_TOKEN, block_size=BLOCK, max_model_len=8192, kv_bytes=None,
+                kv_tokens=None, swap=0, available=Available(int(free_gib * GIB), 24 * GIB, "the test's"),
+                model="m")
+    return plan_cpu_memory(**{**args, **kw})
+
+
+def test_the_kv_pool_is_the_jobs_need_within_what_is_free():
+    assert _plan(20, kv_tokens=10_000).kv == 625 * BLOCK * PER_TOKEN  # 10,000 tokens in whole blocks
+    assert _plan(20, kv_tokens=10_001).kv == 626 * BLOCK * PER_TOKEN
+    assert _plan(20).kv == 2 * GIB  # LLM(...) without a job: 2 GiB (24 GiB / 8 is more)
+    assert _plan(20, available=Available(20 * GIB, 8 * GIB, "x")).kv == GIB  # an eighth of a small machine
+    # not enough free for the need: what is free beside the weights and the working set
+    assert _plan(6, kv_tokens=100_000).kv == GIB
+    assert _plan(5.2, kv_tokens=100_000).kv == 204 * BLOCK * PER_TOKEN  # 0.2 GiB in whole blocks
+    # ... down to 2048 tokens (128 MiB here), then refused
+    assert _plan(5 + 2048 * PER_TOKEN / GIB, kv_tokens=100_000).kv == 2048 * PER_TOKEN
+    with pytest.raises(InsufficientMemoryError) as e:
+        _plan(5.1, kv_tokens=100_000)
+    assert str(e.value) == ("m needs 5.1 GiB of memory (weights 4.0 GiB + KV cache 0.1 GiB + 1.0 GiB working memory) "
+                            "and this machine has the test's")
+
+
+def test_a_kv_pool_asked_for_must_fit_whole():
+    assert _plan(20, kv_bytes=3 * GIB).kv == 3 * GIB
+    with pytest.raises(InsufficientMemoryError, match=r"needs 8\.0 GiB .*KV cache 3\.0 GiB \+ swap space 0\.0 GiB.*"
+                                                      r"lower engine.kv_cache_memory"):
+        _plan(7.5, kv_bytes=3 * GIB, swap=1)
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(make_ckpt):
+    return make_ckpt("qwen2", hidden_size=256, intermediate_size=512, vocab_size=8192, dtype=torch.bfloat16)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_loads(bf16_ckpt, monkeypatch):
+    import batchrun.llm as llm_module
+
+    # room for the working set and 5 MiB: not for the weights (11 MB) and the least KV pool (2048 tokens, 2 MiB)
+    monkeypatch.setattr(llm_module, "available_memory", lambda: Available(GIB + 5 * 2**20, 16 * GIB, "1.0 GiB, say"))
+    monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(InsufficientMemoryError) as e:
+        LLM(str(bf16_ckpt), dtype="bfloat16")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{bf16_ckpt} needs 1.0 GiB of memory")
+    assert message.endswith("(weights 0.0 GiB + KV cache 0.0 GiB + 1.0 GiB working memory) and this machine has "
+                            "1.0 GiB, say")
+
+
+def test_the_cli_refuses_a_job_that_cannot_fit_with_one_line(tmp_path):
+    pq.write_table(pa.table({"prompt": ["a b c", "d e f"]}), tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")},
+                    output={"path": str(tmp_path / "out")}, engine={"kv_cache_memory": "100TiB"})
+    proc = run_cli(["run", job], env=cli_env(fake=False))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "needs" in ln]
+    assert len(lines) == 1 and "KV cache 102400.0 GiB" in lines[0] and "and this machine has" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
+    from batchrun.config import load_job
+    from batchrun.plan import job_kv_tokens, plan_job
+
+    prompts = ["one two three", "x" * 300, "é" * 50]  # the longest: 300 bytes
+    pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", model={"path": str(bf16_ckpt), "dtype": "bfloat16"},
+                    input={"path": str(tmp_path / "in.parquet")}, output={"path": str(tmp_path / "out")},
+                    sampling={"max_tokens": 40, "n": 2}, engine={"max_num_seqs": 4})
+    plan = plan_job(load_job(job))
+    per_seq = 300 + 40 + 2 * 16 + 8
+    assert plan.kv_cache_tokens == job_kv_tokens(plan) == 4 * per_seq  # 3 rows x 2 samples, at most 4 at once
+    plan.cfg.engine["max_num_seqs"] = 256
+    assert job_kv_tokens(plan) == 6 * per_seq
+    plan.cfg.sampling["max_tokens"] = None  # up to the model's context (1024 for these test models)
+    assert job_kv_tokens(plan) == 6 * 1024
+    llm = LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_tokens=4 * per_seq)
+    assert llm.metrics()["kv_blocks_total"] == -(-4 * per_seq // 16)
+
+
+@pytest.mark.skipif(not (ONEDNN_BF16 and cpu_linears.has_panel_linears()),
+                    reason="the few-row copy exists beside oneDNN's bf16 kernels only")
+def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):
+    """Where oneDNN runs a bf16 model, its few-row copy is kept only where it fits; else every linear is packed
+    once, for the panels."""
+    import batchrun.llm as llm_module
+    from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
+
+    def layers(llm):
+        model = llm.engine.runner.model
+        return {type(m) for m in model.modules() if isinstance(m, (OneDNNLinear, PackedLinear))}, \
+            {m.small is not None for m in model.modules() if isinstance(m, OneDNNLinear)}
+
+    assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({OneDNNLinear}, {True})
+    config = AutoConfig.from_pretrained(bf16_ckpt)
+    held = memory.held_weight_bytes(memory.checkpoint_elements(bf16_ckpt), 2, config, packs_tied_lm_head=True)
+    tight = Available(memory.WORKING_BYTES + 64 * 2**20 + held + 2**20, 16 * GIB, "tight")  # the weights fit, not twice
+    monkeypatch.setattr(llm_module, "available_memory", lambda: tight)
+    assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({PackedLinear}, set())
+
+
+# ---- peak RSS -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory):
+    """0.29 GiB of bf16 weights (benchmarks.large_model's small shape), written shard by shard."""
+    from benchmarks.large_model import SHAPES, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("large") / "small-bf16", SHAPES["small"])
+
+
+# argv: the model, a small model run first (every import and one-time initialisation is then done before the
+# baseline: they take 0.15 GiB), LLM's settings as JSON
+PEAK_SCRIPT = textwrap.dedent("""
+    import gc, json, resource, sys
+    from batchrun import LLM, SamplingParams
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+    def job(path):
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", **json.loads(sys.argv[3]))
+        llm.generate([{"prompt_token_ids": list(range(10, 10 + n))} for n in (5, 80, 200, 33)],
+                     SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    job(sys.argv[2])
+    gc.collect()
+    base = rss()
+    job(sys.argv[1])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"base": base, "peak": peak}))
+""")
+
+
+@pytest.mark.parametrize("settings", [{}, {"batch_invariant": True}], ids=["onednn", "batch-invariant"])
+def test_a_bf16_load_and_job_hold_the_weights_once(big_ckpt, bf16_ckpt, settings):
+    """Peak RSS beyond the process's baseline <= 1.15 x the weights + the KV pool + 0.25 GiB (the issue's bound
+    leaves 1 GiB for the baseline too). The few-row copy is turned off in the oneDNN case: it is the one second
+    copy the engine may keep, where it fits (the test above)."""
+    from batchrun.model.memory import checkpoint_elements
+
+    env = {**cli_env(fake=False), "BATCHRUN_SMALL_BF16_LINEAR": "0"}
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(big_ckpt), str(bf16_ckpt), json.dumps(settings)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    weights = 2 * checkpoint_elements(big_ckpt)
+    assert weights > 0.25 * GIB
+    grown = got["peak"] - got["base"]
+    log = [ln for ln in proc.stderr.splitlines() if "batchrun" in ln]
+    assert grown <= 1.15 * weights + 64 * 2**20 + GIB / 4, (grown / GIB, weights / GIB, got, log)
+
+
+def test_the_large_model_script_runs_a_job_within_the_bound(big_ckpt, tmp_path):
+    """benchmarks.large_model (the lead runs it on the 8B shape) on the small shape: the job through `batchrun run`
+    with the default settings, its peak RSS within 1.15 x weights + KV pool + 1 GiB."""
+    from benchmarks.large_model import run
+
+    report = run(big_ckpt, tmp_path / "job", requests=4, max_tokens=4, env=cli_env(fake=False))
+    assert report["exit_code"] == 0, report["stderr_tail"]
+    assert report["within_bound"], report
+    assert 0 < report["kv_pool_gib"] < 0.1  # sized for 4 rows, not the 2 GiB default
