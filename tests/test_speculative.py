@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from draft_helpers import FreeRows
 from transformers import AutoModelForCausalLM
 
 from batchrun import LLM, SamplingParams
@@ -47,17 +48,6 @@ def test_the_incremental_index_finds_what_a_full_search_finds():
         for _ in range(40):
             assert d.propose(ids, 5) == _brute_force(ids, 5), ids
             ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]  # a step appends 1 to 1 + k tokens
-
-
-class FreeRows(StepCosts):
-    """A step costs the same whatever its rows: every proposed draft pays (the policy's other extreme is tested
-    below); engine-level tests use it so that they check drafts whatever this machine's timings."""
-
-    def observe(self, rows: int, seconds: float) -> None:
-        pass
-
-    def curve(self) -> list[tuple[float, float]]:
-        return [(1.0, 1.0), (1e6, 1.0)]
 
 
 def _costs(points: list[tuple[int, float]]) -> StepCosts:
