@@ -114,7 +114,7 @@ def test_logits_top_widens_and_finds_the_largest(vocab):
 def test_bf16_logits_refined_in_fp32_at_the_top():
     """Two candidates whose fp32 logits differ by less than a bf16 step: rounding ties them, the refinement
     orders them as fp32 does."""
-    from batchrun.model.llama import refine_top_logits
+    from batchrun.model.arch.blocks import refine_top_logits
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 64, generator=g).to(BF)

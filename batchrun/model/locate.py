@@ -24,8 +24,7 @@ from pathlib import Path
 from batchrun.engine_args import EngineArgsError
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.gguf import find_gguf, require_gguf_package
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from batchrun.model.registry import SUPPORTED_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
 
