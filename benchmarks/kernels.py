@@ -4,13 +4,15 @@ Prints ms per call and GFLOP/s (4 * heads * head_dim flops per query-key pair: q
   - decode steps: S sequences, one query each, over a context of C keys (fp32 and bf16);
   - prefill steps: P prompts of L tokens, causal, against what the torch path does instead (one
     `F.scaled_dot_product_attention` per prompt on its new K/V).
-With --baseline REF the attention kernel of cpu_kernels.c as of git REF (e.g. `main`: its `paged_attention`,
+With --baseline REF the attention kernel of the C sources as of git REF (e.g. `main`: its `paged_attention`,
 or the older `paged_decode` for decode cases) is built and timed beside the current one, in the same process
 and interleaved, so that a busy machine slows both alike.
 Each figure is the best of --repeats rounds; with --threads 1 the clock is this thread's CPU time (what a
 busy machine's other processes take is not counted), else the wall clock. The shapes default to SmolLM2-135M's (9 query heads, 3 kv
 heads, head_dim 64). The kernel runs as a bf16 engine's default does: on a CPU with AMX, prefill tiles on AMX and
-decode rows on the vector kernel (cpu_kernels.AMX_PREFILL_LANES).
+decode rows on the vector kernel (cpu_kernels.attention.AMX_PREFILL_LANES).
+REF may predate the split of the kernels by family (one csrc/cpu_kernels.c then): every C source and header of
+its csrc/ is built, whichever layout it has.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import AMX_PREFILL_LANES
+from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.model.cpu_kernels.attention import AMX_PREFILL_LANES
 from benchmarks.cli_args import parser
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_OLD_DECODE = {"paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B]}
-_SRC = "batchrun/model/csrc/cpu_kernels.c"
+# paged_decode reports a failed allocation
+_OLD_DECODE = {"paged_decode": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B])}
+_CSRC = "batchrun/model/csrc"
 
 
 CLOCK = time.perf_counter  # main() switches to this thread's CPU time when it runs on one thread
@@ -46,35 +50,45 @@ def _seconds(fn: Callable[[], object], budget_s: float = 0.05) -> float:
     return elapsed / calls
 
 
-def revision_source(ref: str) -> bytes:
-    """cpu_kernels.c as of git revision `ref` (what --baseline builds, here and in benchmarks.linears)."""
+def _git(*args: str) -> bytes:
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run(["git", "show", f"{ref}:{_SRC}"], cwd=root, capture_output=True, check=True).stdout
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+
+
+def revision_source(ref: str) -> dict[str, bytes]:
+    """The C sources and headers of csrc/ as of git revision `ref`, by file name, for cpu_kernels.build (what
+    --baseline builds, here and in benchmarks.linears): one cpu_kernels.c before the kernels were split by family,
+    a .c file per family and common.h after."""
+    names = _git("ls-tree", "--name-only", f"{ref}:{_CSRC}").decode().split()
+    return {name: _git("show", f"{ref}:{_CSRC}/{name}") for name in names if name.endswith((".c", ".h"))}
+
+
+def mentions(src: dict[str, bytes], text: str) -> bool:
+    """Whether one of the sources contains `text` (e.g. "int paged_attention(": the kernel is defined there)."""
+    return any(text.encode() in source for source in src.values())
 
 
 def _baseline(ref: str) -> ctypes.CDLL | None:
     src = revision_source(ref)
-    if b"int paged_attention(" in src:  # (without the amx_lanes argument before 2026-12-02)
-        signature = cpu_kernels._SIGNATURES["paged_attention"][: None if b"amx_lanes" in src else -1]
-        return cpu_kernels.build(src, {"paged_attention": signature})
-    if b"int paged_decode(" not in src:
-        print(f"{ref}: its {_SRC} has neither paged_attention nor paged_decode; no baseline")
+    if mentions(src, "int paged_attention("):  # (without the amx_lanes argument before 2026-12-02)
+        restype, args = cpu_attention.SIGNATURES["paged_attention"]
+        args = args if mentions(src, "amx_lanes") else args[:-1]
+        return cpu_kernels.build(src, {"paged_attention": (restype, args)})
+    if not mentions(src, "int paged_decode("):
+        print(f"{ref}: its {_CSRC} has neither paged_attention nor paged_decode; no baseline")
         return None
-    lib = cpu_kernels.build(src, _OLD_DECODE)
-    if lib is not None:
-        lib.paged_decode.restype = ctypes.c_int  # it reports a failed allocation
-    return lib
+    return cpu_kernels.build(src, _OLD_DECODE)
 
 
 def _old_attention(old: ctypes.CDLL, q, kv, tables, rows, lens, scale, out) -> None:
-    """The baseline's paged_attention, called as cpu_kernels.paged_attention calls the current one."""
+    """The baseline's paged_attention, called as cpu_attention.paged_attention calls the current one."""
     n, hq, d = q.shape
     k_ptr = kv.data_ptr()
     old.paged_attention(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv.stride(0) * kv.element_size(), tables.data_ptr(),
                         tables.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), n, hq, kv.shape[3], d,
                         kv.shape[2], scale, int(q.dtype == torch.bfloat16),
                         *([AMX_PREFILL_LANES]
-                          if len(old.paged_attention.argtypes) == len(cpu_kernels._SIGNATURES["paged_attention"])
+                          if len(old.paged_attention.argtypes) == len(cpu_attention.SIGNATURES["paged_attention"][1])
                           else []))
 
 
@@ -96,7 +110,7 @@ def decode_case(num_seqs: int, ctx: int, dtype: torch.dtype, args, old: ctypes.C
     scale = d**-0.5
 
     def new():
-        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
+        cpu_attention.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
 
     def base():
         if hasattr(old, "paged_attention"):
@@ -138,7 +152,7 @@ def prefill_case(num_prompts: int, length: int, dtype: torch.dtype, args, old: c
     scale = d**-0.5
 
     def new():
-        cpu_kernels.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
+        cpu_attention.paged_attention(q, kv, tables, rows, lens, scale, out=out, amx_lanes=AMX_PREFILL_LANES)
 
     def sdpa():
         for i in range(num_prompts):

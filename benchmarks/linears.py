@@ -3,13 +3,13 @@
 Times one pass over a model's linears as a decode or prefill step makes it: --layers distinct copies of each
 layer shape (so that the weights stream from memory, as in a step, instead of sitting in cache) and the
 lm_head, at each row count, through
-  - batchrun's panel kernels (cpu_kernels.linear_f32 for fp32, cpu_kernels.linear_bf16 for bf16);
+  - batchrun's panel kernels (cpu_kernels.linears: linear_f32 for fp32, linear_bf16 for bf16);
   - oneDNN on its reordered weights (OneDNNLinear's matmul), what they stand in for; for bf16 on a CPU where
     oneDNN has no bf16 kernels (no AVX512-BF16 or AMX), torch's F.linear instead;
-  - with --baseline REF, the same kernels as built from git REF's cpu_kernels.c (when REF has them).
+  - with --baseline REF, the same kernels as built from git REF's C sources (when REF has them).
 The systems run in turn within each of --repeats rounds, and each figure is the median of its rounds: this
 VM's speed drifts over minutes, and the ratios are what to read. The shapes default to SmolLM2-135M's (hidden
-576, MLP 1536, 9/3 heads of 64, vocab 49152, 30 layers); cpu_kernels.SMALL_ROWS quotes a run of it.
+576, MLP 1536, 9/3 heads of 64, vocab 49152, 30 layers); cpu_kernels.linears.SMALL_ROWS quotes a run of it.
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import OneDNNLinear
 from benchmarks.cli_args import parser
-from benchmarks.kernels import revision_source
+from benchmarks.kernels import mentions, revision_source
 
 # linear_bf16 was linear_bf16_small before it served every row count
 _LINEARS = ("pack_f32_linear", "linear_f32", "pack_bf16_linear", "linear_bf16", "linear_bf16_small", "f32_linear_panel")
 
 
 def _baseline(ref: str):
-    """The panel kernels of git REF's cpu_kernels.c, or None where REF lacks them."""
+    """The panel kernels of git REF's C sources, or None where REF lacks them."""
     src = revision_source(ref)
-    if b"void linear_f32(" not in src:
-        print(f"{ref}: its cpu_kernels.c has no linear_f32; no baseline")
+    if not mentions(src, "void linear_f32("):
+        print(f"{ref}: its C sources have no linear_f32; no baseline")
         return None
-    signatures = {**cpu_kernels._SIGNATURES, "linear_bf16_small": cpu_kernels._SIGNATURES["linear_bf16"]}
-    return cpu_kernels.build(src, {n: signatures[n] for n in _LINEARS if n.encode() + b"(" in src})
+    signatures = {**cpu_linears.SIGNATURES, "linear_bf16_small": cpu_linears.SIGNATURES["linear_bf16"]}
+    return cpu_kernels.build(src, {n: signatures[n] for n in _LINEARS if mentions(src, n + "(")})
 
 
 def _packed(lib, weight: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
         matmuls = [OneDNNLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype))._matmul for w in weights]
     else:
         matmuls = [lambda x, w=w: F.linear(x, w) for w in weights]
-    libs = {"batchrun": cpu_kernels._library(), **({"baseline": old} if old is not None else {})}
+    libs = {"batchrun": cpu_linears._library(), **({"baseline": old} if old is not None else {})}
     packs = {name: [_packed(lib, w) for w in weights] for name, lib in libs.items()}
     bf = dtype == torch.bfloat16
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
     args = ap.parse_args(argv)
-    if not cpu_kernels.has_panel_linears():
+    if not cpu_linears.has_panel_linears():
         print("batchrun's panel kernels are not available here (no compiler, or a CPU without AVX-512 or AVX2)")
         return 1
     torch.set_num_threads(args.threads)

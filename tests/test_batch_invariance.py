@@ -20,13 +20,15 @@ from torch import nn
 
 from batchrun import LLM, SamplingParams
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import OneDNNLinear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # bf16 models have invariant linears through oneDNN's bf16 kernels, or else (no AVX512-BF16 or AMX) through
 # batchrun's bf16 panels (cpu_linear.own_kernel)
-BF16_MODEL = BF16 or cpu_kernels.has_panel_linears()
+BF16_MODEL = BF16 or cpu_linears.has_panel_linears()
 
 MAX_TOKENS = 8
 # The targets also return their chosen tokens' log-probs, compared bitwise: a function of the logits, so a
@@ -219,7 +221,6 @@ def test_sampler_rows_do_not_depend_on_the_batch():
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
 def test_norm_silu_rope_rows_do_not_depend_on_the_row_count(dtype, kernels):
     """RMSNorm (with its residual add), SiLU-and-multiply and RoPE give each row the bits it gets alone."""
-    from batchrun.model import cpu_kernels
     from batchrun.model.ops import CpuKernelOps, Rotary, TorchOps
 
     if kernels and not cpu_kernels.available():
@@ -251,8 +252,6 @@ def test_norm_silu_rope_rows_do_not_depend_on_the_row_count(dtype, kernels):
 
 def test_c_decode_attention_rows_do_not_depend_on_the_batch():
     """The C decode kernel gives a sequence the same bits alone and beside longer and shorter contexts."""
-    from batchrun.model import cpu_kernels
-
     if not cpu_kernels.available():
         pytest.skip("the CPU kernels are not built here")
     gen = torch.Generator().manual_seed(0)
@@ -262,9 +261,9 @@ def test_c_decode_attention_rows_do_not_depend_on_the_batch():
     lens = torch.tensor([150, 3, 77, 160], dtype=torch.int32)
     q = torch.randn(4, heads, head_dim, generator=gen)
     one_row = torch.zeros(1, dtype=torch.int32)
-    whole = cpu_kernels.paged_attention(q, cache, tables, torch.arange(4, dtype=torch.int32), lens, 0.125)
+    whole = cpu_attention.paged_attention(q, cache, tables, torch.arange(4, dtype=torch.int32), lens, 0.125)
     for i in range(4):
-        alone = cpu_kernels.paged_attention(q[i : i + 1], cache, tables[i : i + 1], one_row, lens[i : i + 1], 0.125)
+        alone = cpu_attention.paged_attention(q[i : i + 1], cache, tables[i : i + 1], one_row, lens[i : i + 1], 0.125)
         assert torch.equal(alone, whole[i : i + 1]), i
 
 

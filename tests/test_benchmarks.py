@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from benchmarks.report import compare_outputs
 from benchmarks.worker import metrics_delta
 from benchmarks.workload import (
@@ -221,7 +222,7 @@ def test_phases_times_each_phase_on_fresh_prompts():
     assert got["prefill_tok_s"] == pytest.approx(64 * 128 / (1e-3 + 64 * 128 * 1e-6))
 
 
-@pytest.mark.skipif(not cpu_kernels.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
+@pytest.mark.skipif(not cpu_linears.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(capsys):
     """benchmarks.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
     count, each with the oneDNN and baseline ratios (ratios only: no timing is asserted)."""

@@ -16,7 +16,7 @@ from test_real_model import QUESTIONS, TEXTS, chat_text
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
-from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import PackedLinear
 
 NEW_TOKENS = 64  # x 16 prompts = 1,024 positions
@@ -70,15 +70,15 @@ def test_bf16_top1_agreement_with_fp32_transformers(smollm2, smollm2_path, monke
     positions = sum(len(r) for r in ref)
     assert positions >= 1000
     # all 16 sequences per decode step through oneDNN's linears (the few-row kernel's limit lowered below 16
-    # for it), then 16 and 4 through the few-row kernel (cpu_kernels.SMALL_ROWS; on the fp32 panels two row tiles
+    # for it), then 16 and 4 through the few-row kernel (cpu_linears.SMALL_ROWS; on the fp32 panels two row tiles
     # and one, on AMX one 16-row tile). Where oneDNN has no bf16 kernels every linear is on the panels
     # (PackedLinear), which give a row the same bits in any group: one pass says it all.
-    assert cpu_kernels.SMALL_ROWS >= len(prompts)
-    ways = ((len(prompts), len(prompts) // 2), (len(prompts), cpu_kernels.SMALL_ROWS), (4, cpu_kernels.SMALL_ROWS))
+    assert cpu_linears.SMALL_ROWS >= len(prompts)
+    ways = ((len(prompts), len(prompts) // 2), (len(prompts), cpu_linears.SMALL_ROWS), (4, cpu_linears.SMALL_ROWS))
     if isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear):
         ways = ways[1:2]
     for group, small_rows in ways:
-        monkeypatch.setattr(cpu_kernels, "SMALL_ROWS", small_rows)
+        monkeypatch.setattr(cpu_linears, "SMALL_ROWS", small_rows)
         got = _bf16_top1(bf16, prompts, continuations, group)
         agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
         print(f"bf16 top-1 agreement, {group} sequences per decode step, few-row kernel up to {small_rows} rows: "

@@ -16,6 +16,7 @@ import torch
 
 from batchrun.model import cpu_kernels
 from batchrun.model.attention import AttentionMetadata, TorchBackend
+from batchrun.model.cpu_kernels import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
@@ -191,4 +192,4 @@ def test_the_backend_choice_keeps_every_row_on_the_kernel():
             backend = select_backend("torch", cpu, dtype, batch_invariant=invariant)
             assert backend.cpu_kernels == cpu_kernels.available() and not backend.sdpa_prefill
             # AMX (bf16, where the CPU has it): every row when invariant, else prefill tiles only
-            assert backend.amx_lanes == (1 if invariant else cpu_kernels.AMX_PREFILL_LANES)
+            assert backend.amx_lanes == (1 if invariant else cpu_attention.AMX_PREFILL_LANES)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels, ops
 from batchrun.model.attention import TorchBackend, store_kv_torch
+from batchrun.model.cpu_kernels import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
@@ -40,7 +41,7 @@ def test_paged_decode_matches_gather_sdpa(bs, hq, hkv, d):
     mask = (torch.arange(ctx)[None, :] < lens[:, None]).view(s, 1, 1, ctx)
     ref = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, scale=d**-0.5,
                                          enable_gqa=True).squeeze(2)
-    got = cpu_kernels.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
+    got = cpu_attention.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
     assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
 
 
@@ -53,8 +54,8 @@ def test_exp_is_accurate_over_softmax_range():
     kv = torch.zeros(2, 1, n, 1, d)
     kv[0, 0, :, 0, 0] = scores
     kv[1, 0, :, 0, :] = torch.randn(n, d)
-    got = cpu_kernels.paged_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                                      torch.tensor([n], dtype=torch.int32), 1.0)
+    got = cpu_attention.paged_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                        torch.tensor([n], dtype=torch.int32), 1.0)
     ref = torch.softmax(scores, 0) @ kv[1, 0, :, 0, :]
     assert torch.allclose(got[0, 0], ref, atol=1e-6, rtol=1e-5)
 
@@ -69,7 +70,7 @@ def test_store_kv_matches_index_copy_and_skips_padding():
     slots[3] = -1
     ref, got = torch.zeros(2, nb, bs, hkv, d), torch.zeros(2, nb, bs, hkv, d)
     store_kv_torch(k.contiguous(), v.contiguous(), ref, slots, has_padding=True)
-    cpu_kernels.store_kv(k, v, got, slots)
+    cpu_attention.store_kv(k, v, got, slots)
     assert torch.equal(got, ref) and got.abs().sum() > 0
 
 

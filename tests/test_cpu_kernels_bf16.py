@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels, ops
 from batchrun.model.attention import TorchBackend, store_kv_torch
+from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
@@ -41,7 +43,7 @@ def test_paged_decode_bf16_matches_fp32_sdpa_of_the_same_values(bs, hq, hkv, d):
     mask = (torch.arange(ctx)[None, :] < lens[:, None]).view(s, 1, 1, ctx)
     ref = F.scaled_dot_product_attention(q.float().unsqueeze(2), kk, vv, attn_mask=mask, scale=d**-0.5,
                                          enable_gqa=True).squeeze(2)
-    got = cpu_kernels.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
+    got = cpu_attention.paged_attention(q, kv, tables, torch.arange(s, dtype=torch.int32), lens, d**-0.5)
     assert got.dtype == BF and got.shape == (s, hq, d)
     assert close(got, ref, ulps=1.5), (got.float() - ref).abs().max()
 
@@ -56,7 +58,7 @@ def test_store_kv_bf16_is_exact():
     slots[3] = -1
     ref, got = torch.zeros(2, nb, bs, hkv, d, dtype=BF), torch.zeros(2, nb, bs, hkv, d, dtype=BF)
     store_kv_torch(k.contiguous(), v.contiguous(), ref, slots, has_padding=True)
-    cpu_kernels.store_kv(k, v, got, slots)
+    cpu_attention.store_kv(k, v, got, slots)
     assert torch.equal(got, ref) and got.float().abs().sum() > 0
 
 
@@ -105,7 +107,7 @@ def test_rope_bf16_in_place_matches_fp32_rope_rounded(d):
 def test_logits_top_widens_and_finds_the_largest(vocab):
     x = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)).to(BF)
     x[3, vocab - 1] = 100.0  # the largest in the last (tail) entry
-    out, top = cpu_kernels.logits_top(x, 8)
+    out, top = cpu_sampling.logits_top(x, 8)
     assert torch.equal(out, x.float())
     assert torch.equal(out.gather(1, top).sort(-1).values, x.float().topk(8, dim=-1).values.sort(-1).values)
     assert (top[3] == vocab - 1).any()
@@ -120,7 +122,7 @@ def test_bf16_logits_refined_in_fp32_at_the_top():
     hidden = torch.randn(4, 64, generator=g).to(BF)
     weight = torch.randn(1000, 64, generator=g).to(BF)
     exact = hidden.float() @ weight.float().T
-    logits, top = cpu_kernels.logits_top((hidden @ weight.T).contiguous(), 8)
+    logits, top = cpu_sampling.logits_top((hidden @ weight.T).contiguous(), 8)
     refine_top_logits(logits, hidden, weight, top)
     assert torch.allclose(logits.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))

@@ -1,4 +1,4 @@
-"""batchrun's own fp32 linear (cpu_kernels.linear_f32, PackedLinear; fp32 models past 256 MiB of linear weights,
+"""batchrun's own fp32 linear (cpu_kernels.linears.linear_f32, PackedLinear; fp32 models past 256 MiB of linear weights,
 or any with BATCHRUN_F32_LINEAR=1): close
 to the exact product, each row's bits independent of the rows beside it at every row count, and a model on it
 keeps greedy parity with transformers and its tokens whatever the batch."""
@@ -10,10 +10,10 @@ from test_parity import LENGTHS, hf_reference  # transformers' greedy tokens, on
 from torch import nn
 
 from batchrun import LLM, SamplingParams
-from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import PackedLinear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_panel_linears(),
+pytestmark = pytest.mark.skipif(not cpu_linears.has_panel_linears(),
                                 reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 
 # (in, out): SmolLM2-135M's layer shapes, and widths that are not multiples of the 48-output panels

@@ -1,15 +1,15 @@
-"""batchrun's bf16 linear on bf16 panels (cpu_kernels.linear_bf16): a decode step's few rows where oneDNN has bf16
-kernels (OneDNNLinear hands them over), every linear of a bf16 model where it has none (PackedLinear)."""
+"""batchrun's bf16 linear on bf16 panels (cpu_kernels.linears.linear_bf16): a decode step's few rows where oneDNN
+has bf16 kernels (OneDNNLinear hands them over), every linear of a bf16 model where it has none (PackedLinear)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear, own_kernel, reorder_linears
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_panel_linears(),
+pytestmark = pytest.mark.skipif(not cpu_linears.has_panel_linears(),
                                 reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -19,20 +19,20 @@ def test_bf16_linear_is_the_fp32_sum_of_exact_bf16_products_rounded_once(n, k):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    packed = cpu_kernels.pack_linear(w)
+    packed = cpu_linears.pack_linear(w)
     # one row tile, several, a few-row step's most, and prefill sizes (chunks of rows, k in slices at k = 1536)
-    for rows in (1, 3, 8, 9, 17, cpu_kernels.SMALL_ROWS, 70, 301):
+    for rows in (1, 3, 8, 9, 17, cpu_linears.SMALL_ROWS, 70, 301):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T + bias.double()
-        got = cpu_kernels.linear_bf16(x, packed, n, bias)
+        got = cpu_linears.linear_bf16(x, packed, n, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # one rounding to bf16 (8 bits) of an fp32 sum: within 2^-8 relative, plus the fp32 sum's own error
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * k).all()
-        no_bias = cpu_kernels.linear_bf16(x, packed, n)
+        no_bias = cpu_linears.linear_bf16(x, packed, n)
         assert ((no_bias.double() - (exact - bias.double())).abs() <= (exact - bias.double()).abs() * 2**-8 + 1e-4 * k).all()
         # a row's result does not depend on the other rows of the call
         for i in range(0, rows, max(1, rows // 12)):
-            assert torch.equal(cpu_kernels.linear_bf16(x[i : i + 1], packed, n, bias)[0], got[i])
+            assert torch.equal(cpu_linears.linear_bf16(x[i : i + 1], packed, n, bias)[0], got[i])
 
 
 @pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX)")
@@ -42,15 +42,15 @@ def test_onednn_linear_takes_the_small_kernel_for_a_few_rows_only_outside_the_in
     fast, invariant = OneDNNLinear(lin), OneDNNLinear(lin, invariant=True)
     assert fast.small is not None and invariant.small is None
     calls = []
-    small = cpu_kernels.linear_bf16
-    monkeypatch.setattr(cpu_kernels, "linear_bf16", lambda *a: calls.append(a[0].shape[0]) or small(*a))
-    for rows in (1, cpu_kernels.SMALL_ROWS, cpu_kernels.SMALL_ROWS + 1, cpu_kernels.SMALL_ROWS + 40):
+    small = cpu_linears.linear_bf16
+    monkeypatch.setattr(cpu_linears, "linear_bf16", lambda *a: calls.append(a[0].shape[0]) or small(*a))
+    for rows in (1, cpu_linears.SMALL_ROWS, cpu_linears.SMALL_ROWS + 1, cpu_linears.SMALL_ROWS + 40):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         ref = F.linear(x.float(), lin.weight.float())
         for module in (fast, invariant):
             got = module(x).float()
             assert (got - ref).abs().max() <= 2**-7 * ref.abs().max()
-    assert calls == [1, cpu_kernels.SMALL_ROWS]  # the fast module's two small calls; the invariant one never
+    assert calls == [1, cpu_linears.SMALL_ROWS]  # the fast module's two small calls; the invariant one never
     monkeypatch.setenv("BATCHRUN_SMALL_BF16_LINEAR", "0")
     assert OneDNNLinear(lin).small is None
 

@@ -205,9 +205,10 @@ def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_pa
 
 def test_bf16_drafts_change_no_token_when_run_batch_invariant(tiny_llama_path, prompts):
     from batchrun.model import cpu_kernels
+    from batchrun.model.cpu_kernels import linears as cpu_linears
 
     if not cpu_kernels.available() or not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                                           or cpu_kernels.has_panel_linears()):
+                                           or cpu_linears.has_panel_linears()):
         pytest.skip("needs the C kernels and batch-invariant bf16 linears (oneDNN's, or batchrun's panels)")
     kw = dict(dtype="bfloat16", batch_invariant=True)
     _, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0, **kw)

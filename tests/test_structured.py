@@ -227,6 +227,7 @@ def test_the_cpu_bitmask_kernel_bans_exactly_the_tokens_whose_bit_is_off(vocab):
     import torch
 
     from batchrun.model import cpu_kernels
+    from batchrun.model.cpu_kernels import sampling as cpu_sampling
 
     if not cpu_kernels.available():
         pytest.skip("no C compiler: the CPU kernels are not built")
@@ -238,7 +239,7 @@ def test_the_cpu_bitmask_kernel_bans_exactly_the_tokens_whose_bit_is_off(vocab):
     logits = torch.randn(rows, vocab, generator=g)
     got = logits.clone()
     chosen = [0, 2, 3, 5]
-    cpu_kernels.apply_token_bitmask(got, bits, chosen, vocab)
+    cpu_sampling.apply_token_bitmask(got, bits, chosen, vocab)
     off = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab] == 0
     want = logits.clone()
     want[chosen] = logits[chosen].masked_fill(off[chosen], float("-inf"))

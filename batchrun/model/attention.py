@@ -21,8 +21,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import AMX_PREFILL_LANES
+from batchrun.model.cpu_kernels import attention as cpu_attention
 
 
 @dataclass
@@ -139,8 +138,8 @@ class TorchBackend(AttentionBackend):
     def __init__(self, cpu_kernels: bool = False, sdpa_prefill: bool = False, batch_invariant: bool = True) -> None:
         self.cpu_kernels = cpu_kernels
         self.sdpa_prefill = sdpa_prefill and cpu_kernels
-        # bf16 on AMX: every row there when batch invariant, else only prefill tiles (cpu_kernels.paged_attention)
-        self.amx_lanes = 1 if batch_invariant else AMX_PREFILL_LANES
+        # bf16 on AMX: every row there when batch invariant, else only prefill tiles (cpu_attention.paged_attention)
+        self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
         if self.cpu_kernels and not (window or softcap):
@@ -160,19 +159,19 @@ class TorchBackend(AttentionBackend):
         """The C kernels' path: store the step's K/V, then the kernel attends the first `kernel_rows` query rows,
         which are all of the step's rows, or with sdpa_prefill (in a step that has prefill rows) only the
         decode rows, the prefill rows going to SDPA."""
-        cpu_kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        cpu_attention.store_kv(k, v, kv_cache, meta.slot_mapping)
         row_seq, row_len = meta.query_rows
         short = meta.num_decodes + meta.num_verifies  # the decode and draft-checking sequences lead the batch
         sdpa_rows = self.sdpa_prefill and short < meta.num_seqs
         kernel_rows = sum(meta.query_lens_host[:short]) if sdpa_rows else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
-            return cpu_kernels.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
-                                               amx_lanes=self.amx_lanes)
+            return cpu_attention.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
+                                                 amx_lanes=self.amx_lanes)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
         out = torch.empty_like(q) if sdpa_rows else torch.zeros(q.shape, dtype=q.dtype)
         if kernel_rows:
-            cpu_kernels.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
-                                        row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes)
+            cpu_attention.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
+                                          row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes)
         if sdpa_rows:
             self._prefill(q, k, v, kv_cache, meta, scale, out, first=short)
         return out

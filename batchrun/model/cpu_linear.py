@@ -18,15 +18,15 @@ and the lm_head too when it shares its weight with the embedding (a reordered co
 plain one; vocab x hidden x 2 bytes more). fp32 models keep a tied lm_head on F.linear, so that their logits
 stay those transformers computes (the greedy parity tests).
 
-A bf16 decode step of at most cpu_kernels.SMALL_ROWS rows (the tail of a workload, when few sequences are left,
-and its draft rows) goes to batchrun's own C kernel instead (cpu_kernels.linear_bf16): oneDNN's bf16 kernels read SmolLM2's weights at 9 GB/s for 1 row, where this kernel reads 17. It is
+A bf16 decode step of at most cpu_linears.SMALL_ROWS rows (the tail of a workload, when few sequences are left,
+and its draft rows) goes to batchrun's own C kernel instead (cpu_linears.linear_bf16): oneDNN's bf16 kernels read SmolLM2's weights at 9 GB/s for 1 row, where this kernel reads 17. It is
 the fp32 one (linear_f32) on bf16 panels, widened to fp32 as they load: 0.52-0.98x oneDNN's time at 1 to 24
-rows (cpu_kernels.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
+rows (cpu_linears.SMALL_ROWS has the figures), and 0.66-0.73x the time of the AVX512_BF16 dot-product kernel it
 replaced at 8-24 rows, 0.94x at 1 (`python -m benchmarks.linears --baseline 98a4306`; that one served at most
 6 rows). Its packed copy is a second copy of the weights (206 MB more for SmolLM2-135M, 56 MB more for its
 lm_head). Not in the batch-invariant mode. BATCHRUN_SMALL_BF16_LINEAR=0 turns it off.
-On a CPU with AMX the same call runs on AMX tiles instead (cpu_kernels.c, amx_panel; weights packed in AMX's pair
-layout), up to cpu_kernels.AMX_SMALL_ROWS = 64 rows: a pass over SmolLM2's linears took 11.2-11.5 ms from 1 to 16
+On a CPU with AMX the same call runs on AMX tiles instead (csrc/linears.c, amx_panel; weights packed in AMX's pair
+layout), up to cpu_linears.AMX_SMALL_ROWS = 64 rows: a pass over SmolLM2's linears took 11.2-11.5 ms from 1 to 16
 rows where the widened panels took 10.4-18.4 ms (the 9.2-row decode tail: 15.3), 0.65-0.87x oneDNN's time at 1-64
 rows (`python -m benchmarks.linears`, 2026-12-02).
 
@@ -40,9 +40,9 @@ it where the weights stream.
 BATCHRUN_CPU_MATMUL=mkl|onednn|auto (default auto) overrides the choice.
 
 fp32 models whose linear weights pass ONEDNN_MIN_BYTES go to batchrun's own kernel instead (PackedLinear,
-cpu_kernels.linear_f32, on CPUs with AVX-512, or AVX2 and FMA): its weights stream with a software prefetch, which
+cpu_linears.linear_f32, on CPUs with AVX-512, or AVX2 and FMA): its weights stream with a software prefetch, which
 oneDNN's fp32 kernels lack. On the AVX2 machine (AMD EPYC, `python -m benchmarks.linears --dtypes float32`): 0.33-0.74x
-oneDNN's time at 1-64 rows, 1.01x at 512 and 2048 (with the k-blocked chunks of cpu_kernels.c; 1.64x before). Each output is one multiply-add chain over the inputs in order, so it is batch invariant at every
+oneDNN's time at 1-64 rows, 1.01x at 512 and 2048 (with the k-blocked chunks of csrc/linears.c; 1.64x before). Each output is one multiply-add chain over the inputs in order, so it is batch invariant at every
 row count, 1 included. Measured on SmolLM2-135M's and small-llama's layer shapes (30 and 12 layers, weights
 streamed from memory as in a step), 2 threads, oneDNN's calls in turn with it, median of 7 pairs: 0.46-0.74x
 oneDNN's time at 8 rows, 0.84-0.98x at 128, 0.95-1.05x at 1024 and 0.75-1.08x at 4096 (the 4096-row gate|up
@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import linears as cpu_linears
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ INVARIANT_ROWS = {torch.float32: (2, None), torch.bfloat16: (1, 32)}
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b for fp32 or bf16, through batchrun's own kernel (cpu_kernels.linear_f32 / linear_bf16) on W
+    """y = x W^T + b for fp32 or bf16, through batchrun's own kernel (cpu_linears.linear_f32 / linear_bf16) on W
     packed once into its column panels; the packed copy replaces the original. Batch invariant at every row count
     by construction (each output is one multiply-add chain over the inputs in order), so it needs no padding or
     tiling."""
@@ -96,9 +96,9 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = cpu_kernels.pack_linear(linear.weight)
+        self.packed = cpu_linears.pack_linear(linear.weight)
         self.bias = linear.bias
-        self._kernel = cpu_kernels.linear_f32 if linear.weight.dtype == torch.float32 else cpu_kernels.linear_bf16
+        self._kernel = cpu_linears.linear_f32 if linear.weight.dtype == torch.float32 else cpu_linears.linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -120,17 +120,17 @@ class OneDNNLinear(nn.Module):
         self.min_rows, self.max_rows = INVARIANT_ROWS.get(linear.weight.dtype, (1, None)) if invariant \
             else (1, None)
         # A decode step of a few rows reads the weights once, at memory speed, through the C kernel's own packing
-        # (cpu_kernels.linear_bf16): a second copy of the weights. Not in the batch-invariant mode, whose rows must
+        # (cpu_linears.linear_bf16): a second copy of the weights. Not in the batch-invariant mode, whose rows must
         # all go through one kernel.
-        self.small = cpu_kernels.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
+        self.small = cpu_linears.pack_linear(linear.weight) if not invariant and _takes_small(linear) else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
-        if self.small is not None and rows <= cpu_kernels.SMALL_ROWS and x.dim() == 2:
-            return cpu_kernels.linear_bf16(x, self.small, self.out_features, self.bias)
+        if self.small is not None and rows <= cpu_linears.SMALL_ROWS and x.dim() == 2:
+            return cpu_linears.linear_bf16(x, self.small, self.out_features, self.bias)
         if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
             return self._matmul(x)
         flat = x.reshape(rows, self.in_features)
@@ -150,7 +150,7 @@ def _takes_small(linear: nn.Linear) -> bool:
     BATCHRUN_SMALL_BF16_LINEAR=0 turns it off)."""
     return (linear.weight.dtype == torch.bfloat16
             and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
-            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_kernels.has_panel_linears())
+            and os.environ.get("BATCHRUN_SMALL_BF16_LINEAR", "1") != "0" and cpu_linears.has_panel_linears())
 
 
 def own_kernel(model: nn.Module) -> bool:
@@ -166,7 +166,7 @@ def own_kernel(model: nn.Module) -> bool:
     if choice not in ("auto", "0", "1"):
         raise ValueError(f"BATCHRUN_F32_LINEAR must be auto, 0 or 1, got {choice!r}")
     linears = [m for _, _, m in _linears(model)]
-    if not linears or not cpu_kernels.has_panel_linears():
+    if not linears or not cpu_linears.has_panel_linears():
         return False
     dtype = linears[0].weight.dtype
     if dtype == torch.bfloat16:
@@ -196,7 +196,7 @@ def _linears(model: nn.Module, with_tied: bool = False) -> list[tuple[nn.Module,
 def _works(linear: nn.Linear) -> bool:
     """One reordered forward agrees with F.linear (the ops are private to torch: check before relying on them)."""
     try:
-        x = torch.randn(cpu_kernels.SMALL_ROWS + 3, linear.in_features, dtype=linear.weight.dtype)  # oneDNN's rows
+        x = torch.randn(cpu_linears.SMALL_ROWS + 3, linear.in_features, dtype=linear.weight.dtype)  # oneDNN's rows
         tol = 1e-4 if linear.weight.dtype == torch.float32 else 3e-2  # bf16: a few roundings of the sum apart
         got, ref = OneDNNLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float()
         return torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)

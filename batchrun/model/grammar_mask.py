@@ -2,7 +2,7 @@
 
 One buffer [rows, ceil(vocab / 32)] int32 is kept and grown (never shrunk), so a step allocates nothing;
 xgrammar fills the constrained rows in one multi-threaded call, and the mask is applied to those logits rows
-in one call: xgrammar's kernel on CUDA, batchrun's C kernel on a CPU (cpu_kernels.apply_token_bitmask).
+in one call: xgrammar's kernel on CUDA, batchrun's C kernel on a CPU (cpu_kernels/sampling.py, apply_token_bitmask).
 xgrammar's CPU loop tests one bit per token: on SmolLM2's 49152-token vocabulary it took ~8 ms a step for 32
 rows, ten times the fill, and most of what a constrained step cost beyond an unconstrained one. Rows without
 a grammar are neither filled nor touched.
@@ -14,6 +14,7 @@ import torch
 import xgrammar as xgr
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
 
 
 class GrammarMask:
@@ -38,7 +39,7 @@ class GrammarMask:
         host = self._buffer(logits.shape[0])
         self.batch.batch_fill_next_token_bitmask(matchers, host, rows)
         if self.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
-            cpu_kernels.apply_token_bitmask(logits, host, rows, self.vocab_size)
+            cpu_sampling.apply_token_bitmask(logits, host, rows, self.vocab_size)
             return
         mask = host
         if self.device.type == "cuda":

@@ -3,9 +3,9 @@
 Which one a model uses is decided once, at load (`select_ops(device, dtype)`), and travels to the layers in
 the step's ForwardContext: no op re-decides per call. The torch ops follow transformers' modules op for op
 (they run on CUDA, in other dtypes, and are the reference the kernels are tested against). On fp32 and bf16 CPU
-tensors the C kernels in cpu_kernels.py do the same arithmetic in one pass and one call each: at decode
-batch sizes a layer is a few dozen small ops, and on a CPU their dispatch and memory passes cost as much as
-the matmuls.
+tensors the C kernels (cpu_kernels/elementwise.py, csrc/elementwise.c) do the same arithmetic in one pass and one
+call each: at decode batch sizes a layer is a few dozen small ops, and on a CPU their dispatch and memory passes
+cost as much as the matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model import cpu_kernels
+from batchrun.model.cpu_kernels import elementwise
 
 
 @dataclass
@@ -116,20 +117,20 @@ class CpuKernelOps(TorchOps):
 
     def rms_norm(self, x, weight, eps, residual=None):
         if x.is_contiguous() and (residual is None or residual.is_contiguous()):
-            out = cpu_kernels.rms_norm(x, weight, eps, residual)
+            out = elementwise.rms_norm(x, weight, eps, residual)
             return out if residual is None else (out, residual)
         return super().rms_norm(x, weight, eps, residual)
 
     def silu_mul(self, gate_up):
         if gate_up.is_contiguous():
-            return cpu_kernels.silu_mul(gate_up)
+            return elementwise.silu_mul(gate_up)
         return super().silu_mul(gate_up)
 
     def apply_rope(self, q, k, rot):
         if rot.rotary_dim == q.shape[2] and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \
                 and k.stride(1) == k.shape[2]:
             for x in (q, k):
-                cpu_kernels.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
+                elementwise.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
             return q, k
         return super().apply_rope(q, k, rot)
 

@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchrun.model import cpu_kernels
 from batchrun.model.context import ForwardContext
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
 from batchrun.model.ops import Rotary, TorchOps
 
 
@@ -417,7 +418,7 @@ class CausalLM(nn.Module):
             logits = logits.float()
         else:
             if logits.device.type == "cpu" and cpu_kernels.available():
-                logits, top = cpu_kernels.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
+                logits, top = cpu_sampling.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
             else:
                 logits = logits.float()
                 top = logits.topk(REFINE_TOP, dim=-1).indices

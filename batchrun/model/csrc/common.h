@@ -1,0 +1,228 @@
+/* What every kernel family of the CPU library shares: the CPU feature dispatch, the vector types and the fp32 /
+ * bf16 loads and stores, exp, and the threading conventions. The families (attention.c, elementwise.c,
+ * sampling.c, linears.c) are compiled together into one shared library (cpu_kernels.py builds it, keyed by
+ * every source and header, the compiler, the flags and the CPU); each includes this header first.
+ *
+ * On a CPU these ops are bound by memory traffic and by per-op dispatch, not by arithmetic: torch runs an
+ * RMSNorm as five passes over the activations and a decode attention as a gather, a copy and SDPA. Each kernel
+ * makes one pass and parallelises with OpenMP. Loaded after torch, the library binds to torch's own OpenMP
+ * runtime (the same libgomp.so.1), so it shares torch's thread pool instead of adding threads to it. An op below
+ * PAR_MIN_WORK floats runs on one thread.
+ *
+ * Plain C99 (no torch headers: it builds in about a second); written so that GCC vectorises the inner loops for
+ * whatever -march=native offers. Every kernel takes fp32 or bf16 tensors (a flag, `bf`): bf16 values are widened
+ * to fp32 on load, all arithmetic and accumulation is fp32, and results are rounded to nearest-even bf16 on store.
+ * Each kernel body is one always-inlined function with the flag a constant, so the compiler emits a separate loop
+ * for each dtype (but an OpenMP region is outlined before inlining: what runs inside one must be entered through
+ * a function per dtype, BY_DTYPE, for the flag to be a constant there). On CPUs with AVX512_BF16 (the library is
+ * built with -march=native for the CPU it runs on, keyed by its flags) bf16 dot products use vdpbf16ps and the
+ * stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. On CPUs with AMX (HAVE_AMX, and the
+ * kernel granting the process its tile state: amx_allowed), bf16 attention and the few-row bf16 linears run on
+ * AMX tiles (attention.c, linears.c). */
+#ifndef BATCHRUN_COMMON_H
+#define BATCHRUN_COMMON_H
+
+#define _GNU_SOURCE /* syscall() (common.c); every family includes this header first */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+/* CPUs with AVX2 and FMA but not AVX-512 (e.g. AMD Zen 2 / 3): the attention's dot products and weighted sums
+ * of V take 8-float paths written for their 16 registers (see chunk_scores8); the 16-float vectors below
+ * would take two registers each there, and the 16-key score tree would not fit. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_ATTENTION 1
+#else
+#define HAVE_AVX2_ATTENTION 0
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define HAVE_AMX 1
+/* Whether this process may use AMX (common.c): asked once, outside any parallel region. */
+__attribute__((visibility("hidden"))) int amx_allowed(void);
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tmm0-6, each 16 rows x 64 bytes: what amx_panel (C tiles 0-2, A 3, B 4-6) and amx_attend_head (scores: C 0,
+ * A 1, B 2; p.V: C 0-3, A 4 and 6, B 5) use. */
+static inline void amx_configure(void) {
+    TileConfig c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+#define PAR_MIN_WORK 32768 /* below this many floats an op runs on one thread: waking the pool costs more */
+
+/* Explicit vectors of VW floats (GCC/Clang vector extensions): 16 on AVX-512, 8 elsewhere, one register each.
+ * GCC does not vectorise a scalar exp written with a float/int bit cast, so exp is written on vectors directly.
+ * (16-float vectors on AVX2 were split into scalar compares and divides in exp_v: silu_mul took 2.9 ns an
+ * element.) */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef uint16_t bf16;
+#define ALWAYS static inline __attribute__((always_inline))
+
+ALWAYS vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+ALWAYS void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* bf16 <-> fp32: a bf16 is the top half of an fp32, so widening is a shift; narrowing rounds to nearest
+ * even (NaNs are not special-cased: the models' activations are finite). */
+ALWAYS vf vload_bf16(const bf16 *p) {
+#if defined(__AVX512F__) /* one vpmovzxwd (GCC splits the generic conversion into 256-bit halves) */
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+ALWAYS void vstore_bf16(bf16 *p, vf v) {
+#if HAVE_DPBF16
+    __m256bh h = _mm512_cvtneps_pbh((__m512)v);
+    memcpy(p, &h, sizeof h);
+#else
+    const vu u = (vu)v;
+    const vh h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
+    memcpy(p, &h, sizeof h);
+#endif
+}
+static inline float bf16_to_f(bf16 x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline bf16 f_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
+
+/* Element i of an fp32 (bf = 0) or bf16 (bf = 1) array, as fp32; and the 16 elements from i. */
+ALWAYS float ld1(const void *p, int64_t i, const int bf) {
+    return bf ? bf16_to_f(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+ALWAYS void st1(void *p, int64_t i, float x, const int bf) {
+    if (bf)
+        ((bf16 *)p)[i] = f_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+ALWAYS vf ldv(const void *p, int64_t i, const int bf) {
+    return bf ? vload_bf16((const bf16 *)p + i) : vload((const float *)p + i);
+}
+ALWAYS void stv(void *p, int64_t i, vf v, const int bf) {
+    if (bf)
+        vstore_bf16((bf16 *)p + i, v);
+    else
+        vstore((float *)p + i, v);
+}
+/* x rounded to the storage dtype (what torch's op would have stored between two ops). */
+ALWAYS vf rnd(vf v, const int bf) {
+    if (!bf) return v;
+    const vu u = (vu)v;
+    return (vf)(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
+}
+ALWAYS float rnd1(float x, const int bf) { return bf ? round_bf16(x) : x; }
+ALWAYS vf vsplat(float x) { return (vf){0} + x; }
+ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+ALWAYS float hsum(vf v) {
+#if (defined(__clang__) || __GNUC__ >= 12) && VW == 16 /* __builtin_shufflevector: a log-depth tree of lane swaps */
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    return v[0];
+#elif defined(__clang__) || __GNUC__ >= 12
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0);
+    return v[0];
+#else
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+#endif
+}
+
+
+
+/* exp(x), within 2 ulp of expf for x in [-87, 88] (Cephes' single-precision method: range reduction by
+ * ln 2 and a degree-6 polynomial); x is clamped to that range, so exp(-inf) gives ~1e-38, not 0. */
+ALWAYS vf exp_v(vf x) {
+    x = vselect(x < -87.0f, vsplat(-87.0f), x);
+    x = vselect(x > 88.0f, vsplat(88.0f), x);
+    const vf t = x * 1.44269504088896341f + 0.5f;
+    vi ni = __builtin_convertvector(t, vi);  /* truncates: step down where that rounded up */
+    vf n = __builtin_convertvector(ni, vf);
+    const vi up = n > t;
+    ni += up;
+    n += __builtin_convertvector(up, vf);
+    vf r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf p = vsplat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf)((ni + 127) << 23);
+}
+
+/* exp of up to VW floats (a loop tail): padded through a vector. */
+static inline void exp_tail(const float *x, float *out, int64_t k, float shift, float scale) {
+    float buf[VW] = {0};
+    memcpy(buf, x, sizeof(float) * k);
+    const vf e = exp_v((vload(buf) - shift) * scale);
+    memcpy(buf, &e, sizeof buf);
+    memcpy(out, buf, sizeof(float) * k);
+}
+
+/* Element i of an fp32 (bf = 0) or bf16 (bf = 1) array, as an address. */
+ALWAYS const void *at(const void *p, int64_t i, const int bf) { return (const char *)p + i * (bf ? 2 : 4); }
+
+/* impl(args..., 1) when bf, else impl(args..., 0), for an always-inlined per-dtype body. Used inside
+ * parallel regions: an OpenMP region is outlined before inlining, so a dtype flag passed into it stays a
+ * run-time value; called from inside with the flag a literal, each branch inlines its own copy of the body with
+ * the dtype a constant in its loops (what attend_task_fp32 / attend_task_bf16 do for paged_attention). */
+#define BY_DTYPE(bf, impl, ...) do { if (bf) impl(__VA_ARGS__, 1); else impl(__VA_ARGS__, 0); } while (0)
+
+#if HAVE_AVX2_ATTENTION
+/* 8 fp32 (bf = 0) or bf16 (bf = 1) values from element i of p, as fp32 (the AVX2 attention and linear panels). */
+ALWAYS __m256 ld8(const void *p, int64_t i, const int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
+#endif /* BATCHRUN_COMMON_H */

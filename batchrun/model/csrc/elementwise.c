@@ -1,0 +1,142 @@
+/* The fused element-wise ops of a decoder layer: rms_norm (with the residual add before it), silu_mul (the MLP's
+ * gate times its up projection) and rope (rotary embedding, in place). Each does in one pass what torch does in
+ * several ops, with torch's intermediate bf16 roundings (or an fp32 residual stream: rms_norm's res_fp32).
+ *
+ * Layout: rows of contiguous elements: rms_norm [rows, dim]; silu_mul [rows, 2 * inter] (gate | up) ->
+ * [rows, inter]; rope's rows are `stride` elements apart (the fused qkv projection), its cos / sin tables fp32
+ * [max_pos, head_dim].
+ *
+ * Threads: one OpenMP region per call above PAR_MIN_WORK elements; each thread takes a contiguous share of the
+ * rows (thread_rows), and enters its per-dtype body through BY_DTYPE. */
+#include "common.h"
+
+/* This thread's share [r0, r1) of `rows` rows, contiguous (OpenMP's static schedule). */
+static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
+    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num(), per = rows / n, extra = rows % n;
+    *r0 = i * per + (i < extra ? i : extra);
+    *r1 = *r0 + per + (i < extra);
+}
+
+/* out = weight * rmsnorm(h), with h = x + residual written back to residual when add is set (the
+ * residual stream of the next op), else h = x. Rows of `dim` contiguous elements. In bf16 the
+ * intermediate roundings are torch's (and transformers'): h is stored in bf16 and the norm is taken of
+ * the stored h, the normalised row is rounded to bf16 before the weight multiplies it. With res_fp32 (bf16
+ * models on a CPU, ops.py) the residual stream is fp32 instead: h is kept unrounded, and only the norm's
+ * output is bf16. */
+ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
+                          int64_t dim, float eps, int add, const int res_fp32, const int bf) {
+    const int hb = bf && !res_fp32; /* h's storage dtype */
+    for (int64_t r = r0; r < r1; r++) {
+        const void *xr = at(x, r * dim, bf);
+        void *hr = add ? (void *)at(residual, r * dim, hb) : (void *)xr, *orow = (void *)at(out, r * dim, bf);
+        const int hl = add ? hb : bf; /* the dtype h is read back in */
+        float ss = 0.0f;
+        int64_t i = 0;
+        vf acc = {0};
+        if (add) {
+            for (; i + VW <= dim; i += VW) {
+                const vf h = rnd(ldv(hr, i, hb) + ldv(xr, i, bf), hb);
+                stv(hr, i, h, hb);
+                acc += h * h;
+            }
+            for (; i < dim; i++) {
+                const float h = rnd1(ld1(hr, i, hb) + ld1(xr, i, bf), hb);
+                st1(hr, i, h, hb);
+                ss += h * h;
+            }
+        } else {
+            for (; i + VW <= dim; i += VW) {
+                const vf h = ldv(hr, i, bf);
+                acc += h * h;
+            }
+            for (; i < dim; i++) ss += ld1(hr, i, bf) * ld1(hr, i, bf);
+        }
+        ss += hsum(acc);
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (i = 0; i + VW <= dim; i += VW) stv(orow, i, ldv(weight, i, bf) * rnd(ldv(hr, i, hl) * inv, bf), bf);
+        for (; i < dim; i++) st1(orow, i, ld1(weight, i, bf) * rnd1(ld1(hr, i, hl) * inv, bf), bf);
+    }
+}
+ALWAYS void rms_norm_res(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
+                         int64_t dim, float eps, int add, int res_fp32, const int bf) {
+    if (res_fp32)
+        rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 1, bf);
+    else
+        rms_norm_impl(x, residual, weight, out, r0, r1, dim, eps, add, 0, bf);
+}
+
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+              int add, int res_fp32, int bf) {
+#pragma omp parallel if (rows * dim > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        BY_DTYPE(bf, rms_norm_res, x, residual, weight, out, r0, r1, dim, eps, add, res_fp32);
+    }
+}
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: the gate and up halves of the fused projection. In bf16,
+ * silu's result is rounded before the product, as torch's two ops do. */
+ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int64_t inter, const int bf) {
+    for (int64_t r = r0; r < r1; r++) {
+        const void *g = at(gu, r * 2 * inter, bf), *u = at(g, inter, bf);
+        void *o = (void *)at(out, r * inter, bf);
+        int64_t i = 0;
+        for (; i + VW <= inter; i += VW) {
+            const vf x = ldv(g, i, bf);
+            stv(o, i, rnd(x / (1.0f + exp_v(-x)), bf) * ldv(u, i, bf), bf);
+        }
+        if (i < inter) {
+            float neg[VW], e[VW];
+            for (int64_t j = 0; i + j < inter; j++) neg[j] = -ld1(g, i + j, bf);
+            exp_tail(neg, e, inter - i, 0.0f, 1.0f);
+            for (int64_t j = 0; i + j < inter; j++)
+                st1(o, i + j, rnd1(ld1(g, i + j, bf) / (1.0f + e[j]), bf) * ld1(u, i + j, bf), bf);
+        }
+    }
+}
+
+void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
+#pragma omp parallel if (rows * inter > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        BY_DTYPE(bf, silu_mul_impl, gu, out, r0, r1, inter);
+    }
+}
+
+/* Rotary embedding in place on the first `heads` heads of each row (the q and k heads of the fused qkv
+ * projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head, with the
+ * cos/sin rows of the token's position (fp32 tables [max_pos, d], both halves equal, as transformers
+ * builds). Rows are `stride` elements apart; in bf16 the rotation is computed in fp32 and rounded once. */
+ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t heads, int64_t d, const int64_t *positions,
+                      const float *cos_t, const float *sin_t, const int bf) {
+    const int64_t half = d / 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *c = cos_t + positions[r] * d, *s = sin_t + positions[r] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            void *x1 = (void *)at(x, r * stride + h * d, bf), *x2 = (void *)at(x1, half, bf);
+            int64_t i = 0;
+            for (; i + VW <= half; i += VW) {
+                const vf a = ldv(x1, i, bf), b = ldv(x2, i, bf);
+                stv(x1, i, a * vload(c + i) - b * vload(s + i), bf);
+                stv(x2, i, b * vload(c + half + i) + a * vload(s + half + i), bf);
+            }
+            for (; i < half; i++) {
+                const float a = ld1(x1, i, bf), b = ld1(x2, i, bf);
+                st1(x1, i, a * c[i] - b * s[i], bf);
+                st1(x2, i, b * c[half + i] + a * s[half + i], bf);
+            }
+        }
+    }
+}
+
+void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const int64_t *positions,
+          const float *cos_t, const float *sin_t, int bf) {
+#pragma omp parallel if (rows * heads * d > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        BY_DTYPE(bf, rope_impl, x, stride, r0, r1, heads, d, positions, cos_t, sin_t);
+    }
+}

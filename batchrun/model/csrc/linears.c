@@ -1,0 +1,478 @@
+/* Linears y = x W^T + bias, fp32 and bf16, on weights packed once into column panels (pack_f32_linear,
+ * pack_bf16_linear; linear_f32, linear_bf16), and on AMX tiles for bf16 where the CPU has them (linear_amx);
+ * f32_linear_panel and amx_linears tell the Python side which of them run here.
+ *
+ * Layout: W [n, k] is packed into ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, zero past n (for AMX: pairs
+ * of k-steps interleaved, see amx_panel); x is [rows, k] (rows ldx apart for fp32, contiguous for bf16), bias
+ * NULL or [n], y [rows, n] contiguous; all in the weights' dtype.
+ *
+ * Threads: one OpenMP region per call above PAR_MIN_WORK; the threads split the panels (a static schedule), so
+ * each weight byte is read once per chunk of rows, and an output's sum never depends on the thread or the rows
+ * beside it. */
+#include "common.h"
+
+/* y = x W^T + bias. Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the
+ * bias at the end: the same operations in the same order whatever the row count, the rows beside it or the
+ * thread that runs it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant)
+ * by construction, at every row count including 1, with no padding or tiling rules. The kernel is a plain
+ * register-blocked outer product (PANEL_ROWS rows x PANEL_WIDTH columns of fp32 accumulators, the weights'
+ * panel streamed with a software prefetch PANEL_PREFETCH k-steps ahead and the next panel fetched into L2
+ * meanwhile): a decode step of a few rows reads the weights from memory, and the prefetch keeps that stream
+ * near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x its time at 8 rows (figures in
+ * cpu_linear.py's docstring, which also says which models use it). Threads split the panels, so each weight
+ * byte is read once per chunk of rows; the rows go in chunks whose activations stay in L2.
+ *
+ * bf16 weights (linear_bf16) go through the same kernel, widened to fp32 as they are loaded (a shift): bf16 x
+ * bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the few-row
+ * calls of a bf16 decode step where oneDNN's AMX kernels read the weights at about half the memory bandwidth
+ * (cpu_kernels.SMALL_ROWS says up to which row count it wins), and every call where oneDNN has no bf16 kernels
+ * (cpu_linear.own_kernel). The bf16 rows of x are widened a chunk at a time into a scratch buffer. */
+/* The register tile of one ISA: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES outputs (AVX-512: 8 x 3 x 16,
+ * 24 of its 32 registers; AVX2 + FMA: 4 x 3 x 8, 12 of its 16 registers, the other 4 for the panel's vectors and
+ * the broadcast row value). pv_* are the few vector operations the tile needs. The arithmetic of an output is
+ * the same on both (one multiply-add chain over k): only how many outputs and rows a tile holds differs. */
+#if defined(__AVX512F__)
+#define HAVE_PANELS 1
+#define PANEL_ROWS 8
+#define PV_LANES 16
+#define PANEL_CHUNK_BYTES (1024 * 1024)
+typedef __m512 pv;
+static inline pv pv_zero(void) { return _mm512_setzero_ps(); }
+static inline pv pv_set1(float x) { return _mm512_set1_ps(x); }
+static inline pv pv_fma(pv a, pv b, pv c) { return _mm512_fmadd_ps(a, b, c); }
+ALWAYS pv pv_load(const void *p, const int bf) {
+    return bf ? (__m512)vload_bf16((const bf16 *)p) : _mm512_loadu_ps((const float *)p);
+}
+#define PV_IN_REGISTER(v) (void)(v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_PANELS 1
+#define PANEL_ROWS 4
+#define PV_LANES 8
+#define PANEL_CHUNK_BYTES (256 * 1024) /* half of a Zen 3 core's L2 */
+typedef __m256 pv;
+static inline pv pv_zero(void) { return _mm256_setzero_ps(); }
+static inline pv pv_set1(float x) { return _mm256_set1_ps(x); }
+static inline pv pv_fma(pv a, pv b, pv c) { return _mm256_fmadd_ps(a, b, c); }
+ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
+/* GCC folds each of a k-step's 3 weight loads into its 4 multiply-adds (12 loads instead of 3): an L1-resident
+ * slice then ran at 0.70-0.75x the speed of loading them once (a microbenchmark of the 4 x 24 tile, in turn). */
+#define PV_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define HAVE_PANELS 0
+#define PANEL_ROWS 1
+#define PV_LANES 1
+#define PANEL_CHUNK_BYTES 1
+#endif
+#define PANEL_VECS 3
+#define PANEL_WIDTH (PV_LANES * PANEL_VECS)
+#define PANEL_PREFETCH 32
+#define PANEL_FETCHERS 8 /* the most row tiles of a panel that share fetching the next one */
+
+/* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512 or AVX2). */
+int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
+
+/* bf16 weights on CPUs with AMX, k a multiple of its tiles' 32: pairs of k-steps interleaved (see amx_panel). */
+#if HAVE_AMX
+#define AMX_PANELS(k, es) ((es) == 2 && (k) % 32 == 0 && amx_allowed())
+#else
+#define AMX_PANELS(k, es) 0
+#endif
+
+/* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
+ * elements of `es` bytes (4: fp32, 2: bf16); with AMX_PANELS, packed[p][i / 2][j][i % 2] instead (the same size). */
+static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const int64_t es) {
+    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int dp = AMX_PANELS(k, es);
+#pragma omp parallel for
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t j = 0; j < PANEL_WIDTH; j++) {
+                const int64_t row = p * PANEL_WIDTH + j;
+                const int64_t at = dp ? p * k * PANEL_WIDTH + (i / 2 * PANEL_WIDTH + j) * 2 + i % 2
+                                      : (p * k + i) * PANEL_WIDTH + j;
+                char *dst = (char *)packed + at * es;
+                if (row < n)
+                    memcpy(dst, (const char *)w + (row * k + i) * es, es);
+                else
+                    memset(dst, 0, es);
+            }
+}
+void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) { pack_linear(w, n, k, packed, 4); }
+void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) { pack_linear(w, n, k, packed, 2); }
+
+#if HAVE_PANELS
+/* rows x PV_LANES outputs of vector q of a tile plus the bias, stored at y (row stride ldy) in the weights'
+ * dtype; only the first `left` (< PV_LANES: the last panel's tail) when fewer remain. */
+ALWAYS void panel_store(pv *acc, int rows, int64_t q, void *y, int64_t ldy, int64_t left, const void *bias,
+                        const int bf) {
+#if defined(__AVX512F__)
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    if (!bf) {
+        const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * q) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * q, mask, _mm512_add_ps(acc[r * PANEL_VECS], b));
+        return;
+    }
+#endif
+    const int64_t es = bf ? 2 : 4, n = left < PV_LANES ? left : PV_LANES;
+    float b[PV_LANES] = {0}, out[PV_LANES];
+    for (int64_t j = 0; bias != NULL && j < n; j++) b[j] = ld1(bias, PV_LANES * q + j, bf);
+    for (int r = 0; r < rows; r++) {
+        pv v = acc[r * PANEL_VECS];
+        memcpy(out, &v, sizeof out);
+        char *dst = (char *)y + (r * ldy + PV_LANES * q) * es;
+        if (!bf && n == PV_LANES) {
+            for (int j = 0; j < PV_LANES; j++) out[j] += b[j];
+            memcpy(dst, out, sizeof out);
+        } else {
+            for (int64_t j = 0; j < n; j++) st1(dst, j, out[j] + b[j], bf);
+        }
+    }
+}
+
+/* rows x width outputs at y (row stride ldy, dtype ybf) from fp32 rows of x (stride ldx) and kn k-steps of one
+ * packed panel, fp32 (wbf = 0) or bf16 (wbf = 1) weights, x and w at the tile's first k-step. When those are not
+ * all of the k (the chunk is blocked in k), the sums so far come from `part` (unless `first`) and go back to it
+ * (unless `last`), fp32 (rows x PANEL_WIDTH): the chain of multiply-adds is the same as in one pass. `next`, if
+ * not NULL, is the panel after it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait
+ * on memory for its weights): this tile, number `tile` of the `tiles` that share it (the panel's first
+ * PANEL_FETCHERS), fetches its part, so that the memory stream goes on while the later tiles compute from cache
+ * (fetched by the first tile alone, a 16-row call took the time of the stream plus that of the second tile's
+ * compute). Without `stream` (the weights are in L1) it fetches nothing. */
+ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *panel, int64_t kn, float *part,
+                       int first, int last, void *y, int64_t ldy, int64_t width, const void *bias, const void *next,
+                       int64_t tile, int64_t tiles, int stream, const int wbf, const int ybf) {
+    const int64_t step = PANEL_WIDTH * (wbf ? 2 : 4); /* bytes of one k-step of a panel */
+    const char *pw = panel, *pn = next;
+    /* k-step i of this tile fetches row fetch_row of the next panel when i == fetch_at: rows at even steps
+     * over the panel's tiles x k steps */
+    int64_t fetch_row = (tile * kn + tiles - 1) / tiles, fetch_at = fetch_row * tiles - tile * kn;
+    pv acc[PANEL_ROWS][PANEL_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = first ? pv_zero() : pv_load(part + r * PANEL_WIDTH + PV_LANES * q, 0);
+    if (!stream) {
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < kn; i++) {
+            pv w[PANEL_VECS];
+            for (int q = 0; q < PANEL_VECS; q++) {
+                w[q] = pv_load(pw + i * step + PV_LANES * q * (wbf ? 2 : 4), wbf);
+                PV_IN_REGISTER(w[q]);
+            }
+            for (int r = 0; r < rows; r++) {
+                const pv xv = pv_set1(x[r * ldx + i]);
+                for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = pv_fma(xv, w[q], acc[r][q]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; stream && i < kn; i++) {
+        pv w[PANEL_VECS];
+        for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pw + (i + PANEL_PREFETCH) * step + b, _MM_HINT_T0);
+        for (int q = 0; q < PANEL_VECS; q++) w[q] = pv_load(pw + i * step + PV_LANES * q * (wbf ? 2 : 4), wbf);
+        if (pn != NULL && i == fetch_at) {
+            for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pn + fetch_row * step + b, _MM_HINT_T1);
+            fetch_row++;
+            fetch_at += tiles;
+        }
+        for (int r = 0; r < rows; r++) {
+            const pv xv = pv_set1(x[r * ldx + i]);
+            for (int q = 0; q < PANEL_VECS; q++) acc[r][q] = pv_fma(xv, w[q], acc[r][q]);
+        }
+    }
+    if (!last) {
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < PANEL_VECS; q++) memcpy(part + r * PANEL_WIDTH + PV_LANES * q, &acc[r][q], sizeof(pv));
+        return;
+    }
+    for (int q = 0; q < PANEL_VECS; q++) {
+        const int64_t left = width - PV_LANES * q;
+        if (left <= 0) break;
+        panel_store(&acc[0][q], rows, q, y, ldy, left, bias, ybf);
+    }
+}
+
+/* panel_tile with rows and dtypes constants, compiled on its own: inlined into the chunk loop, its 16 live vectors
+ * (AVX2) got spilled to the stack in some of the instantiations (bf16 weights widened per slice ran at half the
+ * fp32 speed). */
+#define PANEL_TILE_FN(R, W, Y) \
+    static __attribute__((noinline)) void panel_tile_##R##_##W##Y( \
+        const float *x, int64_t ldx, const void *panel, int64_t kn, float *part, int first, int last, void *y, \
+        int64_t ldy, int64_t width, const void *bias, const void *next, int64_t tile, int64_t tiles, int stream) { \
+        panel_tile(R, x, ldx, panel, kn, part, first, last, y, ldy, width, bias, next, tile, tiles, stream, W, Y); \
+    }
+#define PANEL_TILE_FNS(R) PANEL_TILE_FN(R, 0, 0) PANEL_TILE_FN(R, 1, 1) PANEL_TILE_FN(R, 0, 1)
+PANEL_TILE_FNS(1) PANEL_TILE_FNS(2) PANEL_TILE_FNS(3) PANEL_TILE_FNS(4)
+#if PANEL_ROWS > 4
+PANEL_TILE_FNS(5) PANEL_TILE_FNS(6) PANEL_TILE_FNS(7) PANEL_TILE_FNS(8)
+#endif
+
+/* The row tiles of a chunk, rows [m0, end), on k-steps [k0, k1) of one panel (w at k0). */
+ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, const void *w, int64_t k, int64_t k0,
+                        int64_t k1, float *part, void *y, int64_t n, int64_t col, int64_t width, const void *bias,
+                        const void *next, int blocked, const int wbf, const int ybf) {
+    const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t fetchers = tiles < PANEL_FETCHERS ? tiles : PANEL_FETCHERS; /* tiles that fetch `next` */
+    for (int64_t i = m0; i < end; i += PANEL_ROWS) {
+        const int64_t t = (i - m0) / PANEL_ROWS;
+        const float *xt = xc + (i - m0) * ldc + k0;
+        float *pt = part + (i - m0) * PANEL_WIDTH;
+        void *yt = (char *)y + (i * n + col) * (ybf ? 2 : 4);
+        /* a blocked chunk's first tile brings the slice into L1; the ones after it find it there */
+        const int stream = !blocked || (i == m0 && wbf == ybf), first = k0 == 0, last = k1 == k;
+        const void *nt = !blocked && t < fetchers ? next : NULL;
+#define PANEL_TILE(R) \
+    case R: \
+        if (wbf != ybf) \
+            panel_tile_##R##_01(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
+        else if (wbf) \
+            panel_tile_##R##_11(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
+        else \
+            panel_tile_##R##_00(xt, ldc, w, k1 - k0, pt, first, last, yt, n, width, bias, nt, t, fetchers, stream); \
+        break;
+        switch (end - i < PANEL_ROWS ? end - i : PANEL_ROWS) {
+            PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4)
+#if PANEL_ROWS > 4
+            PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7) PANEL_TILE(8)
+#endif
+            default: break;
+        }
+#undef PANEL_TILE
+    }
+}
+
+#if HAVE_AMX
+/* bf16 linears on AMX (AMX_PANELS). A decode step's 2-24 rows make a pass over the weights compute-bound on
+ * vector units (widened to fp32, 9 rows took 1.5x the time of 1 row over SmolLM2's linears; vdpbf16ps does no
+ * more flops a cycle than fp32 multiply-adds on this CPU and was slower still), where one AMX tile product does
+ * 16 rows x 16 outputs x 32 k-steps. Each panel is three B tiles wide (16 pairs of k-steps x 16 outputs,
+ * vdpbf16ps's pair layout, rows PANEL_WIDTH * 4 bytes apart); the rows go in tiles of 16, three C tiles of fp32
+ * sums each, over k in chunks of 32. With one row tile a panel streams once, with the panel kernel's software
+ * prefetch. With more, the panel goes in k blocks of AMX_KB chunks that stay in L1 while every row tile of the
+ * call's row chunk takes them in turn (its sums parked in `part` between blocks), instead of each row tile
+ * reading the whole panel again from L2 (64 rows: 17.5-18.5 ms against 20.1 over SmolLM2's linears). Past
+ * about 128 rows oneDNN's AMX kernels are as fast or faster (cpu_kernels.AMX_SMALL_ROWS); here a pass at 128
+ * rows takes about the weight stream's time plus the compute's (30 ms against 11 + 17), and prefetching the
+ * next k block during the other row tiles' compute did not change that. An output's sum is the same chain of tile
+ * products whatever the row count, so a row's result does not depend on the other rows. */
+#define AMX_ROWS 16
+#define AMX_K 32
+#define AMX_KB 8                        /* chunks of a k block: 24 KiB of the panel */
+#define AMX_CHUNK_BYTES (256 * 1024)    /* the rows of x a row chunk holds (they stay in L2) */
+
+/* Rows [r0, r0 + 16) of y, panel columns [col, col + width), from the fp32 sums (16 x PANEL_WIDTH) plus b. */
+static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int64_t n, int64_t col, int64_t width,
+                      const vf *b) {
+    for (int64_t r = 0; r < AMX_ROWS && r0 + r < rows; r++) {
+        bf16 *out = y + (r0 + r) * n + col, row[PANEL_WIDTH];
+        bf16 *dst = width == PANEL_WIDTH ? out : row;
+        for (int q = 0; q < PANEL_VECS; q++)
+            vstore_bf16(dst + PV_LANES * q, vload(sums + r * PANEL_WIDTH + PV_LANES * q) + b[q]);
+        if (dst != out) memcpy(out, row, 2 * width);
+    }
+}
+
+/* One panel (col, width outputs) for rows [m0, end) of y: row tile i's A rows at a[i] (k bf16 each, k * 2 bytes
+ * apart), bias or NULL, part: (end - m0) x PANEL_WIDTH fp32 of scratch. A thread's panels are consecutive in
+ * memory, so the prefetch runs on into the next one. */
+static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char *panel, int64_t k, bf16 *y,
+                      int64_t n, int64_t col, int64_t width, const bf16 *bias, float *part) {
+    const int64_t pair_row = PANEL_WIDTH * 4, chunk = AMX_K / 2 * pair_row; /* bytes of one k chunk of the panel */
+    const int64_t chunks = k / AMX_K, tiles = (end - m0 + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t kb = tiles == 1 ? chunks : AMX_KB;
+    float sums[AMX_ROWS * PANEL_WIDTH];
+    vf b[PANEL_VECS];
+    for (int q = 0; q < PANEL_VECS; q++) {
+        bf16 lanes[PV_LANES] = {0};
+        const int64_t left = width - PV_LANES * q;
+        if (bias != NULL && left > 0) memcpy(lanes, bias + col + PV_LANES * q, 2 * (left < PV_LANES ? left : PV_LANES));
+        b[q] = vload_bf16(lanes);
+    }
+    for (int64_t c0 = 0; c0 < chunks; c0 += kb) {
+        const int64_t c1 = c0 + kb < chunks ? c0 + kb : chunks;
+        for (int64_t t = 0; t < tiles; t++) {
+            float *pt = part + t * AMX_ROWS * PANEL_WIDTH;
+            if (c0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+            } else {
+                _tile_loadd(0, pt, PANEL_WIDTH * 4);
+                _tile_loadd(1, pt + 16, PANEL_WIDTH * 4);
+                _tile_loadd(2, pt + 32, PANEL_WIDTH * 4);
+            }
+            for (int64_t c = c0; c < c1; c++) {
+                const char *w = panel + c * chunk;
+                if (t == 0) /* the first row tile brings the block into L1; the others find it there */
+                    for (int64_t at = 0; at < chunk; at += 64) _mm_prefetch(w + 2 * chunk + at, _MM_HINT_T0);
+                _tile_loadd(3, a[t] + c * AMX_K, k * 2);
+                _tile_loadd(4, w, pair_row);
+                _tile_loadd(5, w + 64, pair_row);
+                _tile_loadd(6, w + 128, pair_row);
+                _tile_dpbf16ps(0, 3, 4);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_dpbf16ps(2, 3, 6);
+            }
+            float *dst = c1 == chunks ? sums : pt;
+            _tile_stored(0, dst, PANEL_WIDTH * 4);
+            _tile_stored(1, dst + 16, PANEL_WIDTH * 4);
+            _tile_stored(2, dst + 32, PANEL_WIDTH * 4);
+            if (c1 == chunks) amx_store(sums, m0 + t * AMX_ROWS, end, y, n, col, width, b);
+        }
+    }
+}
+
+/* y [rows, n] = x [rows, k] W^T + bias on AMX_PANELS weights, in row chunks of about AMX_CHUNK_BYTES of x (a
+ * last row tile of fewer than 16 rows through a zero-padded copy); 0, or 1 without scratch memory (y is then
+ * not written). */
+static int linear_amx(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
+                      bf16 *y) {
+    const int64_t full = rows / AMX_ROWS * AMX_ROWS, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS;
+    int64_t chunk_tiles = AMX_CHUNK_BYTES / (2 * k * AMX_ROWS);
+    if (chunk_tiles < 1) chunk_tiles = 1;
+    const int64_t chunk = chunk_tiles * AMX_ROWS;
+    bf16 *tail = malloc(sizeof(bf16) * AMX_ROWS * k);
+    const bf16 **a = malloc(sizeof(bf16 *) * tiles);
+    if (tail == NULL || a == NULL) {
+        free(tail);
+        free(a);
+        return 1;
+    }
+    memset(tail, 0, sizeof(bf16) * AMX_ROWS * k);
+    memcpy(tail, x + full * k, sizeof(bf16) * (rows - full) * k);
+    for (int64_t t = 0; t < tiles; t++) a[t] = t * AMX_ROWS < full ? x + t * AMX_ROWS * k : tail;
+    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    int failed = 0;
+#pragma omp parallel if (n * k > PAR_MIN_WORK) reduction(| : failed)
+    {
+        float *part = malloc(sizeof(float) * (rows < chunk ? tiles * AMX_ROWS : chunk) * PANEL_WIDTH);
+        failed = part == NULL;
+        if (!failed) amx_configure();
+        for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+            const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                if (part == NULL) continue;
+                const char *panel = (const char *)packed + p * k * PANEL_WIDTH * 2;
+                const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
+                amx_panel(a + m0 / AMX_ROWS, m0, end, panel, k, y, n, col, width, bias, part);
+            }
+        }
+        if (!failed) _tile_release();
+        free(part);
+    }
+    free(tail);
+    free(a);
+    return failed;
+}
+#endif
+
+/* A chunk of at least PANEL_BLOCK_TILES row tiles (compute-bound: the weights are read from cache, not memory)
+ * walks each panel in slices of PANEL_KC k-steps, every tile of the chunk in turn on one slice, so that the slice
+ * stays in L1 (fp32: 24 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
+ * slice is widened to fp32 once, not by every tile. Measured on AVX2 (AMD EPYC, 2 threads, SmolLM2's layer
+ * shapes at 512-2048 rows): 1.64x oneDNN's time in one pass, 1.05x blocked. AVX-512 CPUs keep one pass
+ * (PANEL_KC 0): measured there, k-blocking did not pay. */
+#define PANEL_BLOCK_TILES 4
+#if PV_LANES == 8
+#define PANEL_KC (24576 / (PANEL_WIDTH * 4) / 8 * 8)
+#else
+#define PANEL_KC 0
+#endif
+
+/* One thread's share of linear_panels, inside its parallel region (panels split by `omp for`), the dtype a
+ * constant: a flag passed into the region would stay a run-time test in the k loop. bf16 rows of x are widened
+ * a chunk at a time into xf (chunk x k fp32, shared by the threads), by one thread while the others wait; in a
+ * blocked chunk each bf16 weight slice is widened into wf (PANEL_KC x PANEL_WIDTH fp32, the thread's own). */
+ALWAYS void panel_rows(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
+                       const void *bias, void *y, int64_t chunk, float *xf, float *part, float *wf, const int bf) {
+    const int64_t es = bf ? 2 : 4, panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int blocked = part != NULL;
+    const int64_t kc = blocked ? PANEL_KC : k, ldc = bf ? k : ldx;
+    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
+        const float *xc = bf ? xf : (const float *)x + m0 * ldx; /* the chunk's fp32 rows, ldc apart */
+        if (bf) {
+#pragma omp single
+            for (int64_t i = 0; i < (end - m0) * k; i++) xf[i] = bf16_to_f(((const bf16 *)x)[m0 * ldx + i]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const char *panel = (const char *)packed + p * k * PANEL_WIDTH * es;
+            const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
+            const void *b = bias != NULL ? (const char *)bias + col * es : NULL;
+            const void *next = p + 1 < panels ? panel + k * PANEL_WIDTH * es : NULL;
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t k1 = k0 + kc < k ? k0 + kc : k;
+                const char *w = panel + k0 * PANEL_WIDTH * es;
+                if (bf && blocked) {
+                    for (int64_t i = 0; i < (k1 - k0) * PANEL_WIDTH; i++) wf[i] = bf16_to_f(((const bf16 *)w)[i]);
+                    panel_tiles(xc, ldc, m0, end, wf, k, k0, k1, part, y, n, col, width, b, next, 1, 0, 1);
+                } else {
+                    panel_tiles(xc, ldc, m0, end, w, k, k0, k1, part, y, n, col, width, b, next, blocked, bf, bf);
+                }
+            }
+        }
+    }
+}
+
+/* y [rows, n] (contiguous) = x [rows, k] W^T + bias, W packed by pack_linear; x, W, bias and y fp32 (bf = 0;
+ * x's rows ldx apart) or bf16 (bf = 1; x's rows contiguous, ldx = k). Returns 0, or 1 if the bf16 rows' fp32
+ * scratch could not be allocated (y is then not written). */
+static int linear_panels(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
+                         const void *bias, void *y, int bf) {
+    int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
+    if (chunk < PANEL_ROWS) chunk = PANEL_ROWS;
+    const int64_t chunks = (rows + chunk - 1) / chunk; /* equal chunks: 256 rows are not 224 + 32 */
+    chunk = ((rows + chunks - 1) / chunks + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+    const int blocked = PANEL_KC > 0 && k > PANEL_KC && (chunk < rows ? chunk : rows) >= PANEL_BLOCK_TILES * PANEL_ROWS;
+    float *xf = bf ? malloc(sizeof(float) * (chunk < rows ? chunk : rows) * k) : NULL;
+    if (bf && xf == NULL) return 1;
+#pragma omp parallel if (n * k > PAR_MIN_WORK)
+    {
+        /* the row tiles' partial sums between k slices, chunk x PANEL_WIDTH fp32, and a widened bf16 weight slice
+         * (without them, one pass) */
+        float *part = blocked ? malloc(sizeof(float) * (chunk + PANEL_KC) * PANEL_WIDTH) : NULL;
+        BY_DTYPE(bf, panel_rows, x, ldx, rows, packed, n, k, bias, y, chunk, xf, part,
+                 part != NULL ? part + chunk * PANEL_WIDTH : NULL);
+        free(part);
+    }
+    free(xf);
+    return 0;
+}
+#endif
+
+/* y [rows, n] (contiguous) = x [rows, k] (row stride ldx) W^T + bias; W packed by pack_f32_linear; bias NULL
+ * or [n]. A no-op where f32_linear_panel() is 0, or for 0 rows. */
+void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
+                const float *bias, float *y) {
+#if HAVE_PANELS
+    if (rows > 0) linear_panels(x, ldx, rows, packed, n, k, bias, y, 0);
+#else
+    (void)x, (void)ldx, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+#endif
+}
+
+/* Whether bf16 linears with k a multiple of 32 run on AMX tiles here (the library built for a CPU with AMX, and
+ * the kernel allowing the process its tile state). */
+int amx_linears(void) {
+#if HAVE_AMX
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
+
+/* The same for bf16: x [rows, k] bf16 (rows contiguous), W packed by pack_bf16_linear, bias NULL or [n] bf16,
+ * y [rows, n] bf16; each output's fp32 sum is rounded to bf16 once. Returns 0, or 1 if the scratch for x's
+ * widened rows (a chunk of them at a time) could not be allocated (y is then not written). */
+int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias, bf16 *y) {
+#if HAVE_AMX
+    if (AMX_PANELS(k, 2)) return rows > 0 ? linear_amx(x, rows, packed, n, k, bias, y) : 0;
+#endif
+#if HAVE_PANELS
+    if (rows > 0) return linear_panels(x, k, rows, packed, n, k, bias, y, 1);
+#else
+    (void)x, (void)rows, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+#endif
+    return 0;
+}
