@@ -142,8 +142,8 @@ class TorchBackend(AttentionBackend):
         self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
-        if self.cpu_kernels and not (window or softcap):
-            return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale)
+        if self.cpu_kernels:
+            return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
         store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
@@ -155,7 +155,7 @@ class TorchBackend(AttentionBackend):
             self._prefill(q, k, v, kv_cache, meta, scale, out, window=window, softcap=softcap)
         return out
 
-    def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale):
+    def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
         """The C kernels' path: store the step's K/V, then the kernel attends the first `kernel_rows` query rows,
         which are all of the step's rows, or with sdpa_prefill (in a step that has prefill rows) only the
         decode rows, the prefill rows going to SDPA."""
@@ -166,14 +166,15 @@ class TorchBackend(AttentionBackend):
         kernel_rows = sum(meta.query_lens_host[:short]) if sdpa_rows else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
             return cpu_attention.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
-                                                 amx_lanes=self.amx_lanes)
+                                                 amx_lanes=self.amx_lanes, window=window, softcap=softcap)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
         out = torch.empty_like(q) if sdpa_rows else torch.zeros(q.shape, dtype=q.dtype)
         if kernel_rows:
             cpu_attention.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
-                                          row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes)
+                                          row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes,
+                                          window=window, softcap=softcap)
         if sdpa_rows:
-            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short)
+            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short, window=window, softcap=softcap)
         return out
 
     @staticmethod

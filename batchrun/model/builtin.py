@@ -37,6 +37,14 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -164,8 +172,9 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
 
 def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer=None,
                     dtype: torch.dtype | None = None, init_std: float = 0.02, **overrides) -> Path:
-    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) with `save_pretrained`
-    (float32 unless `dtype` says otherwise)."""
+    """Write a random-weight checkpoint of `arch` (a key of _ARCHS: llama, mistral, qwen2, qwen3, gemma2, gemma3,
+    phi3, olmo2, granite, mixtral, qwen2_moe, qwen3_moe) with `save_pretrained` (float32 unless `dtype` says
+    otherwise)."""
     import torch
     import transformers
 

@@ -69,16 +69,9 @@ def load_config(path: Path) -> PretrainedConfig:
 
 
 def model_max_len(config: PretrainedConfig) -> int:
-    """Longest context the model is exact for. Sliding-window attention is not implemented, so a model
-    that uses it is capped at its window (within it, full attention is the same computation)."""
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    uses_window = window and (config.model_type == "mistral" or "sliding_attention" in layer_types)
-    if uses_window and window < limit:
-        log.warning("sliding-window attention is not implemented: max_model_len capped at the window, %d", window)
-        limit = int(window)
-    return limit
+    """Longest context the model takes: its max_position_embeddings (sliding windows are implemented in every
+    attention backend, so a windowed model is not capped at its window)."""
+    return int(config.max_position_embeddings)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -49,6 +49,21 @@ FAMILIES: tuple[Family, ...] = (
            "Llama with q/k/v bias (Qwen2, Qwen2.5)", ("qwen2",), ("greedy", "logits")),
     Family("qwen3", ("Qwen3ForCausalLM",), "llama", "LlamaForCausalLM",
            "Llama with per-head q/k RMSNorm, explicit head_dim", ("qwen3",), ("greedy", "logits")),
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma", "Gemma2ForCausalLM",
+           "sandwich norms, GeGLU, alternating sliding/global layers, attention and final logit soft-capping",
+           ("gemma2",), ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("gemma3", ("Gemma3ForCausalLM",), "gemma", "Gemma3ForCausalLM",
+           "Gemma 2's layer with q/k norms, sliding/global layers from layer_types, a local rope base",
+           ("gemma3_text",), ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("phi3", ("Phi3ForCausalLM",), "phi3", "Phi3ForCausalLM",
+           "Phi-3 / Phi-4: fused qkv and gate_up, partial rotary, LongRoPE, sliding window",
+           ("phi3",), ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("olmo2", ("Olmo2ForCausalLM",), "olmo2", "Olmo2ForCausalLM",
+           "norms after attention and MLP, q/k RMSNorm over the whole projection", ("olmo2",),
+           ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("granite", ("GraniteForCausalLM",), "granite", "GraniteForCausalLM",
+           "Llama with embedding, attention, residual and logit multipliers", ("granite",),
+           ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
