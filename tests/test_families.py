@@ -203,3 +203,37 @@ def test_greedy_on_the_triton_kernels(make_ckpt, prompts, family):
     assert llm.engine.runner.backend.name == "triton"
     assert generate(llm, short, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == \
         hf_greedy(path, short, 8)
+
+
+def test_blocks_behind_every_layers_window_go_back(make_ckpt):
+    """A model whose every layer has a sliding window (Mistral's, 28 keys) holds only its window's blocks: a
+    210-token sequence runs on a 9-block pool of 16 tokens (144 slots) without a preemption, with transformers'
+    tokens; a second run of the prompt on a roomier pool maps its released blocks from the prefix cache; then
+    several such sequences on the small pool preempt by swap (tables with holes go to the host and back) and by
+    recompute, with the same tokens each time. A model with a global layer (Gemma 2) keeps every block."""
+    path = checkpoint(make_ckpt, "mistral")
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(3, 2000, (150,), generator=g).tolist()
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=9, max_num_batched_tokens=32,
+              num_speculative_tokens=0)
+    assert llm.engine.block_manager.sliding_window == 28 and llm.max_model_len >= 210
+    assert generate(llm, [long], params) == hf_greedy(path, [long], 60)
+    metrics = llm.metrics()
+    assert metrics["num_preemptions_swap"] + metrics["num_preemptions_recompute"] == 0
+    llm.engine.check_idle()
+    roomy = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=40, num_speculative_tokens=0)
+    first = generate(roomy, [long], params)  # released blocks keep their K/V in the prefix cache: a second run
+    assert generate(roomy, [long], params) == first  # maps them (the window's blocks are computed again)
+    assert roomy.metrics()["prefix_cache_hit_tokens"] >= 128
+    roomy.engine.check_idle()
+    several = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (40, 90, 120, 70)]
+    refs = hf_greedy(path, several, 30)
+    for mode in ("swap", "recompute"):
+        crowded = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=9, max_num_batched_tokens=32,
+                      preemption_mode=mode, swap_space=2**20, num_speculative_tokens=0)
+        assert generate(crowded, several, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) == refs
+        assert crowded.metrics()[f"num_preemptions_{mode}"] > 0, mode
+        crowded.engine.check_idle()
+    gemma = LLM(str(checkpoint(make_ckpt, "gemma2")), dtype="float32", device="cpu", num_kv_blocks=64)
+    assert gemma.engine.block_manager.sliding_window is None

@@ -375,6 +375,13 @@ class CausalLM(nn.Module):
         return getattr(self.lm_head, "weight", None)
 
     @property
+    def kv_window(self) -> int | None:
+        """The keys every layer attends when every layer has a sliding window (the largest of them), else None: a
+        model with a global layer (Gemma 2 / 3) needs all of a sequence's K/V."""
+        windows = [layer.self_attn.window for layer in self.layers]
+        return max(windows) if all(windows) else None
+
+    @property
     def head_dim(self) -> int:
         return self.layers[0].self_attn.head_dim
 
