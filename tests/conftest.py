@@ -35,6 +35,13 @@ ARCH_SPECS = {
     "olmo2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     "granite": dict(num_attention_heads=4, num_key_value_heads=1, embedding_multiplier=3.0,
                     attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5, tie_word_embeddings=True),
+    "mixtral": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=80,
+                    num_local_experts=5, num_experts_per_tok=2, sliding_window=36, tie_word_embeddings=False),
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[1],
+                      num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                      shared_expert_intermediate_size=56, norm_topk_prob=False, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=True),
 }
 
 

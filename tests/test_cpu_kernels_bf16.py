@@ -87,6 +87,11 @@ def test_silu_mul_bf16():
     assert close(KERNELS.silu_mul(x), TORCH.silu_mul(x))
 
 
+def test_gelu_tanh_mul_bf16():
+    x = (torch.randn(33, 2 * 1000, generator=torch.Generator().manual_seed(2)) * 4).to(BF)
+    assert close(KERNELS.gelu_tanh_mul(x), TORCH.gelu_tanh_mul(x))
+
+
 @pytest.mark.parametrize("d", [64, 40])
 def test_rope_bf16_in_place_matches_fp32_rope_rounded(d):
     g = torch.Generator().manual_seed(d)

@@ -36,6 +36,9 @@ CHECKPOINTS = {
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {}),
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 LENGTHS = [1, 6, 17, 30, 64, 101, 150]
 NEW_TOKENS = 24

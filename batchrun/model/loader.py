@@ -162,5 +162,5 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         load_weights(m, path)
     m.finish_load()
     m = m.to(dtype).eval().requires_grad_(False)
-    m.init_rope(max_model_len)
+    m.prepare(max_model_len)
     return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

@@ -126,8 +126,13 @@ class CpuKernelOps(TorchOps):
             return elementwise.silu_mul(gate_up)
         return super().silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up):
+        if gate_up.is_contiguous():
+            return elementwise.gelu_tanh_mul(gate_up)
+        return super().gelu_tanh_mul(gate_up)
+
     def apply_rope(self, q, k, rot):
-        if rot.rotary_dim == q.shape[2] and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \
+        if rot.rotary_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \
                 and k.stride(1) == k.shape[2]:
             for x in (q, k):
                 elementwise.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)

@@ -64,6 +64,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite", ("GraniteForCausalLM",), "granite", "GraniteForCausalLM",
            "Llama with embedding, attention, residual and logit multipliers", ("granite",),
            ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("mixtral", ("MixtralForCausalLM",), "mixtral", "MixtralForCausalLM",
+           "mixture of experts (top-k, renormalised), Mistral's attention", ("mixtral",),
+           ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen_moe", "Qwen2MoeForCausalLM",
+           "mixture of experts with a gated shared expert, top-k normalised or not, dense layers between",
+           ("qwen2_moe",), ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen_moe", "Qwen3MoeForCausalLM",
+           "mixture of experts, Qwen3's attention (q/k norms)", ("qwen3_moe",),
+           ("greedy", "logits", "bf16", "invariant", "seeded", "triton")),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)

@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchrun.model import cpu_kernels
 from batchrun.model.context import ForwardContext
+from batchrun.model.cpu_kernels import elementwise
 from batchrun.model.cpu_kernels import sampling as cpu_sampling
 from batchrun.model.ops import Rotary, TorchOps
 
@@ -400,6 +401,22 @@ class CausalLM(nn.Module):
             self._embed_multiplier = float(scale.to(self.embed_tokens.weight.dtype) if self.embed_scale_in_dtype
                                            else scale)
 
+    def prepare(self, max_pos: int) -> None:
+        """After the weights are in, cast and on their device: the rotary tables (init_rope), and on CUDA the
+        mixture-of-experts layers' experts stacked for the grouped GEMM (moe.py)."""
+        self.init_rope(max_pos)
+        if self.embed_tokens.weight.device.type == "cuda":
+            self.group_experts()
+
+    def group_experts(self) -> int:
+        """Stack every MoE layer's experts for the Triton grouped GEMM; returns how many layers."""
+        from batchrun.model.arch.moe import SparseMoE
+
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None]
+        for block in blocks:
+            block.group_experts()
+        return len(blocks)
+
     def rotary(self, positions: torch.Tensor) -> Rotary:
         """The rotary embedding of a step's positions (for its ForwardContext)."""
         dtype = self.embed_tokens.weight.dtype
@@ -433,8 +450,18 @@ class CausalLM(nn.Module):
         if self.logits_divisor is not None:
             logits.div_(self.logits_divisor)
         if self.final_softcap is not None:
-            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+            soft_cap_(logits, self.final_softcap)
         return logits
+
+
+def soft_cap_(logits: torch.Tensor, cap: float) -> None:
+    """logits = cap * tanh(logits / cap) in place (Gemma 2's final logits). On a CPU the C kernel's, whose every
+    value goes through one code path (torch's tanh gives a logit other bits by where it falls in the tensor: its
+    vector and scalar tanh differ, so a row's logits would depend on its batch); elsewhere torch's ops."""
+    if logits.device.type == "cpu" and cpu_kernels.available() and logits.is_contiguous():
+        elementwise.tanh_cap_(logits, cap)
+    else:
+        logits.div_(cap).tanh_().mul_(cap)
 
 
 REFINE_TOP = 8
