@@ -240,3 +240,20 @@ def test_blocks_behind_every_layers_window_go_back(make_ckpt):
         crowded.engine.check_idle()
     gemma = LLM(str(checkpoint(make_ckpt, "gemma2")), dtype="float32", device="cpu", num_kv_blocks=64)
     assert gemma.engine.block_manager.sliding_window is None
+
+
+def test_phi3_longrope_switches_to_the_long_factors_past_the_original_context(tokenizer, tmp_path, prompts):
+    """Phi-3's LongRoPE with original_max_position_embeddings 160: prompts within it, and generation past it
+    (the 150-token prompt's tokens 160-173 rotate with the long factors, as transformers switches): transformers'
+    greedy tokens. (A prompt longer than the original context is rotated by transformers with the long factors
+    from its first position: docs/models.md, limits.)"""
+    from conftest import ARCH_SPECS
+
+    from batchrun.model.builtin import make_checkpoint
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 160,
+            "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
+    spec = {**ARCH_SPECS["phi3"], "sliding_window": None, "rope_parameters": rope, "max_position_embeddings": 1024}
+    path = make_checkpoint(tmp_path / "phi3-longrope", "phi3", tokenizer=tokenizer, init_std=0.05, **spec)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=200)
+    assert generate(llm, prompts) == hf_greedy(path, prompts)

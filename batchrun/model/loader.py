@@ -99,7 +99,7 @@ def load_weights(model: CausalLM, path: Path,
     and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target)."""
     params = dict(model.named_parameters())
     rows_filled = dict.fromkeys(params, 0)
-    for name, read in (_safetensors(path) if tensors is None else tensors):
+    for name, read in model.checkpoint_tensors(_safetensors(path) if tensors is None else tensors):
         target = model.weight_target(name)
         if target is None:
             continue

@@ -14,6 +14,8 @@ residual + x, and the add happens inside the next norm (ops.rms_norm with a resi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -348,6 +350,14 @@ class CausalLM(nn.Module):
         """A checkpoint tensor's name in this module's terms, less the leading `model.` (Mixtral renames its
         expert and router modules)."""
         return name
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
+                           ) -> Iterable[tuple[str, Callable[[], torch.Tensor]]]:
+        """The checkpoint's (name, read it) pairs as this model takes them: stacked expert tensors split per
+        expert (moe.split_stacked_experts); a model without experts never meets one."""
+        from batchrun.model.arch.moe import split_stacked_experts
+
+        return split_stacked_experts(tensors)
 
     def weight_target(self, name: str) -> tuple[str, int] | None:
         """(our parameter, its first row) for checkpoint tensor `name`, or None for a tensor with no place to go

@@ -15,6 +15,9 @@ does, so fp32 results follow transformers' and a row's result depends on that ro
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -105,3 +108,21 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     for j in range(1, terms.shape[1]):
         out += terms[:, j]
     return out
+
+
+_STACKED = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+
+
+def split_stacked_experts(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
+                          ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Checkpoint tensors with transformers' stacked expert tensors ([E, 2I, H] gate|up, [E, H, I] down, as its GGUF
+    reader and newer checkpoints give them) split into each expert's own (`experts.{e}.gate_up_proj.weight`:
+    gate rows then up rows, as our fused projection is laid out); other tensors pass as they come."""
+    for name, read in tensors:
+        match = _STACKED.fullmatch(name)
+        if match is None:
+            yield name, read
+            continue
+        stacked = read()
+        for e in range(stacked.shape[0]):
+            yield f"{match['prefix']}.{e}.{match['proj']}.weight", (lambda t=stacked[e]: t)
