@@ -44,7 +44,7 @@ FAMILIES: tuple[Family, ...] = (
            ("llama",), ("greedy", "logits", "bf16", "invariant", "seeded", "triton", "gguf")),
     Family("mistral", ("MistralForCausalLM",), "llama", "LlamaForCausalLM",
            "Llama with a sliding window on every layer",
-           ("mistral",), ("greedy", "logits", "invariant", "triton")),
+           ("mistral",), ("greedy", "logits", "invariant", "seeded", "triton")),
     Family("qwen2", ("Qwen2ForCausalLM",), "llama", "LlamaForCausalLM",
            "Llama with q/k/v bias (Qwen2, Qwen2.5)", ("qwen2",), ("greedy", "logits")),
     Family("qwen3", ("Qwen3ForCausalLM",), "llama", "LlamaForCausalLM",
@@ -101,3 +101,17 @@ def model_class(architecture: str):
     if family is None:
         raise KeyError(architecture)
     return getattr(importlib.import_module(f"batchrun.model.arch.{family.module}"), family.model)
+
+
+def models_table() -> str:
+    """The families as `batchrun models` prints them: each one's architectures, what sets it apart, and what the
+    tests verify for it, then what each verification means."""
+    lines = []
+    for f in FAMILIES:
+        lines.append(f"{f.name}: {', '.join(f.architectures)}")
+        lines.append(f"    {f.features}")
+        lines.append(f"    verified: {', '.join(f.verified)}")
+    lines.append("")
+    lines.append("verified means (tests/test_families.py on tiny random checkpoints, tests/test_families_gguf.py):")
+    lines += [f"    {name}: {meaning}" for name, meaning in VERIFIED_CHECKS.items()]
+    return "\n".join(lines)

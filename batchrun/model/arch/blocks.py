@@ -353,11 +353,8 @@ class CausalLM(nn.Module):
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
                            ) -> Iterable[tuple[str, Callable[[], torch.Tensor]]]:
-        """The checkpoint's (name, read it) pairs as this model takes them: stacked expert tensors split per
-        expert (moe.split_stacked_experts); a model without experts never meets one."""
-        from batchrun.model.arch.moe import split_stacked_experts
-
-        return split_stacked_experts(tensors)
+        """The checkpoint's (name, read it) pairs as this model takes them (MoE families split stacked experts)."""
+        return tensors
 
     def weight_target(self, name: str) -> tuple[str, int] | None:
         """(our parameter, its first row) for checkpoint tensor `name`, or None for a tensor with no place to go
@@ -419,13 +416,9 @@ class CausalLM(nn.Module):
             self.group_experts()
 
     def group_experts(self) -> int:
-        """Stack every MoE layer's experts for the Triton grouped GEMM; returns how many layers."""
-        from batchrun.model.arch.moe import SparseMoE
-
-        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None]
-        for block in blocks:
-            block.group_experts()
-        return len(blocks)
+        """Stack every MoE layer's experts for the Triton grouped GEMM; returns how many layers (moe.MoECausalLM;
+        none here)."""
+        return 0
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         """The rotary embedding of a step's positions (for its ForwardContext)."""

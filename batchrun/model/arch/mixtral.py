@@ -8,13 +8,13 @@ import re
 
 from transformers import PretrainedConfig
 
-from batchrun.model.arch.blocks import Attention, CausalLM, PreNormLayer, layer_windows
-from batchrun.model.arch.moe import SparseMoE
+from batchrun.model.arch.blocks import Attention, PreNormLayer, layer_windows
+from batchrun.model.arch.moe import MoECausalLM, SparseMoE
 
 _EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(MoECausalLM):
     def make_layer(self, config: PretrainedConfig, layer: int) -> PreNormLayer:
         attn = Attention(config, layer, window=layer_windows(config)[layer])
         moe = SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,

@@ -21,10 +21,24 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from batchrun.model.arch.blocks import GatedMLP
+from batchrun.model.arch.blocks import CausalLM, GatedMLP
 from batchrun.model.ops import TorchOps
 
 GROUPED_BLOCK_M = 16  # rows per tile of the grouped GEMM (an expert's rows are padded to a multiple of it)
+
+
+class MoECausalLM(CausalLM):
+    """A causal LM with SparseMoE layers: it takes stacked expert tensors from a checkpoint, and groups its experts
+    for the grouped GEMM on CUDA."""
+
+    def checkpoint_tensors(self, tensors):
+        return split_stacked_experts(tensors)
+
+    def group_experts(self) -> int:
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None]
+        for block in blocks:
+            block.group_experts()
+        return len(blocks)
 
 
 class SparseMoE(nn.Module):

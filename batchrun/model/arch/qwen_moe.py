@@ -8,11 +8,11 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from batchrun.model.arch.blocks import Attention, CausalLM, GatedMLP, PreNormLayer, layer_windows
-from batchrun.model.arch.moe import SparseMoE
+from batchrun.model.arch.blocks import Attention, GatedMLP, PreNormLayer, layer_windows
+from batchrun.model.arch.moe import MoECausalLM, SparseMoE
 
 
-class Qwen2MoeForCausalLM(CausalLM):
+class Qwen2MoeForCausalLM(MoECausalLM):
     def make_layer(self, config: PretrainedConfig, layer: int) -> PreNormLayer:
         return PreNormLayer(config, self.make_attention(config, layer), self.make_mlp(config, layer))
 
