@@ -36,7 +36,9 @@ def moe_align(expert_of_pair: torch.Tensor, num_experts: int, block_m: int):
     num_tiles = tiles_bound(num_pairs, num_experts, block_m)
     experts = expert_of_pair.long()
     order = torch.sort(experts, stable=True).indices  # pairs by expert, by token within one
-    counts = torch.bincount(experts, minlength=num_experts)
+    # (not bincount: on CUDA it reads the largest id back to size its output, a sync that no graph can capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, experts,
+                                                                                     torch.ones_like(experts))
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)  # each expert's tiles end here (exclusive)
     first_row = (tile_end - tiles) * block_m  # an expert's first laid-out row
