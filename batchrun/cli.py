@@ -218,6 +218,14 @@ def show(output: str, rows: int, columns: str | None) -> None:
 
 
 @main.command()
+def models() -> None:
+    """List the model families batchrun runs, with what the test suite verifies for each."""
+    from batchrun.model.registry import models_table  # no torch
+
+    click.echo(models_table())
+
+
+@main.command()
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--out", "dest", type=click.Path(dir_okay=False), metavar="PNG",
               help="Where to write the picture (default: OUTPUT/report.png).")

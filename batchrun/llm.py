@@ -122,7 +122,12 @@ class LLM:
                                                      f"{shape.bytes_per_block} bytes")
         num_host_blocks = swap_bytes // shape.bytes_per_block
         self.max_model_len = loaded.max_model_len
-        if self.max_model_len > num_kv_blocks * block_size:
+        window = loaded.model.kv_window
+        # a sequence of a model whose every layer is windowed holds about window + a step's tokens of blocks
+        # (the block manager gives back the rest), so the pool need not hold max_model_len tokens
+        needed = self.max_model_len if window is None else min(
+            self.max_model_len, window + args.max_num_batched_tokens + 2 * block_size)
+        if needed > num_kv_blocks * block_size:
             log.warning("max_model_len %d capped at the KV cache's %d tokens", self.max_model_len,
                         num_kv_blocks * block_size)
             self.max_model_len = num_kv_blocks * block_size
@@ -154,7 +159,7 @@ class LLM:
         )
         eng_cfg = EngineConfig(block_size=block_size, num_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
                                max_model_len=self.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                               kv_bytes_per_token=shape.bytes_per_token)
+                               kv_bytes_per_token=shape.bytes_per_token, sliding_window=window)
         if not args.enforce_eager:
             runner.enable_cuda_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.engine = Engine(runner, self.tokenizer, loaded.eos_token_ids, eng_cfg, sched_cfg)

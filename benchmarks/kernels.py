@@ -70,8 +70,9 @@ def mentions(src: dict[str, bytes], text: str) -> bool:
 
 def _baseline(ref: str) -> ctypes.CDLL | None:
     src = revision_source(ref)
-    if mentions(src, "int paged_attention("):  # (without the amx_lanes argument before 2026-12-02)
-        restype, args = cpu_attention.SIGNATURES["paged_attention"]
+    if mentions(src, "int paged_attention("):  # (without amx_lanes before 2026-12-02, window and softcap before
+        restype, args = cpu_attention.SIGNATURES["paged_attention"]  # issue 29)
+        args = args if mentions(src, "softcap") else args[:-2]
         args = args if mentions(src, "amx_lanes") else args[:-1]
         return cpu_kernels.build(src, {"paged_attention": (restype, args)})
     if not mentions(src, "int paged_decode("):
@@ -87,9 +88,7 @@ def _old_attention(old: ctypes.CDLL, q, kv, tables, rows, lens, scale, out) -> N
     old.paged_attention(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv.stride(0) * kv.element_size(), tables.data_ptr(),
                         tables.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), n, hq, kv.shape[3], d,
                         kv.shape[2], scale, int(q.dtype == torch.bfloat16),
-                        *([AMX_PREFILL_LANES]
-                          if len(old.paged_attention.argtypes) == len(cpu_attention.SIGNATURES["paged_attention"][1])
-                          else []))
+                        *[AMX_PREFILL_LANES, 0, 0.0][: len(old.paged_attention.argtypes) - 16])  # what it takes
 
 
 def _pool(num_seqs: int, ctx: int, hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):

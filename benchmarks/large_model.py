@@ -2,7 +2,7 @@
 
 Makes a checkpoint of the shape with random bf16 weights, shard by shard (a shard's tensors at a time, so the
 machine never holds the model while writing it), then runs a job of --requests prompts on it with `batchrun run`
-and the default engine settings, in a child process whose peak RSS (ru_maxrss) is the figure. The report (one JSON
+and the default engine settings, in a child process whose own peak RSS (VmHWM) is the figure. The report (one JSON
 object, also to --json) has the exit code, tokens/s, the weights' size from the checkpoint's headers, the KV pool
 the engine chose (from _metrics.json) and the bound the issue sets: peak RSS <= 1.15 x weights + KV pool + 1 GiB.
 
@@ -130,6 +130,19 @@ def write_job(folder: Path, model: Path, requests: int, max_tokens: int) -> Path
     return job
 
 
+# `batchrun run` in this process, its peak RSS (VmHWM: this process's own; a child's ru_maxrss starts at the peak of
+# the process it was forked from, e.g. a test run's) written at exit to argv[1]
+PEAK_WRAPPER = """
+import atexit, sys
+from batchrun.cli import main
+def peak():
+    hwm = next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    open(sys.argv[1], "w").write(str(int(hwm) * 1024))
+atexit.register(peak)
+main(sys.argv[2:], prog_name="batchrun")
+"""
+
+
 def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the job in a child process; its exit code, wall time, tokens/s, peak RSS and the bound."""
     from batchrun.engine_args import EngineArgs
@@ -137,16 +150,16 @@ def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, 
     from batchrun.model.memory import checkpoint_elements
 
     job = write_job(work, model, requests, max_tokens)
+    peak_file = work / "peak_rss"
+    peak_file.unlink(missing_ok=True)
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "batchrun.cli", "run", str(job), "--no-resume"],
-                                env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not that of earlier children
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, str(peak_file), "run", str(job), "--no-resume"],
+                              env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=err, text=True)
         err.seek(0)
         stderr = err.read()
     wall = time.monotonic() - start
-    peak = usage.ru_maxrss * 1024
+    peak = int(peak_file.read_text()) if peak_file.is_file() else 0
     weights = 2 * checkpoint_elements(model)
     metrics_file = work / "out" / "_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}

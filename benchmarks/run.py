@@ -132,6 +132,18 @@ PLANS: dict[str, Plan] = {
     "llama1b-bf16": Plan("llama1b-bf16", "", 48, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
                          scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False,
                          batchrun_kwargs={"num_speculative_tokens": 0}),
+    # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/builtin.py):
+    # a Gemma (sliding and global layers, GeGLU, a 262k vocabulary) and a mixture of experts. Asked for by name.
+    "gemma3-270m": Plan("gemma3-270m", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                        scenarios=(), note="Gemma 3 270M's shape, random weights"),
+    "gemma3-270m-bf16": Plan("gemma3-270m-bf16", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(),
+                             cb_requests_per_step=(), scenarios=(), dtype="bfloat16",
+                             note="Gemma 3 270M's shape, random weights"),
+    "qwen3-moe": Plan("qwen3-moe", "small-qwen3-moe", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                      scenarios=(), note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
+    "qwen3-moe-bf16": Plan("qwen3-moe-bf16", "small-qwen3-moe", 64, PROMPT, OUTPUT, static_batches=(),
+                           cb_requests_per_step=(), scenarios=(), dtype="bfloat16",
+                           note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
 }
 # What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
 # ignored on the same real model (a second view); the other plans are asked for by name.

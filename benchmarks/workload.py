@@ -153,9 +153,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], dtype_bytes: int = 4) -> ModelShape:
+        """A mixture-of-experts config counts the MLP weights a token goes through: its top-k experts' (and a
+        shared expert's), as an equivalent intermediate size (the router's few weights are left out)."""
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
+        intermediate = cfg["intermediate_size"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if experts:
+            per_expert = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+            intermediate = per_expert * cfg["num_experts_per_tok"] + (cfg.get("shared_expert_intermediate_size") or 0)
+        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], intermediate, heads,
                    cfg.get("num_key_value_heads") or heads, head_dim, cfg["vocab_size"], dtype_bytes)
 
     @classmethod

@@ -40,15 +40,25 @@ WHOLE_CONTEXT = 1 << 30
 
 
 @triton.jit
+def scores_log2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in log2 units for exp2: dots * qk_scale (scale * log2 e), or soft-capped (Gemma 2), where qk_scale is
+    the plain scale: softcap * tanh(scale * dots / softcap) * log2 e, tanh as 2 sigmoid(2x) - 1."""
+    if SOFTCAP:
+        x = dots * qk_scale / softcap
+        return softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * LOG2E
+    return dots * qk_scale
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    scale_log2,
+    qk_scale, window, softcap,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_c, stride_cb, stride_ct, stride_ch, stride_bt,
     stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,6 +69,9 @@ def _decode_partition_kernel(
     if start >= tl.maximum(seq_len, 1):
         return
     end = tl.minimum(start + PARTITION, seq_len)
+    # a sliding window sees keys [lo, seq_len); the walk starts at the key tile holding lo, as prefill's does
+    lo = tl.maximum(seq_len - window, 0) if WINDOW else 0
+    first = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -75,13 +88,13 @@ def _decode_partition_kernel(
     block_row = block_tables_ptr + seq * stride_bt
     k_base = cache_ptr + kv_head * stride_ch
     v_base = k_base + stride_c
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = (offs_n < end) & (offs_n >= lo)  # (a freed block's table entry is never read)
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2
+        s = scores_log2(tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC), qk_scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -144,8 +157,11 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     partition_size: int | None = 512,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
+    """Attention of one query token per sequence over its paged context (its last `window` keys when window > 0;
+    scores soft-capped to softcap * tanh(s / softcap) when softcap > 0).
 
     q: [num_seqs, num_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], context length
@@ -177,14 +193,15 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
         q, kv_cache, out, part_out, part_lse, block_tables, seq_lens,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         part_out.stride(0) if split else 0, part_out.stride(1) if split else 0, part_out.stride(2) if split else 0,
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
-        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype),
+        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype), WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -206,9 +223,11 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
     return keys, values
 
 
-def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], scale: float) -> torch.Tensor:
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
     """Attention in fp64 of queries at positions `q_pos` over keys at 0..len(k)-1, each query seeing keys up to
-    its own position; GQA by repeating each KV head for its group of query heads.
+    its own position (and, with a window, none before its position - window + 1); scores soft-capped when softcap
+    > 0; GQA by repeating each KV head for its group of query heads.
 
     q: [num_q, num_heads, D]; k, v: [num_k, num_kv_heads, D]. Returns fp64 [num_q, num_heads, D].
     """
@@ -216,17 +235,23 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[in
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     for row, pos in enumerate(q_pos):
         scores[:, row, pos + 1 :] = float("-inf")
+        if window:
+            scores[:, row, : max(pos - window + 1, 0)] = float("-inf")
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Sequence by sequence, slot by slot, in fp64, for tests."""
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         k, v = gather_context(kv_cache, block_tables[i], seq_len)
-        out[i] = attend_ref(q[i : i + 1].to(kv_cache.dtype), k, v, [seq_len - 1], scale)[0].to(q.dtype)
+        out[i] = attend_ref(q[i : i + 1].to(kv_cache.dtype), k, v, [seq_len - 1], scale, window,
+                            softcap)[0].to(q.dtype)
     return out

@@ -18,17 +18,18 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_kv_cache, dot_dtype, dot_precision
-from kernels.decode_attention import LOG2E, attend_ref, gather_context
+from kernels.decode_attention import LOG2E, attend_ref, gather_context, scores_log2
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2,
+    qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c, stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,24 +57,34 @@ def _prefill_kernel(
     k_base = cache_ptr + (head // GROUP) * stride_ch
     v_base = k_base + stride_c
     end = tl.minimum(seq_len, cached + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
-    for n0 in range(0, end, BLOCK_N):
+    # with a sliding window, row q_pos sees keys from q_pos - window + 1; the walk starts at the key tile that
+    # holds the tile's first row's first key (the tiles are the decode kernel's: multiples of BLOCK_N)
+    lo = tl.maximum(cached + tile * BLOCK_M - window + 1, 0) if WINDOW else 0
+    for n0 in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = (offs_n < end) & (offs_n >= lo)  # (a freed block's table entry is never read)
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2
-        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row from the first tile
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        s = scores_log2(tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC), qk_scale, softcap, SOFTCAP)
+        seen = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Without a window m_new is finite (key 0 is visible to every row from the first tile). With one, a row may
+        # see nothing of the tiles before its window's: they leave its sums at exactly 0 (exp2(-inf) weights), so
+        # its result is that of a walk from its own first tile, the decode kernel's.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         pv = tl.dot(p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (l_i is 0 only on rows past query_len, never stored)
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -90,8 +101,11 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context.
+    """Causal attention of each sequence's new tokens over its paged context (a token at position p sees keys
+    (p - window, p] when window > 0; scores soft-capped to softcap * tanh(s / softcap) when softcap > 0).
 
     q, out: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows
     `query_start_loc[i]:query_start_loc[i+1]` of q (offsets into q, so the caller may pass a slice of a
@@ -110,12 +124,13 @@ def paged_prefill_attention(
         return out
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
         q, kv_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype),
+        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype), WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
     )
     return out
 
@@ -127,6 +142,8 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Sequence by sequence, slot by slot, in fp64, for tests (rows outside every sequence are zero)."""
     out = torch.zeros_like(q)
@@ -135,5 +152,5 @@ def paged_prefill_attention_ref(
         lo, hi = starts[i], starts[i + 1]
         k, v = gather_context(kv_cache, block_tables[i], seq_len)
         q_pos = list(range(seq_len - (hi - lo), seq_len))
-        out[lo:hi] = attend_ref(q[lo:hi].to(kv_cache.dtype), k, v, q_pos, scale).to(q.dtype)
+        out[lo:hi] = attend_ref(q[lo:hi].to(kv_cache.dtype), k, v, q_pos, scale, window, softcap).to(q.dtype)
     return out

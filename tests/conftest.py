@@ -20,6 +20,30 @@ ARCH_SPECS = {
     "mistral": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
+    # the families of issue 29 (tests/test_families.py): odd GQA ratios and head dims, windows shorter than the
+    # prompts, each family's own switches set away from their defaults
+    "gemma2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=32,
+                   sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                   tie_word_embeddings=True),
+    "gemma3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                   num_hidden_layers=3, sliding_window=20,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                   tie_word_embeddings=False),
+    "phi3": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, sliding_window=40,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                 tie_word_embeddings=False),
+    "olmo2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "granite": dict(num_attention_heads=4, num_key_value_heads=1, embedding_multiplier=3.0,
+                    attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5, tie_word_embeddings=True),
+    "mixtral": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=80,
+                    num_local_experts=5, num_experts_per_tok=2, sliding_window=36, tie_word_embeddings=False),
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[1],
+                      num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                      shared_expert_intermediate_size=56, norm_topk_prob=False, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=True),
 }
 
 

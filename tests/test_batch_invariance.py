@@ -190,7 +190,7 @@ def test_invariant_bf16_lm_head_rows_do_not_depend_on_the_row_count():
 
 
 def test_refine_top_logits_one_row_as_in_a_batch():
-    from batchrun.model.llama import refine_top_logits
+    from batchrun.model.arch.blocks import refine_top_logits
 
     torch.manual_seed(0)
     weight = torch.randn(4096, 1536).bfloat16()

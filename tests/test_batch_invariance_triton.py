@@ -106,6 +106,25 @@ def test_unsplit_decode_equals_prefill_and_chunks(dtype) -> None:
     torch.testing.assert_close(split, decode, atol=1e-2, rtol=1e-2)  # the split is close, not the same bits
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(30, 0.0), (9, 20.0)], ids=["window30", "window9-softcap"])
+def test_unsplit_decode_equals_prefill_and_chunks_with_a_window(window, softcap) -> None:
+    """With a sliding window each kernel starts a row at the key tile holding its window's first key (prefill:
+    its tile's first row's), and a row's tiles before its own first visible key leave its sums at exactly zero:
+    the decode row and every chunking of the prefill still agree bit for bit."""
+    seq_len = 75
+    cache, table, seq_lens = _pool([seq_len])
+    q = _q(seq_len, seq_len)
+    kw = dict(window=window, softcap=softcap)
+    decode = paged_decode_attention(q[-1:], cache, table, seq_lens, 0.2, seq_len, partition_size=None, block_n=TILE,
+                                    **kw)
+    for chunk in (seq_len, 40, 16, 7, 1):
+        start = seq_len - chunk
+        out = paged_prefill_attention(q[start:], cache, table, seq_lens,
+                                      torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE), chunk, 0.2,
+                                      block_m=TILE, block_n=TILE, **kw)
+        assert torch.equal(out[-1:], decode), chunk
+
+
 def test_backend_split_follows_the_mode() -> None:
     from batchrun.model.backends import select_backend
 

@@ -4,23 +4,27 @@ Besides the accounting invariants (free + used == total, ref counts == holders, 
 keeps a fake memory of what token each physical slot holds, applies the copy-on-write and swap pairs the
 manager returns, and checks after every operation that every sequence reads back exactly its own tokens
 through its block table. That catches a shared block written without a copy, a stale prefix-cache hit, or
-a swap that loses a block.
+a swap that loses a block. With a sliding window, blocks wholly before a sequence's next window are released
+after each write (as the scheduler does after each step), and every position inside the window must still read
+back its token.
 """
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.block_manager import HOLE, BlockManager
 
 BS = 4
 
 
 class BlockMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 24), num_host=st.integers(0, 16), caching=st.booleans())
-    def setup(self, num_blocks, num_host, caching):
+    @initialize(num_blocks=st.integers(4, 24), num_host=st.integers(0, 16), caching=st.booleans(),
+                window=st.one_of(st.none(), st.integers(1, 10)))
+    def setup(self, num_blocks, num_host, caching, window):
         self.bm = BlockManager(num_blocks, BS, num_host_blocks=num_host, enable_prefix_caching=caching,
-                               watermark=0.0)
+                               watermark=0.0, sliding_window=window)
+        self.window = window
         self.mem = {b: [None] * BS for b in range(num_blocks)}
         self.host = {h: [None] * BS for h in range(num_host)}
         self.tokens: dict[int, list[int]] = {}  # seq -> its tokens
@@ -49,6 +53,7 @@ class BlockMachine(RuleBasedStateMachine):
         self._write(seq, start, start + len(new_tokens))
         self.computed[seq] = start + len(new_tokens)
         self.bm.commit(seq, self.tokens[seq], self.computed[seq])
+        self.bm.release_outside_window(seq, self.computed[seq])
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def admit(self, prompt):
@@ -66,6 +71,7 @@ class BlockMachine(RuleBasedStateMachine):
         self._write(seq, start, len(prompt))
         self.computed[seq] = len(prompt)
         self.bm.commit(seq, self.tokens[seq], len(prompt))
+        self.bm.release_outside_window(seq, len(prompt))
 
     @rule(prefix=st.lists(st.integers(0, 2), min_size=1, max_size=10),
           suffixes=st.lists(st.lists(st.integers(0, 2), max_size=5), min_size=2, max_size=4),
@@ -100,6 +106,7 @@ class BlockMachine(RuleBasedStateMachine):
             self.tokens[seq] = prompt[:end]
             self.computed[seq] = end
             self.bm.commit(seq, prompt, end)
+            self.bm.release_outside_window(seq, end)
         assert not self.bm.pending
 
     def _resident(self):
@@ -157,8 +164,13 @@ class BlockMachine(RuleBasedStateMachine):
         assert self.bm.num_free + self.bm.num_used == self.bm.num_blocks
         for seq, toks in self.tokens.items():
             mem, table = (self.host, self.bm.host_tables[seq]) if seq in self.swapped else (self.mem, self.bm.tables[seq])
-            got = [mem[table[p // BS]][p % BS] for p in range(self.computed[seq])]
-            assert got == toks[: self.computed[seq]], f"seq {seq} reads {got}, wrote {toks}"
+            computed = self.computed[seq]
+            # what the next token's window sees must be there; what lies before it may have been released
+            seen = 0 if self.window is None else max(0, computed - self.window + 1)
+            assert all(table[p // BS] != HOLE for p in range(seen, computed)), f"seq {seq} lost a block in its window"
+            kept = [p for p in range(computed) if table[p // BS] != HOLE]
+            got = [mem[table[p // BS]][p % BS] for p in kept]
+            assert got == [toks[p] for p in kept], f"seq {seq} reads {got}, wrote {toks}"
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -247,3 +259,24 @@ def test_watermark_blocks_admission_but_not_growth():
     assert bm.allocate(2, BS, 0, admit=True) is None  # would dip under the 5-block watermark
     assert 2 not in bm.tables
     assert bm.allocate(1, 96 * BS, 95 * BS) == []  # a running sequence may use it
+
+
+def test_blocks_behind_a_sliding_window_go_back_and_their_entries_become_holes():
+    bm = BlockManager(8, BS, watermark=0.0, sliding_window=5)
+    tokens = list(range(13))
+    assert bm.allocate(1, 13, 0) == []
+    bm.commit(1, tokens, 13)
+    bm.release_outside_window(1, 13)  # the next token (13) sees keys 9..13: blocks 0 and 1 (positions 0-7) go
+    table = bm.block_table(1)
+    assert table[:2] == [HOLE, HOLE] and HOLE not in table[2:] and bm.num_used == 2
+    assert bm.lookup(tokens + [99])[0][:2] != []  # their K/V stay in the prefix cache
+    bm.fork(1, 2)  # a fork shares the held blocks only
+    assert bm.block_table(2)[:2] == [HOLE, HOLE] and [bm.ref[b] for b in table[2:]] == [2, 2]
+    bm.free_seq(2)
+    bm.num_host_blocks, bm.host_ref, bm.host_free = 4, [0] * 4, [3, 2, 1, 0]
+    assert bm.swap_out([1]) == [(table[2], 0), (table[3], 1)]  # holes are not swapped
+    assert bm.host_tables[1][:2] == [HOLE, HOLE]
+    assert len(bm.swap_in([1])) == 2 and bm.block_table(1)[:2] == [HOLE, HOLE]
+    bm.free_seq(1)
+    bm.check()
+    assert bm.num_used == 0

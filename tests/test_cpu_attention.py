@@ -8,6 +8,7 @@ the torch path (`store_kv_torch` + SDPA) within rounding.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -44,7 +45,8 @@ def make_seq(length: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: i
     return Seq(*(torch.randn(length, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv)))
 
 
-def run_step(backend: TorchBackend, cache: torch.Tensor, step: list[tuple[Seq, int, int]]) -> list[torch.Tensor]:
+def run_step_(backend: TorchBackend, cache: torch.Tensor, step: list[tuple[Seq, int, int]], window: int = 0,
+             softcap: float = 0.0) -> list[torch.Tensor]:
     """One forward over `step`: (sequence, first new position, end) each, decodes (one new token) first as the
     runner orders them. Returns each entry's output rows [end - start, Hq, D], in the order given."""
     bs = cache.shape[2]
@@ -66,9 +68,12 @@ def run_step(backend: TorchBackend, cache: torch.Tensor, step: list[tuple[Seq, i
         num_decodes=sum(1 for n in qlens if n == 1), max_query_len=max(qlens), max_seq_len=max(slens),
         seq_lens_host=slens, query_lens_host=qlens,
     )
-    out = backend.forward(q, k, v, cache, meta, q.shape[-1] ** -0.5)
+    out = backend.forward(q, k, v, cache, meta, q.shape[-1] ** -0.5, window=window, softcap=softcap)
     rows = [out[starts[i] : starts[i + 1]] for i in range(len(step))]
     return [rows[order.index(i)] for i in range(len(step))]
+
+
+run_step = run_step_
 
 
 def place(seqs: list[Seq], length: int, bs: int, num_blocks: int, seed: int, shared: int = 0) -> None:
@@ -83,9 +88,12 @@ def place(seqs: list[Seq], length: int, bs: int, num_blocks: int, seed: int, sha
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
-@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 8), (4, 4, 128, 16)])
-def test_a_rows_attention_is_bitwise_the_same_whatever_the_step(dtype, hq, hkv, d, bs):
+@pytest.mark.parametrize("hq,hkv,d,bs,window,softcap", [(9, 3, 64, 8, 0, 0.0), (4, 4, 128, 16, 0, 0.0),
+                                                        (9, 3, 64, 8, 13, 0.0), (4, 2, 128, 16, 30, 5.0)],
+                         ids=["gqa3", "mha", "gqa3-window13", "gqa2-window30-softcap"])
+def test_a_rows_attention_is_bitwise_the_same_whatever_the_step(dtype, hq, hkv, d, bs, window, softcap):
     length, chunk = 45, 19  # the row checked: the last token; chunk 2 covers [19, 45)
+    run_step = functools.partial(run_step_, window=window, softcap=softcap)
     new = lambda seed: make_seq(length, hq, hkv, d, dtype, seed)  # noqa: E731
     cache = lambda: torch.zeros(2, 64, bs, hkv, d, dtype=dtype)  # noqa: E731
     a = new(0)
@@ -178,6 +186,41 @@ def test_mixed_steps_match_the_torch_path(dtype, hq, hkv, d, bs, backend):
                 assert torch.allclose(x.float(), y, atol=1e-2, rtol=2e-2), (a, b, (x.float() - y).abs().max())
         else:
             assert torch.allclose(x, y, atol=1e-5, rtol=1e-5), (a, b, (x - y).abs().max())
+
+
+@pytest.mark.parametrize("backend", [KERNEL, PREFILL_AMX, SPLIT], ids=["kernel", "kernel-prefill-amx", "sdpa-prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("hq,hkv,d,bs,window,softcap", [(9, 3, 64, 16, 40, 0.0), (8, 2, 128, 8, 0, 20.0),
+                                                        (4, 2, 64, 8, 67, 50.0), (6, 2, 80, 16, 1, 0.0)])
+def test_sliding_window_and_softcap_match_the_torch_path(dtype, hq, hkv, d, bs, window, softcap, backend):
+    """Gemma's attention: a sliding window shorter than the contexts (1: each row sees itself only), the scores
+    soft-capped, alone and together; decode and prefill rows of one step, against the torch path."""
+    rng = random.Random(hq * 1000 + d + bs + window)
+    seqs = []
+    for i in range(3):  # decodes
+        n = rng.randint(1, 150)
+        seqs.append((make_seq(n, hq, hkv, d, dtype, 100 + i), n - 1, n))
+    for i, cached in enumerate((0, 37, 90)):  # prefills and extends crossing the window
+        n = rng.randint(20, 110)
+        seqs.append((make_seq(cached + n, hq, hkv, d, dtype, 200 + i), cached, cached + n))
+    place([s for s, _, _ in seqs], 200, bs, 256, seed=7)
+    pool = torch.zeros(2, 256, bs, hkv, d, dtype=dtype)
+    run_step(REFERENCE, pool, [(s, 0, a) for s, a, _ in seqs if a > 0])
+    ref_pool = pool.float() if dtype == BF else pool.clone()
+    got = run_step(backend, pool, seqs, window, softcap)
+    fp32 = lambda s: Seq(s.q.float(), s.k.float(), s.v.float(), s.blocks)  # noqa: E731
+    ref = run_step(REFERENCE, ref_pool, [(fp32(s), a, b) for s, a, b in seqs], window, softcap)
+    for (_s, a, b), x, y in zip(seqs, got, ref):
+        if dtype == BF:
+            if backend is not SPLIT or a == b - 1:
+                assert close_bf16(x, y), (a, b, (x.float() - y).abs().max())
+            else:
+                assert torch.allclose(x.float(), y, atol=1e-2, rtol=2e-2), (a, b, (x.float() - y).abs().max())
+        else:
+            assert torch.allclose(x, y, atol=1e-5, rtol=1e-5), (a, b, (x - y).abs().max())
+    if window:  # and the window matters: the same step without it differs
+        unwindowed = run_step(REFERENCE, ref_pool, [(fp32(s), a, b) for s, a, b in seqs], 0, softcap)
+        assert any(not torch.allclose(x, y, atol=1e-3) for x, y in zip(ref, unwindowed))
 
 
 def test_the_backend_choice_keeps_every_row_on_the_kernel():

@@ -92,12 +92,36 @@ def test_silu_mul():
     assert torch.allclose(got, TORCH.silu_mul(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d", [64, 48])
-def test_rope_in_place_on_qkv_views(d):
+@pytest.mark.parametrize("inter", [1000, 37])
+def test_gelu_tanh_mul_and_its_rows_do_not_depend_on_the_row_count(inter):
+    """GeGLU (Gemma): torch's gelu(tanh) to within rounding; and each row the bits it gets alone (torch's own op
+    gives a row other bits by where it falls in the tensor: its vector and scalar tanh differ)."""
+    x = torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(2)) * 4
+    got = KERNELS.gelu_tanh_mul(x)
+    assert torch.allclose(got, TORCH.gelu_tanh_mul(x), atol=2e-6, rtol=2e-6)
+    assert all(torch.equal(KERNELS.gelu_tanh_mul(x[i : i + 1])[0], got[i]) for i in range(33))
+    big = torch.randn(2, 2 * inter) * 30  # saturated tanh: exactly x (or 0) times up, no NaN
+    assert KERNELS.gelu_tanh_mul(big).isfinite().all()
+
+
+def test_tanh_cap_in_place_and_row_invariant():
+    """Gemma 2's final logit soft-capping: torch's cap * tanh(x / cap) to 1e-6 absolutely, and each row the bits
+    it gets alone."""
+    x = torch.randn(7, 1003, generator=torch.Generator().manual_seed(3)) * 40
+    ref = torch.tanh(x / 30.0) * 30.0
+    from batchrun.model.cpu_kernels import elementwise
+
+    got = elementwise.tanh_cap_(x.clone(), 30.0)
+    assert (got - ref).abs().max() < 1e-5 and got.abs().max() < 30.0
+    assert all(torch.equal(elementwise.tanh_cap_(x[i : i + 1].clone(), 30.0)[0], got[i]) for i in range(7))
+
+
+@pytest.mark.parametrize("d,rotary", [(64, 64), (48, 48), (64, 32), (48, 24)], ids=["64", "48", "64-half", "48-half"])
+def test_rope_in_place_on_qkv_views(d, rotary):
     g = torch.Generator().manual_seed(d)
     n, h, hkv, max_pos = 13, 4, 2, 300
     qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
-    cos, sin = torch.randn(max_pos, d, generator=g), torch.randn(max_pos, d, generator=g)
+    cos, sin = torch.randn(max_pos, rotary, generator=g), torch.randn(max_pos, rotary, generator=g)
     rot = ops.Rotary(torch.randint(0, max_pos, (n,), generator=g), cos, sin, torch.float32)
 
     def views(t):

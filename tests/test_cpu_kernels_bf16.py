@@ -87,6 +87,11 @@ def test_silu_mul_bf16():
     assert close(KERNELS.silu_mul(x), TORCH.silu_mul(x))
 
 
+def test_gelu_tanh_mul_bf16():
+    x = (torch.randn(33, 2 * 1000, generator=torch.Generator().manual_seed(2)) * 4).to(BF)
+    assert close(KERNELS.gelu_tanh_mul(x), TORCH.gelu_tanh_mul(x))
+
+
 @pytest.mark.parametrize("d", [64, 40])
 def test_rope_bf16_in_place_matches_fp32_rope_rounded(d):
     g = torch.Generator().manual_seed(d)
@@ -116,7 +121,7 @@ def test_logits_top_widens_and_finds_the_largest(vocab):
 def test_bf16_logits_refined_in_fp32_at_the_top():
     """Two candidates whose fp32 logits differ by less than a bf16 step: rounding ties them, the refinement
     orders them as fp32 does."""
-    from batchrun.model.llama import refine_top_logits
+    from batchrun.model.arch.blocks import refine_top_logits
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 64, generator=g).to(BF)

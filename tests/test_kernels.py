@@ -148,6 +148,57 @@ def test_decode_attention(block_size: int, head_dim: int, group: int, dtype: tor
     assert out[len(seq_lens):].isnan().all()
 
 
+# Gemma's attention: (block size, head dim, GQA ratio, dtype, window, softcap). The windows are shorter than the
+# long contexts (so whole key tiles and partitions fall before them), 1 (a row sees itself only), or longer.
+WINDOW_CASES = [
+    (8, 64, 2, torch.float32, 37, 0.0),
+    (16, 48, 4, torch.float32, 0, 30.0),
+    (8, 64, 1, torch.float32, 20, 50.0),
+    (16, 64, 2, torch.bfloat16, 1, 20.0),
+    (8, 80, 2, torch.float32, 500, 0.0),
+]
+
+
+@pytest.mark.parametrize(("block_size", "head_dim", "group", "dtype", "window", "softcap"), WINDOW_CASES)
+def test_decode_attention_window_softcap(block_size, head_dim, group, dtype, window, softcap) -> None:
+    seq_lens = [1, block_size + 2, 2 * PARTITION, 3 * PARTITION + 5]
+    pool = Pool(block_size, 2, head_dim, dtype, seq_lens)
+    q = randn(len(seq_lens), 2 * group, head_dim, dtype=dtype, seed=3)
+    scale = head_dim**-0.5
+    expected = paged_decode_attention_ref(q, pool.kv_cache, pool.block_tables, pool.seq_lens, scale, window, softcap)
+    if window and window < 3 * PARTITION:  # entries before a window's first key tile are never read: poison them
+        first = (3 * PARTITION + 5 - window) // TILE * TILE // block_size
+        pool.block_tables[3, :first] = -(10**6)
+    for partition_size in (PARTITION, None):
+        got = paged_decode_attention(q, pool.kv_cache, pool.block_tables, pool.seq_lens, scale, max(seq_lens),
+                                     partition_size=partition_size, block_n=TILE, window=window, softcap=softcap)
+        torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize(("block_size", "head_dim", "group", "dtype", "window", "softcap"), WINDOW_CASES)
+def test_prefill_attention_window_softcap(block_size, head_dim, group, dtype, window, softcap) -> None:
+    bs = block_size
+    chunks = [(0, 3 * TILE + 5), (2 * bs + 3, 21), (2 * PARTITION, 1), (bs, TILE + 3)]
+    seq_lens = [c + n for c, n in chunks]
+    pool = Pool(block_size, 2, head_dim, dtype, seq_lens)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    q = randn(starts[-1], 2 * group, head_dim, dtype=dtype, seed=5)
+    scale = head_dim**-0.5
+    expected = paged_prefill_attention_ref(q, pool.kv_cache, pool.block_tables, pool.seq_lens, query_start_loc,
+                                           scale, window, softcap)
+    out = paged_prefill_attention(q, pool.kv_cache, pool.block_tables, pool.seq_lens, query_start_loc,
+                                  max(n for _, n in chunks), scale, block_m=TILE, block_n=TILE, window=window,
+                                  softcap=softcap)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    if window:  # the window changes the answer where it is shorter than a row's context
+        full = paged_prefill_attention_ref(q, pool.kv_cache, pool.block_tables, pool.seq_lens, query_start_loc,
+                                           scale, 0, softcap)
+        assert not torch.allclose(full, expected, atol=1e-3) or window >= max(seq_lens)
+
+
 def test_decode_attention_empty_sequence_gives_zeros() -> None:
     """A padding row (seq_len 0, as CUDA-graph padding may carry) must come out finite on both paths."""
     pool = Pool(8, 2, 64, torch.float32, [0, 2 * PARTITION + 1])

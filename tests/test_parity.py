@@ -131,13 +131,13 @@ def test_onednn_choice(make_ckpt, monkeypatch):
 
 
 def test_a_long_prefill_mlp_runs_in_row_chunks_with_the_same_bits(make_ckpt, prompts, monkeypatch):
-    """The MLP of a prefill whose gate|up activations pass MLP_CHUNK_BYTES runs in row chunks (llama.py): with
+    """The MLP of a prefill whose gate|up activations pass MLP_CHUNK_BYTES runs in row chunks (arch/blocks.py): with
     batch-invariant linears every row gets the bits of the whole call, and greedy outputs stay transformers'."""
-    from batchrun.model import llama
+    from batchrun.model.arch import blocks
 
-    assert llama.mlp_chunk_rows(100, 1000) == 100
-    assert llama.mlp_chunk_rows(4096, 3072 * 4) == 1024  # SmolLM2 fp32: 12.5 MB chunks of a 50 MB activation
-    assert llama.mlp_chunk_rows(4096, 3072 * 2) == 4096  # bf16: 25 MB, one call
+    assert blocks.mlp_chunk_rows(100, 1000) == 100
+    assert blocks.mlp_chunk_rows(4096, 3072 * 4) == 1024  # SmolLM2 fp32: 12.5 MB chunks of a 50 MB activation
+    assert blocks.mlp_chunk_rows(4096, 3072 * 2) == 4096  # bf16: 25 MB, one call
     path = make_ckpt("llama")
     _, refs = hf_reference(path, prompts)
     # no drafts: every decode step then has fewer rows than one chunk, and every larger call is a prefill's
@@ -150,7 +150,7 @@ def test_a_long_prefill_mlp_runs_in_row_chunks_with_the_same_bits(make_ckpt, pro
     calls = []
     gate_up = mlp.gate_up_proj.forward
     monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda h: calls.append(h.shape[0]) or gate_up(h))
-    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 8 * 2 * mlp.inter * 4)  # 8 rows' activations
+    monkeypatch.setattr(blocks, "MLP_CHUNK_BYTES", 8 * 2 * mlp.inter * 4)  # 8 rows' activations
     assert torch.equal(mlp(x, ops), whole)
     assert calls == [4] * 9 + [1]  # chunks under half the limit, the last one short
     calls.clear()

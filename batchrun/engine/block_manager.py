@@ -15,16 +15,26 @@ again. That is sound because every attention backend stores all of a step's K/V 
 layer), and no block of a step's chunks is freed or moved between scheduling and the forward. Such a block
 is pending until `commit` (the step ran) confirms it; `free_seq` of a sequence whose pending blocks were
 never confirmed (a step abandoned half way, then aborted) takes them out of the cache again.
+
+Sliding windows: when every layer of the model attends only its last `sliding_window` keys (Mistral-style; the
+engine passes None for a model with any global layer, whose layers then need every block), no query of a sequence
+ever reads a block that lies wholly before its next token's window again. `release_outside_window` gives such
+blocks back as the sequence advances; its table keeps its length (a position's block is still table[p // bs]) with
+HOLE in their place. A hole is never read (the attention kernels start at the window), never swapped, copied or
+counted; the prefix cache keeps the released blocks' keys like any freed block's.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+HOLE = -1  # a table entry whose block fell out of the sliding window and went back
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -43,6 +53,10 @@ class BlockManager:
         self.hashes: dict[int, list[int]] = {}  # seq_id -> chain hash of each of its full blocks
         # seq_id -> blocks it published ahead of the step that computes them, not yet confirmed by `commit`
         self.pending: dict[int, list[int]] = {}
+
+        # the keys every layer sees (None: some layer sees all), and per sequence how many leading entries are HOLE
+        self.sliding_window = sliding_window
+        self.released: dict[int, int] = {}
 
         self.num_host_blocks = num_host_blocks
         self.host_ref = [0] * num_host_blocks
@@ -95,7 +109,9 @@ class BlockManager:
 
     def num_distinct_blocks(self, seq_ids: list[int]) -> int:
         """Device blocks held by any of the sequences, shared ones counted once."""
-        return len({b for s in seq_ids for b in self.tables.get(s, ())})
+        blocks = {b for s in seq_ids for b in self.tables.get(s, ())}
+        blocks.discard(HOLE)
+        return len(blocks)
 
     def num_cached_blocks(self, keys: list[int]) -> int:
         """How many leading prefix-cache keys (from chain_keys) have a block in the cache now."""
@@ -263,9 +279,30 @@ class BlockManager:
         """The child shares every block of the parent; whoever writes into a shared block copies it first."""
         table = list(self.tables[parent_id])
         for b in table:
-            self.ref[b] += 1
+            if b != HOLE:
+                self.ref[b] += 1
         self.tables[child_id] = table
         self.hashes[child_id] = list(self.hashes.get(parent_id, []))
+        if parent_id in self.released:
+            self.released[child_id] = self.released[parent_id]
+
+    def release_outside_window(self, seq_id: int, num_computed: int) -> None:
+        """With a sliding window of W keys, the sequence's next token (position num_computed) and every later one
+        see keys from num_computed - W + 1 on: give back the blocks wholly before that (their entries become
+        HOLE). Cheap when nothing crosses a block (most steps)."""
+        window = self.sliding_window
+        table = self.tables.get(seq_id)
+        if window is None or table is None:
+            return
+        end = min((num_computed - window + 1) // self.block_size, len(table) - 1)  # (the last block stays)
+        start = self.released.get(seq_id, 0)
+        if end <= start:
+            return
+        for i in range(start, end):
+            b = table[i]
+            table[i] = HOLE
+            self._release(b)
+        self.released[seq_id] = end
 
     def free_seq(self, seq_id: int) -> None:
         """Give back a sequence's blocks (device or host). Tail blocks are queued for eviction first."""
@@ -273,12 +310,17 @@ class BlockManager:
             for b in self.pending.pop(seq_id, ()):  # published ahead of a step that never ran: never computed
                 self._unpublish(b)
         for b in reversed(self.tables.pop(seq_id, [])):
-            self._release(b)
+            if b != HOLE:
+                self._release(b)
         for h in self.host_tables.pop(seq_id, []):
+            if h == HOLE:
+                continue
             self.host_ref[h] -= 1
             if self.host_ref[h] == 0:
                 self.host_free.append(h)
         self.hashes.pop(seq_id, None)
+        if self.released:
+            self.released.pop(seq_id, None)
 
     # ---- swap ------------------------------------------------------------------------------------
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -290,6 +332,9 @@ class BlockManager:
         for s in seq_ids:
             host_table = []
             for b in self.tables.pop(s):
+                if b == HOLE:
+                    host_table.append(HOLE)
+                    continue
                 if b not in mapping:
                     mapping[b] = self.host_free.pop()
                 h = mapping[b]
@@ -301,6 +346,7 @@ class BlockManager:
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
         distinct = {h for s in seq_ids for h in self.host_tables.get(s, [])}
+        distinct.discard(HOLE)
         return len(distinct) + self.watermark_blocks <= len(self.free)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
@@ -309,6 +355,9 @@ class BlockManager:
         for s in seq_ids:
             table = []
             for h in self.host_tables.pop(s):
+                if h == HOLE:
+                    table.append(HOLE)
+                    continue
                 if h not in mapping:
                     mapping[h] = self._take_free()
                 else:
@@ -324,9 +373,11 @@ class BlockManager:
     def check(self) -> None:
         """Raise AssertionError unless the accounting is consistent."""
         holders = [0] * self.num_blocks
-        for table in self.tables.values():
-            assert len(set(table)) == len(table), "a table holds a block twice"
-            for b in table:
+        for seq_id, table in self.tables.items():
+            held = [b for b in table if b != HOLE]
+            assert len(set(held)) == len(held), "a table holds a block twice"
+            assert HOLE not in table[self.released.get(seq_id, 0):], "a hole past the released blocks"
+            for b in held:
                 holders[b] += 1
         assert holders == self.ref, "ref counts differ from the tables holding the blocks"
         assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}
@@ -340,6 +391,7 @@ class BlockManager:
         host_holders = [0] * self.num_host_blocks
         for table in self.host_tables.values():
             for h in table:
-                host_holders[h] += 1
+                if h != HOLE:
+                    host_holders[h] += 1
         assert host_holders == self.host_ref, "host ref counts differ from the host tables"
         assert sorted(self.host_free) == [h for h in range(self.num_host_blocks) if self.host_ref[h] == 0]

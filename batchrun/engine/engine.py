@@ -63,6 +63,9 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     kv_bytes_per_token: int = 0  # for the metrics
+    # the keys every layer attends when every layer has a sliding window (the largest), else None: blocks wholly
+    # before a sequence's window then go back as it advances (BlockManager.release_outside_window)
+    sliding_window: int | None = None
 
 
 class Engine:
@@ -74,7 +77,8 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
                                           num_host_blocks=config.num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          sliding_window=config.sliding_window)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.seqs: dict[int, Sequence] = {}
         self.groups: dict[int, SequenceGroup] = {}  # seq_id -> its group

@@ -429,6 +429,7 @@ class Scheduler:
         commit = self.bm.commit
         bs = self.bm.block_size
         caching = self.bm.enable_prefix_caching
+        windowed = self.bm.sliding_window is not None
         for s in out.seqs:
             seq = seqs[s.seq_id]
             num_tokens = len(s.token_ids) - s.num_draft  # drafts count once accepted (accept_drafts)
@@ -436,6 +437,8 @@ class Scheduler:
             # a decode token fills a block only at a block boundary; commit has nothing to do otherwise
             if caching and (num_tokens != 1 or computed % bs == 0):
                 commit(seq.seq_id, seq.token_ids, computed)
+            if windowed:  # blocks that fell out of every layer's window go back (block_manager.py)
+                self.bm.release_outside_window(seq.seq_id, computed)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """The engine kept the first num_accepted drafts of the sequence's step: their K/V, stored by that step,

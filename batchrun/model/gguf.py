@@ -22,10 +22,6 @@ log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 
-# GGUF configs carry a model_type but no `architectures`; the Llama family batchrun runs, by model_type.
-_CAUSAL_LM_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
 
 def find_gguf(path: Path) -> Path | None:
     """The GGUF file `path` names: the file itself, or the one .gguf in a folder without a config.json
@@ -62,8 +58,10 @@ def gguf_config(file: Path) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     except (ValueError, KeyError, OSError, NotImplementedError) as e:
         raise ModelLoadError(f"cannot read GGUF file {str(file)!r}: {_one_line(e)}") from None
-    if not getattr(config, "architectures", None):
-        name = _CAUSAL_LM_OF_MODEL_TYPE.get(config.model_type)
+    if not getattr(config, "architectures", None):  # GGUF configs carry a model_type only
+        from batchrun.model.registry import architecture_of_model_type
+
+        name = architecture_of_model_type(config.model_type)
         config.architectures = [name or f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
     return config
 

@@ -21,16 +21,16 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from batchrun.model import gguf
+from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.llama import LlamaForCausalLM
-from batchrun.model.locate import SUPPORTED_ARCHITECTURES
+from batchrun.model.registry import SUPPORTED_ARCHITECTURES, model_class
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: PretrainedConfig
     tokenizer: object
     eos_token_ids: tuple[int, ...]
@@ -61,26 +61,23 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == gguf.GGUF_SUFFIX
 
 
+def architecture(config: PretrainedConfig) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else type(config).__name__
+
+
 def load_config(path: Path) -> PretrainedConfig:
     config = gguf.gguf_config(path) if is_gguf(path) else AutoConfig.from_pretrained(path)
-    archs = getattr(config, "architectures", None) or []
-    arch = archs[0] if archs else type(config).__name__
+    arch = architecture(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r}; batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     return config
 
 
 def model_max_len(config: PretrainedConfig) -> int:
-    """Longest context the model is exact for. Sliding-window attention is not implemented, so a model
-    that uses it is capped at its window (within it, full attention is the same computation)."""
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    uses_window = window and (config.model_type == "mistral" or "sliding_attention" in layer_types)
-    if uses_window and window < limit:
-        log.warning("sliding-window attention is not implemented: max_model_len capped at the window, %d", window)
-        limit = int(window)
-    return limit
+    """Longest context the model takes: its max_position_embeddings (sliding windows are implemented in every
+    attention backend, so a windowed model is not capped at its window)."""
+    return int(config.max_position_embeddings)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -109,16 +106,17 @@ def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
             yield name, functools.partial(_read_tensor, file, name)
 
 
-def load_weights(model: LlamaForCausalLM, path: Path,
+def load_weights(model: CausalLM, path: Path,
                  tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]] | None = None) -> None:
     """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
-    and gate/up as they come."""
+    and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target)."""
     params = dict(model.named_parameters())
     rows_filled = dict.fromkeys(params, 0)
-    for name, read in (_safetensors(path) if tensors is None else tensors):
-        dst, offset = _target(name, model)
-        if dst is None:
+    for name, read in model.checkpoint_tensors(_safetensors(path) if tensors is None else tensors):
+        target = model.weight_target(name)
+        if target is None:
             continue
+        dst, offset = target
         if dst not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
         t = read()
@@ -133,33 +131,6 @@ def load_weights(model: LlamaForCausalLM, path: Path,
     missing = [n for n, p in params.items() if rows_filled[n] != p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
-
-
-def _target(name: str, model: LlamaForCausalLM) -> tuple[str | None, int]:
-    """Our parameter name for a checkpoint tensor, and the row offset inside a fused parameter."""
-    if name.startswith("model."):
-        name = name[len("model.") :]
-    if "rotary_emb" in name:
-        return None, 0
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return None, 0
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[0] == "layers":
-        attn = model.layers[int(parts[1])].self_attn
-        mlp = model.layers[int(parts[1])].mlp
-        kind, suffix = parts[3], parts[-1]
-        base = f"layers.{parts[1]}"
-        if kind == "q_proj":
-            return f"{base}.self_attn.qkv_proj.{suffix}", 0
-        if kind == "k_proj":
-            return f"{base}.self_attn.qkv_proj.{suffix}", attn.q_size
-        if kind == "v_proj":
-            return f"{base}.self_attn.qkv_proj.{suffix}", attn.q_size + attn.kv_size
-        if kind == "gate_proj":
-            return f"{base}.mlp.gate_up_proj.{suffix}", 0
-        if kind == "up_proj":
-            return f"{base}.mlp.gate_up_proj.{suffix}", mlp.inter
-    return name, 0
 
 
 def load_tokenizer(path: Path):
@@ -191,7 +162,7 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
     tokenizer = load_tokenizer(path)
     with torch.device("meta"):
-        m = LlamaForCausalLM(config).to(dtype)  # in the job's dtype from the start: no fp32 copy to convert
+        m = model_class(architecture(config))(config).to(dtype)  # in the job's dtype from the start: no fp32 copy
     m = m.to_empty(device=device)  # unwritten pages are not resident: each fills as its tensors are copied in
     m.tie_weights()
     if is_gguf(path):
@@ -205,6 +176,7 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
                  str(dtype).removeprefix("torch."))
     else:
         load_weights(m, path)
+    m.finish_load()
     m = m.to(dtype).eval().requires_grad_(False)
-    m.init_rope(max_model_len)
+    m.prepare(max_model_len)
     return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

@@ -24,8 +24,7 @@ from pathlib import Path
 from batchrun.engine_args import EngineArgsError
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.gguf import find_gguf, require_gguf_package
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from batchrun.model.registry import SUPPORTED_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
 
@@ -41,8 +40,7 @@ class ModelSource:
     max_position_embeddings: int | None = None  # from config.json, when there is one
 
     def check_max_model_len(self, max_model_len: int | None) -> None:
-        """A max_model_len past the model's positions is refused before loading. (The loader also caps a
-        sliding-window model at its window; that finer limit is checked when it loads.)"""
+        """A max_model_len past the model's positions is refused before loading."""
         limit = self.max_position_embeddings
         if max_model_len is not None and limit is not None and max_model_len > limit:
             raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")

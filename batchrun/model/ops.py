@@ -10,7 +10,7 @@ cost as much as the matmuls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -22,13 +22,24 @@ from batchrun.model.cpu_kernels import elementwise
 
 @dataclass
 class Rotary:
-    """The step's positions and the model's cos/sin tables ([max_pos, head_dim], fp32). The kernel reads
-    the tables by position; the torch path gathers the rows once per step and reuses them in every layer."""
+    """The step's positions and the model's cos/sin tables ([max_pos, rotary_dim], fp32; rotary_dim < head_dim
+    for partial rotary, whose last head_dim - rotary_dim dims are not rotated). The kernel reads the tables by
+    position; the torch path gathers the rows once per step and reuses them in every layer. `variants`: the
+    model's other tables by name (Gemma 3's sliding layers rotate with a local base), over the same positions."""
 
     positions: torch.Tensor  # int64 [num_tokens]
     cos_table: torch.Tensor
     sin_table: torch.Tensor
     dtype: torch.dtype
+    variants: dict[str, Rotary] = field(default_factory=dict)
+
+    def of(self, name: str) -> Rotary:
+        """The rotary embedding with table `name` ("global": this one)."""
+        return self if name == "global" else self.variants[name]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cos_table.shape[-1]
 
     @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,11 +81,23 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up (gelu's tanh approximation, transformers' gelu_pytorch_tanh) for a fused [N, 2I]
+        gate|up projection: GeGLU (Gemma)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def apply_rope(self, q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding of q [N, H, D] and k [N, Hkv, D]; the kernel ops rotate in place (q and k may be
-        views into the fused qkv projection, which the caller owns)."""
+        views into the fused qkv projection, which the caller owns). With partial rotary only the first
+        rot.rotary_dim dims of each head turn."""
         cos, sin = rot.rows
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        dim = rot.rotary_dim
+        if dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q_rot, k_rot = q[..., :dim], k[..., :dim]
+        return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., dim:]), dim=-1),
+                torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., dim:]), dim=-1))
 
 
 class CpuKernelOps(TorchOps):
@@ -103,8 +126,14 @@ class CpuKernelOps(TorchOps):
             return elementwise.silu_mul(gate_up)
         return super().silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up):
+        if gate_up.is_contiguous():
+            return elementwise.gelu_tanh_mul(gate_up)
+        return super().gelu_tanh_mul(gate_up)
+
     def apply_rope(self, q, k, rot):
-        if q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+        if rot.rotary_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \
+                and k.stride(1) == k.shape[2]:
             for x in (q, k):
                 elementwise.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
             return q, k

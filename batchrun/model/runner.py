@@ -20,11 +20,11 @@ from operator import attrgetter
 import torch
 
 from batchrun.engine.contract import RunnerTimers, ScheduledSeq, SchedulerOutput, StepOutput
+from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.attention import AttentionMetadata
 from batchrun.model.backends import select_backend
 from batchrun.model.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.context import ForwardContext
-from batchrun.model.llama import LlamaForCausalLM
 from batchrun.model.ops import select_ops
 from batchrun.model.sampling_batch import plan_sampling, sample_step
 
@@ -59,13 +59,13 @@ class CacheShape:
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
 
-def cache_shape(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> CacheShape:
+def cache_shape(model: CausalLM, block_size: int, dtype: torch.dtype) -> CacheShape:
     attn = model.layers[0].self_attn
     return CacheShape(len(model.layers), attn.num_kv_heads, attn.head_dim, block_size, dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, shape: CacheShape, num_blocks: int, num_host_blocks: int,
+    def __init__(self, model: CausalLM, shape: CacheShape, num_blocks: int, num_host_blocks: int,
                  device: torch.device, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
         self.model = model
         self.shape = shape

@@ -48,6 +48,8 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -55,13 +57,15 @@ class TritonBackend(AttentionBackend):
         if nd:
             paged_decode_attention(
                 q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, meta.max_seq_len,
-                out=out[:nd], partition_size=self.partition_size, block_n=self.decode_block_n,
+                out=out[:nd], partition_size=self.partition_size, block_n=self.decode_block_n, window=window,
+                softcap=softcap,
             )
         if nd < meta.num_seqs:
             # query_start_loc[nd:] still holds offsets into the full q/out, which is what the kernel takes.
             paged_prefill_attention(
                 q, kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:],
                 meta.max_query_len, scale, out=out, block_m=self.prefill_block_m, block_n=self.prefill_block_n,
+                window=window, softcap=softcap,
             )
         return out
 

@@ -13,7 +13,7 @@ from batchrun.model.cpu_kernels import dtype_flag
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
-    "paged_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I]),
+    "paged_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _I, _F]),
     "store_kv": (None, [_P, _P, _I, _P, _I, _I, _P, _P, _I]),  # the last: the element size
 }
 
@@ -29,7 +29,7 @@ def _library() -> ctypes.CDLL | None:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
                     row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                    amx_lanes: int = 1) -> torch.Tensor:
+                    amx_lanes: int = 1, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Paged attention for any mix of decode and prefill / extend query rows, in one call.
 
     q [N, Hq, D] (rows may be strided, e.g. a view of the fused qkv projection); kv_cache [2, NB, BS, Hkv, D]
@@ -40,7 +40,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     A row's result depends on that row's query, keys and values only, bit for bit (batch invariance), unless
     amx_lanes > 1: bf16 tiles of at least that many lanes (rows x query heads per kv head: prefill chunks) then go
     to AMX where the CPU has it, the others (decode rows) to the vector kernel; 0 keeps all on the vector kernel,
-    1 (the default) puts all on AMX where it runs."""
+    1 (the default) puts all on AMX where it runs.
+    window > 0: a sliding window, each row attending only its last `window` keys (block-table entries of blocks
+    wholly before a row's window are never read). softcap > 0: scores soft-capped to softcap * tanh(s / softcap)
+    before the softmax (Gemma 2)."""
     n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -52,7 +55,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
     if _library().paged_attention(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
                                   row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
-                                  dtype_flag(q), amx_lanes):
+                                  dtype_flag(q), amx_lanes, window, softcap):
         raise MemoryError("paged attention: no memory for the score buffers")
     return out
 

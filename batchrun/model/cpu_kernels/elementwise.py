@@ -15,7 +15,9 @@ _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _B, _B, _B]),
     "silu_mul": (None, [_P, _P, _I, _I, _B]),
-    "rope": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _B]),
+    "gelu_tanh_mul": (None, [_P, _P, _I, _I, _B]),
+    "tanh_cap": (None, [_P, _I, _F]),
+    "rope": (None, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _B]),
 }
 
 
@@ -47,9 +49,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> gelu_tanh(gate) * up [N, I] (GeGLU)."""
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype)
+    _library().gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, dtype_flag(gate_up))
+    return out
+
+
+def tanh_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """x = cap * tanh(x / cap) in place on a contiguous fp32 tensor (final logit soft-capping); returns x."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("tanh_cap_ takes a contiguous float32 tensor")
+    _library().tanh_cap(x.data_ptr(), x.numel(), cap)
+    return x
+
+
 def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
           sin: torch.Tensor) -> None:
     """Rotate the first `heads` heads of each row of x [N, >= heads * head_dim] in place; positions int64 [N];
-    cos/sin fp32 tables [max_pos, head_dim]."""
-    _library().rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(),
+    cos/sin fp32 tables [max_pos, rotary_dim], rotary_dim <= head_dim (partial rotary turns the first
+    rotary_dim dims of each head)."""
+    _library().rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.shape[1], positions.data_ptr(),
                     cos.data_ptr(), sin.data_ptr(), dtype_flag(x))

@@ -420,7 +420,17 @@ ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t 
 
 typedef struct {
     int64_t seq, first, rows, max_len, cost; /* cost: the tile's keys summed over its rows */
+    int64_t start; /* the first key any row of the tile attends (sliding windows), rounded down to a KEY_CHUNK */
 } Tile;
+
+/* The first key a row of row_len n attends: n - window with a sliding window (window > 0), else 0. */
+static inline int64_t first_key(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
+
+/* x[t] = softcap * tanh(x[t] / softcap) for t < n: Gemma 2's soft-capping of the (scaled) attention scores,
+ * transformers' arithmetic (a divide, tanh, a multiply). */
+static void soft_cap(float *x, int64_t n, float softcap) {
+    for (int64_t t = 0; t < n; t++) x[t] = tanhf(x[t] / softcap) * softcap;
+}
 
 static int by_cost_descending(const void *a, const void *b) {
     const int64_t x = ((const Tile *)a)->cost, y = ((const Tile *)b)->cost;
@@ -440,20 +450,23 @@ static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k,
                         int64_t bt_stride, int64_t row, int64_t bs, int64_t d, int64_t *off, const int bf) {
     key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, row, off);
     const int64_t width = (h1 - h0) * d * (bf ? 2 : 4); /* bytes of a key's K (or V) row the task reads */
-    const Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), off, 0, KEY_CHUNK < tile->max_len ? KEY_CHUNK : tile->max_len,
-                     0, (width + 63) / 64, bf ? 2 : 4};
+    const int64_t end = tile->start + KEY_CHUNK < tile->max_len ? tile->start + KEY_CHUNK : tile->max_len;
+    const Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), off, tile->start, end, 0, (width + 63) / 64, bf ? 2 : 4};
     return f;
 }
 
 /* Rows [first, first + rows) of one sequence, kv heads [h0, h1), its key offsets in s.off and `f` its fetch
  * cursor, past the first chunk. Scratch lanes are (row, query head). Each chunk fetches the next one's rows as
  * it computes, and the last one and the weighted sums of V fetch the first chunk of the thread's next task
- * (`next`). */
+ * (`next`). With a sliding window a row's softmax and weighted sum take its keys [first_key, n) only; the
+ * tile's chunks start at the one holding the earliest of its rows' first keys (scores of keys before a row's
+ * first are computed with the chunk and never read). */
 ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q, int64_t q_stride, const void *k,
                         const void *v, const int32_t *row_len, void *out, int64_t hq, int64_t g, int64_t cap,
-                        float scale, Scratch s, Fetch f, Fetch *next, const int64_t d, const int bf) {
+                        float scale, int64_t window, float softcap, Scratch s, Fetch f, Fetch *next, const int64_t d,
+                        const int bf) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len;
-    for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
+    for (int64_t c0 = tile->start; c0 < max_len; c0 += KEY_CHUNK) {
         f.end = c0 + 2 * KEY_CHUNK < max_len ? c0 + 2 * KEY_CHUNK : max_len;
         Fetch *fp = c0 + KEY_CHUNK >= max_len && f.key >= f.end ? next : &f;
         for (int64_t h = h0; h < h1; h++) {
@@ -469,19 +482,22 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t n = row_len[first + r];
+        const int64_t n = row_len[first + r], lo = first_key(n, window);
         for (int64_t j = h0 * g; j < h1 * g; j++) {
-            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(s.sc + (r * hq + j) * cap, n, 1.0f) : 0.0f;
+            float *x = s.sc + (r * hq + j) * cap + lo;
+            if (softcap > 0.0f) soft_cap(x, n - lo, softcap);
+            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(x, n - lo, 1.0f) : 0.0f;
             memset(s.acc + (r * hq + j) * d, 0, sizeof(float) * d);
         }
     }
-    for (int64_t c0 = 0; c0 < max_len; c0 += KEY_CHUNK) {
+    for (int64_t c0 = tile->start; c0 < max_len; c0 += KEY_CHUNK) {
         for (int64_t h = h0; h < h1; h++) {
             const void *vh = at(v, h * d, bf);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t n = row_len[first + r], t1 = c0 + KEY_CHUNK < n ? c0 + KEY_CHUNK : n;
+                const int64_t lo = first_key(n, window), t0 = lo > c0 ? lo : c0;
                 const int64_t lane = r * hq + h * g;
-                if (n > c0) group_pv(s.sc + lane * cap, cap, vh, s.off, c0, t1, s.acc + lane * d, next, g, d, bf);
+                if (t1 > t0) group_pv(s.sc + lane * cap, cap, vh, s.off, t0, t1, s.acc + lane * d, next, g, d, bf);
             }
         }
     }
@@ -564,14 +580,15 @@ static inline void transpose16x16(__m512i *r) {
  * inv: the lanes' 1 / sums. `f` fetches the task's K/V ahead, `next` the next task's first chunk. */
 static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t q_stride, const bf16 *k,
                             const bf16 *v, const int32_t *row_len, bf16 *out, int64_t hq, int64_t g, int64_t cap,
-                            float scale, const int64_t *off, float *sc, float *inv, AmxBuffers b,
-                            Fetch *f, Fetch *next, int64_t d) {
+                            float scale, int64_t window, float softcap, const int64_t *off, float *sc, float *inv,
+                            AmxBuffers b, Fetch *f, Fetch *next, int64_t d) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, lanes = rows * g;
     const int64_t lane_tiles = (lanes + 15) / 16, cap32 = (cap + 31) / 32 * 32, key_chunks = (max_len + 31) / 32;
+    const int64_t start = tile->start, first_chunk = start / 32; /* a sliding window's first key chunk */
     /* (the padding lanes of the last lane tile keep whatever they hold: their sums are never read) */
     for (int64_t l = 0; l < lanes; l++) memcpy(b.qa + l * d, q + (first + l / g) * q_stride + (h * g + l % g) * d, 2 * d);
     /* scores */
-    for (int64_t t0 = 0; t0 < max_len; t0 += 16) {
+    for (int64_t t0 = start; t0 < max_len; t0 += 16) {
         const int64_t m = max_len - t0 < 16 ? max_len - t0 : 16; /* keys past the tile's are zeros */
         for (int64_t c = 0; c < d / 32; c++) {
             __m512i r[16];
@@ -592,14 +609,22 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
             _tile_stored(0, sc + mt * 16 * cap + t0, cap * 4);
         }
     }
-    /* softmax, and p in bf16 (zero past each lane's keys) */
+    /* softmax over each lane's keys [lo, n), and p in bf16 (zero outside them: a key before lo adds 0 to the
+     * lane's sums, so its result is that of its own keys, whatever the tile's first chunk) */
     for (int64_t l = 0; l < lanes; l++) {
-        const int64_t n = row_len[first + l / g];
+        const int64_t n = row_len[first + l / g], lo = first_key(n, window);
         float *x = sc + l * cap;
-        inv[l] = n > 0 ? 1.0f / softmax_numerators(x, n, scale) : 0.0f;
-        for (int64_t t = 0; t < key_chunks * 32; t += 16) {
-            const int64_t m = n - t < 0 ? 0 : n - t < 16 ? n - t : 16;
-            const vf p = m > 0 ? (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << m) - 1), x + t) : (vf){0};
+        float lane_scale = scale;
+        if (softcap > 0.0f) { /* scaled first, as the vector kernel's scores come */
+            for (int64_t t = lo; t < n; t++) x[t] *= scale;
+            soft_cap(x + lo, n - lo, softcap);
+            lane_scale = 1.0f;
+        }
+        inv[l] = n > 0 ? 1.0f / softmax_numerators(x + lo, n - lo, lane_scale) : 0.0f;
+        for (int64_t t = first_chunk * 32; t < key_chunks * 32; t += 16) {
+            const int64_t m = n - t < 0 ? 0 : n - t < 16 ? n - t : 16, skip = lo - t < 0 ? 0 : lo - t < 16 ? lo - t : 16;
+            const __mmask16 keep = (__mmask16)(((1u << m) - 1) & ~((1u << skip) - 1));
+            const vf p = keep ? (vf)_mm512_maskz_loadu_ps(keep, x + t) : (vf){0};
             vstore_bf16(b.pb + l * cap32 + t, p);
             vstore_bf16(b.pb + (lane_tiles * 16 + l) * cap32 + t, p - vload_bf16(b.pb + l * cap32 + t));
         }
@@ -608,7 +633,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int64_t t = 0; t < key_chunks * 32; t += 2) {
+    for (int64_t t = first_chunk * 32; t < key_chunks * 32; t += 2) {
         fetch_lines(next, 1);
         bf16 *dst = b.vb + t * d;
         const bf16 *v0 = t < max_len ? v + off[t] + h * d : NULL, *v1 = t + 1 < max_len ? v + off[t + 1] + h * d : NULL;
@@ -627,7 +652,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t kc = 0; kc < key_chunks; kc++) {
+            for (int64_t kc = first_chunk; kc < key_chunks; kc++) {
                 const bf16 *vbc = b.vb + kc * 32 * d + 2 * e0; /* pair rows d * 4 bytes apart */
                 _tile_loadd(4, b.pb + mt * 16 * cap32 + 32 * kc, cap32 * 2);
                 _tile_loadd(6, b.pb + (lane_tiles + mt) * 16 * cap32 + 32 * kc, cap32 * 2);
@@ -670,6 +695,8 @@ typedef struct {
     int64_t q_stride, hq, g, cap, d;
     float scale;
     int64_t amx_lanes; /* the fewest lanes (rows x query heads of a kv head) a tile takes to AMX; 0: none */
+    int64_t window;    /* a sliding window (keys a row sees: itself and window - 1 before it); 0: none */
+    float softcap;     /* scores soft-capped to softcap * tanh(s / softcap); 0: not */
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
@@ -681,19 +708,19 @@ ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, in
         own.end = tile->max_len; /* fetched key group by key group, all of it */
         for (int64_t h = h0; h < h1; h++)
             amx_attend_head(tile, h, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
-                            s.off, s.sc, s.inv, *(AmxBuffers *)s.amx, &own, next, c->d);
+                            c->window, c->softcap, s.off, s.sc, s.inv, *(AmxBuffers *)s.amx, &own, next, c->d);
         return;
     }
 #endif
     if (c->d == 64)
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    own, next, 64, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
+                    c->window, c->softcap, s, own, next, 64, bf);
     else if (c->d == 128)
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    own, next, 128, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
+                    c->window, c->softcap, s, own, next, 128, bf);
     else
-        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale, s,
-                    own, next, c->d, bf);
+        attend_tile(tile, h0, h1, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
+                    c->window, c->softcap, s, own, next, c->d, bf);
 }
 static void attend_task_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                              Fetch *next) {
@@ -712,20 +739,27 @@ static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h
  * amx_lanes > 0: bf16 tiles of at least that many lanes (rows x g) go to AMX where AMX_ATTENTION (1: every
  * row, batch invariant; more: prefill tiles only, a row's bits then depending on whether it came in one);
  * 0: none.
+ * window > 0: a sliding window, row i attending keys [row_len[i] - window, row_len[i]) only (block-table entries
+ * before a tile's first such key chunk are never read: a freed block's may be anything). softcap > 0: the scores
+ * are soft-capped, softcap * tanh(s / softcap), before the softmax (Gemma 2).
  * Returns 0, or 1 if scratch memory could not be allocated (out is then incomplete). */
 int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                     int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes) {
+                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes,
+                    int64_t window, float softcap) {
     const int64_t g = hq / hkv;
     Tile *tiles = malloc(sizeof(Tile) * (num_rows > 0 ? num_rows : 1));
     if (tiles == NULL) return 1;
     int64_t num_tiles = 0, cap = 0, work = 0;
     for (int64_t i = 0; i < num_rows;) {
-        Tile t = {row_seq[i], i, 0, 0, 0};
+        Tile t = {row_seq[i], i, 0, 0, 0, row_len[i]};
         for (; i < num_rows && row_seq[i] == t.seq && t.rows < TILE_ROWS; i++, t.rows++) {
+            const int64_t lo = first_key(row_len[i], window);
             t.max_len = row_len[i] > t.max_len ? row_len[i] : t.max_len;
-            t.cost += row_len[i];
+            t.start = lo < t.start ? lo : t.start;
+            t.cost += row_len[i] - lo;
         }
+        t.start = t.start / KEY_CHUNK * KEY_CHUNK;
         tiles[num_tiles++] = t;
         cap = t.max_len > cap ? t.max_len : cap;
         work += t.cost;
@@ -738,7 +772,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
 #else
     amx_lanes = 0;
 #endif
-    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx_lanes};
+    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx_lanes, window, softcap};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;

@@ -105,15 +105,80 @@ void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
     }
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (the q and k heads of the fused qkv
- * projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head, with the
- * cos/sin rows of the token's position (fp32 tables [max_pos, d], both halves equal, as transformers
- * builds). Rows are `stride` elements apart; in bf16 the rotation is computed in fp32 and rounded once. */
-ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t heads, int64_t d, const int64_t *positions,
-                      const float *cos_t, const float *sin_t, const int bf) {
-    const int64_t half = d / 2;
+/* out[r, i] = gelu(gu[r, i]) * gu[r, inter + i] with gelu's tanh approximation (transformers' gelu_pytorch_tanh,
+ * GeGLU: Gemma): 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3), taken as x / (1 + exp(-2y)), the same
+ * value without 1 + tanh(y)'s cancellation where tanh is near -1 (within a few ulps of torch's). Every element through the same vector code (a row's tail through a padded
+ * vector), so a row's result does not depend on the rows beside it, which torch's op does not promise (its
+ * vector and scalar tanh differ in the last bit, and which elements take which depends on the tensor's size). In
+ * bf16 gelu's result is rounded before the product, as torch's two ops do. */
+ALWAYS vf gelu_tanh_v(vf x) {
+    const vf y = (x + x * x * x * 0.044715f) * 0.7978845608028654f;
+    return x / (1.0f + exp_v(y * -2.0f));
+}
+
+ALWAYS void gelu_tanh_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int64_t inter, const int bf) {
     for (int64_t r = r0; r < r1; r++) {
-        const float *c = cos_t + positions[r] * d, *s = sin_t + positions[r] * d;
+        const void *g = at(gu, r * 2 * inter, bf), *u = at(g, inter, bf);
+        void *o = (void *)at(out, r * inter, bf);
+        int64_t i = 0;
+        for (; i + VW <= inter; i += VW) stv(o, i, rnd(gelu_tanh_v(ldv(g, i, bf)), bf) * ldv(u, i, bf), bf);
+        if (i < inter) {
+            float x[VW] = {0}, y[VW];
+            for (int64_t j = 0; i + j < inter; j++) x[j] = ld1(g, i + j, bf);
+            const vf gx = gelu_tanh_v(vload(x));
+            memcpy(y, &gx, sizeof y);
+            for (int64_t j = 0; i + j < inter; j++) st1(o, i + j, rnd1(y[j], bf) * ld1(u, i + j, bf), bf);
+        }
+    }
+}
+
+void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
+#pragma omp parallel if (rows * inter > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        BY_DTYPE(bf, gelu_tanh_mul_impl, gu, out, r0, r1, inter);
+    }
+}
+
+/* x[i] = cap * tanh(x[i] / cap) in place for n fp32 values: Gemma 2's final logit soft-capping. tanh(z) is
+ * sign(z) (1 - e) / (1 + e), e = exp(-2|z|) (within about 1e-7 of tanh, absolutely). Every value through the same
+ * vector code (the tail through a padded vector), so a logit does not depend on how many rows share the call. */
+ALWAYS vf tanh_cap_v(vf x, float cap) {
+    const vf z = x / cap;
+    const vi negative = z < 0.0f;
+    const vf e = exp_v(vselect(negative, z, -z) * 2.0f); /* exp(-2|z|) */
+    const vf t = (1.0f - e) / (1.0f + e);
+    return vselect(negative, -t, t) * cap;
+}
+
+void tanh_cap(float *x, int64_t n, float cap) {
+    const int64_t chunks = (n + VW - 1) / VW;
+#pragma omp parallel for if (n > PAR_MIN_WORK)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t i = c * VW;
+        if (i + VW <= n) {
+            vstore(x + i, tanh_cap_v(vload(x + i), cap));
+        } else {
+            float buf[VW] = {0};
+            memcpy(buf, x + i, sizeof(float) * (n - i));
+            const vf t = tanh_cap_v(vload(buf), cap);
+            memcpy(buf, &t, sizeof buf);
+            memcpy(x + i, buf, sizeof(float) * (n - i));
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `heads` heads of each row (the q and k heads of the fused qkv
+ * projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head's first `rot` dims
+ * (all d of them, or fewer with partial rotary: Phi-4-mini; the rest are left as they are), with the cos/sin
+ * rows of the token's position (fp32 tables [max_pos, rot], both halves equal, as transformers builds). Rows are
+ * `stride` elements apart; in bf16 the rotation is computed in fp32 and rounded once. */
+ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t heads, int64_t d, int64_t rot,
+                      const int64_t *positions, const float *cos_t, const float *sin_t, const int bf) {
+    const int64_t half = rot / 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *c = cos_t + positions[r] * rot, *s = sin_t + positions[r] * rot;
         for (int64_t h = 0; h < heads; h++) {
             void *x1 = (void *)at(x, r * stride + h * d, bf), *x2 = (void *)at(x1, half, bf);
             int64_t i = 0;
@@ -131,12 +196,12 @@ ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t h
     }
 }
 
-void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const int64_t *positions,
+void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, int64_t rot, const int64_t *positions,
           const float *cos_t, const float *sin_t, int bf) {
 #pragma omp parallel if (rows * heads * d > PAR_MIN_WORK)
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        BY_DTYPE(bf, rope_impl, x, stride, r0, r1, heads, d, positions, cos_t, sin_t);
+        BY_DTYPE(bf, rope_impl, x, stride, r0, r1, heads, d, rot, positions, cos_t, sin_t);
     }
 }

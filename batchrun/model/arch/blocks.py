@@ -1,0 +1,489 @@
+"""The blocks every model family is built from: RMSNorm, rotary tables, attention over the paged KV pool, the gated
+MLP, the decoder layers (pre-norm, sandwich, post-norm) and the causal LM around them.
+
+A forward takes the step's tokens of every sequence as one flat batch ([num_tokens, hidden]) and the step's
+ForwardContext; only attention needs to know where one sequence ends and the next begins, and it reads that from
+the context's `AttentionMetadata`. Q/K/V and gate/up projections are fused at load time (one matmul each instead of
+three and two). The element-wise ops (the context's `ops`, chosen at load) follow transformers' modules op for op,
+or on fp32 / bf16 CPU tensors do the same arithmetic in one fused C pass, so fp32 logits match closely
+(tests/test_parity.py, tests/test_families.py).
+
+The residual stream is carried beside each layer's output: a layer takes (x, residual), where the hidden state is
+residual + x, and the add happens inside the next norm (ops.rms_norm with a residual), one pass for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from batchrun.model import cpu_kernels
+from batchrun.model.context import ForwardContext
+from batchrun.model.cpu_kernels import elementwise
+from batchrun.model.cpu_kernels import sampling as cpu_sampling
+from batchrun.model.ops import Rotary, TorchOps
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x). With a residual it first adds it (h = residual + x) and returns (norm(h), h), so the
+    residual add and the norm are one pass (see TorchOps.rms_norm).
+
+    `offset`: Gemma's norms scale by (1 + weight); the loader folds the 1 into the weight once (fold_offset), after
+    which every family's norm is the same op. In fp32 the product is transformers' to the bit."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def fold_offset(self) -> None:
+        if self.offset:
+            with torch.no_grad():
+                self.weight.add_(self.offset)
+            self.offset = 0.0
+
+    def forward(self, x: torch.Tensor, ops: TorchOps, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+# ---- rotary embeddings -------------------------------------------------------------------------------------------
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The rope parameters of the config (of one layer type, for configs that keep one set per type: Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    return params
+
+
+def rope_tables(config: PretrainedConfig, head_dim: int, max_pos: int,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position up to max_pos, [max_pos, rotary_dim] in fp32, from transformers' own rope
+    initialisation (ROPE_INIT_FUNCTIONS: llama3, yarn, linear, dynamic, longrope; the default one is two lines).
+    rotary_dim is head_dim times partial_rotary_factor (Phi-4-mini: 0.75): the dims past it are not rotated.
+
+    Dynamic-NTK scaling is evaluated at the checkpoint's max_position_embeddings (a fixed table), since a per-batch
+    rescale would change the K already in the cache. LongRoPE (Phi-3 / Phi-4) has two sets of frequencies and
+    transformers picks one per forward: the long one when the forward's longest sequence passes
+    original_max_position_embeddings. Here a position picks: below it the short set, from it on the long one. That
+    is transformers' rotation for every token of a prompt that fits the original context and of everything
+    generated after it; a prompt longer than that is rotated by transformers with the long set even at its first
+    positions, which no rule by position can reproduce (docs/models.md, limits)."""
+    params = rope_parameters(config, layer_type)
+    rope_type = params.get("rope_type", "default")
+    kwargs = {"layer_type": layer_type} if layer_type is not None and layer_type in (
+        getattr(config, "rope_parameters", None) or {}) else {}
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        dim = int(head_dim * factor)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+        freqs = pos[:, None] * inv_freq.float()[None, :]
+    elif rope_type == "longrope":
+        short, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+        original = params["original_max_position_embeddings"]
+        long, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=original + 1, **kwargs)
+        inv_freq = torch.where((pos >= original)[:, None], long.float()[None, :], short.float()[None, :])
+        freqs = pos[:, None] * inv_freq
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+        freqs = pos[:, None] * inv_freq.float()[None, :]
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (the keys a query sees: itself and the window - 1 before it), None for a global
+    layer. A config with `layer_types` says per layer (Gemma 2 / 3, Qwen2 / 3 with use_sliding_window); one
+    without has its `sliding_window` on every layer when set (Mistral, Mixtral, Phi-3, Qwen3-MoE), as
+    transformers' masks do."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types[: config.num_hidden_layers]]
+    return [window] * config.num_hidden_layers
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV pool, with fused q|k|v.
+
+    qk_norm: "head" normalises each head of q and k (Qwen3, Gemma 3), "proj" the whole projection (OLMo 2).
+    scale: the score scale (1/sqrt(head_dim) unless the family says: Gemma's query_pre_attn_scalar, Granite's
+    attention_multiplier). window: this layer's sliding window (None: global). softcap: Gemma 2's attention logit
+    soft-capping, scores -> softcap * tanh(scores / softcap). rope: which of the model's rotary tables
+    (Gemma 3's sliding layers: "local")."""
+
+    def __init__(self, config: PretrainedConfig, layer: int, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: str | None = None, norm_offset: float = 0.0, scale: float | None = None,
+                 window: int | None = None, softcap: float | None = None, rope: str = "global") -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5 if scale is None else float(scale)
+        self.window = int(window) if window else 0  # 0: global (the kernels' convention)
+        self.softcap = float(softcap) if softcap else 0.0
+        self.rope = rope
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        eps = config.rms_norm_eps
+        if qk_norm not in (None, "head", "proj"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'proj', got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        q_dim, k_dim = (self.head_dim, self.head_dim) if qk_norm == "head" else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_dim, eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps, norm_offset) if qk_norm else None
+
+    def shards(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint module -> (our fused module, its first row): the loader fills q|k|v from q/k/v_proj."""
+        return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", self.q_size),
+                "v_proj": ("qkv_proj", self.q_size + self.kv_size)}
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q.contiguous(), ctx.ops), self.k_norm(k.contiguous(), ctx.ops)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q.contiguous(), ctx.ops), self.k_norm(k.contiguous(), ctx.ops)
+        q, k = ctx.ops.apply_rope(q, k, ctx.rotary.of(self.rope))
+        o = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer], ctx.attn, self.scale, window=self.window,
+                                softcap=self.softcap)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+# ---- MLP ---------------------------------------------------------------------------------------------------------
+
+# transformers' activation names -> the op of `ops` that applies it to a fused gate|up projection
+GATED_ACTIVATIONS = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul",
+                     "gelu_tanh": "gelu_tanh_mul"}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate|up fused: SwiGLU (silu) or GeGLU (tanh-approximated gelu)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
+        super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} (batchrun supports "
+                             f"{', '.join(sorted(GATED_ACTIVATIONS))})")
+        self.act = GATED_ACTIVATIONS[activation]
+        self.inter = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def shards(self) -> dict[str, tuple[str, int]]:
+        return {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", self.inter)}
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        rows = x.shape[0]
+        act = getattr(ops, self.act)
+        chunk = mlp_chunk_rows(rows, 2 * self.inter * x.element_size()) if x.device.type == "cpu" else rows
+        if chunk >= rows:
+            return self.down_proj(act(self.gate_up_proj(x)))
+        out = x.new_empty(rows, self.down_proj.out_features)
+        for start in range(0, rows, chunk):
+            part = x[start : start + chunk]
+            out[start : start + chunk] = self.down_proj(act(self.gate_up_proj(part)))
+        return out
+
+
+# A prefill's gate|up activations, [rows, 2 x intermediate], are the largest tensor of a forward: 50 MB for 4096
+# rows of SmolLM2 in fp32. glibc's malloc maps anything over 32 MB fresh from the kernel on every call (its
+# mmap threshold stops rising there), so each layer page-faulted it in again: a 4096-token fp32 prefill step
+# took 470,000-510,000 page faults (measured on the second to fifth such step of a process), 4,700-83,000 with
+# the chunks. In row chunks under MLP_CHUNK_BYTES the activations are reused from the heap and stay in cache
+# between the two matmuls; each row's arithmetic is unchanged (a linear computes rows independently;
+# batch-invariant linears see at least 2 rows or pad to them). Measured on 30 MLPs of SmolLM2's shapes at 4096
+# rows, fp32, oneDNN, 2 threads, three repeats: 1024-row chunks took 0.75-0.92x the time of one call, with no
+# page faults. bf16 stays whole below the limit (its activations are half the size, and its
+# AMX kernels ran 1.3x faster on 4096 rows than on 1024-row chunks).
+MLP_CHUNK_BYTES = 32 * 2**20
+
+
+def mlp_chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per MLP call: all of them while their gate|up activations fit MLP_CHUNK_BYTES, else a power of two
+    that keeps each chunk's under half of it."""
+    if rows * row_bytes <= MLP_CHUNK_BYTES:
+        return rows
+    return 1 << max(1, (MLP_CHUNK_BYTES // 2 // row_bytes).bit_length() - 1)
+
+
+# ---- decoder layers ----------------------------------------------------------------------------------------------
+# Each takes (x, residual) with the hidden state residual + x (the first layer: residual None, x the embeddings)
+# and returns (its output, the residual stream before that output is added), so layer i's output is residual + x.
+
+
+def start_residual(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, ops: TorchOps):
+    """(norm(h), h) for the hidden state h = residual + x, with h in the ops' residual dtype."""
+    if residual is None:
+        return norm(x, ops), x.to(ops.residual_dtype(x.dtype))
+    return norm(x, ops, residual)
+
+
+class PreNormLayer(nn.Module):
+    """h += attn(norm(h)); h += mlp(norm(h)): Llama, Mistral, Qwen, Phi-3, Granite, Mixtral, Qwen-MoE.
+    residual_scale: Granite's residual_multiplier, applied to each block's output before it is added."""
+
+    def __init__(self, config: PretrainedConfig, attn: Attention, mlp: nn.Module, residual_scale: float = 1.0) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_scale = float(residual_scale)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        h, residual = start_residual(x, residual, self.input_layernorm, ctx.ops)
+        h = self.self_attn(h, ctx)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
+        h, residual = self.post_attention_layernorm(h, ctx.ops, residual)
+        h = self.mlp(h, ctx.ops)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
+        return h, residual
+
+
+class SandwichLayer(nn.Module):
+    """h += post_norm(attn(norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h))): Gemma 2 and 3."""
+
+    def __init__(self, config: PretrainedConfig, attn: Attention, mlp: nn.Module, norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(dim, eps, norm_offset)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, norm_offset)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, norm_offset)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        h, residual = start_residual(x, residual, self.input_layernorm, ctx.ops)
+        h = self.post_attention_layernorm(self.self_attn(h, ctx), ctx.ops)
+        h, residual = self.pre_feedforward_layernorm(h, ctx.ops, residual)
+        return self.post_feedforward_layernorm(self.mlp(h, ctx.ops), ctx.ops), residual
+
+
+class PostNormLayer(nn.Module):
+    """h += norm(attn(h)); h += norm(mlp(h)): OLMo 2 (no norm before a block, one after each)."""
+
+    def __init__(self, config: PretrainedConfig, attn: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        h = x.to(ctx.ops.residual_dtype(x.dtype)) if residual is None else residual + x
+        a = self.post_attention_layernorm(self.self_attn(h.to(x.dtype), ctx), ctx.ops)
+        residual = h + a
+        return self.post_feedforward_layernorm(self.mlp(residual.to(x.dtype), ctx.ops), ctx.ops), residual
+
+
+# ---- the causal LM -----------------------------------------------------------------------------------------------
+
+
+class CausalLM(nn.Module):
+    """Embeddings, the family's decoder layers, the final norm and the lm_head. A family subclasses it and says
+    how to make layer i (`make_layer`), and sets what its config asks: `embed_scale` (Gemma's sqrt(hidden),
+    Granite's embedding_multiplier), `logits_divisor` (Granite's logits_scaling), `final_softcap` (Gemma 2's
+    final logit soft-capping), `norm_offset` (Gemma's 1 + weight), `rope_variants` (Gemma 3's local table)."""
+
+    embed_scale: float | None = None
+    embed_scale_in_dtype = False  # Gemma multiplies by a tensor of the model's dtype (rounded), Granite by a float
+    logits_divisor: float | None = None
+    final_softcap: float | None = None
+    norm_offset: float = 0.0
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.norm_offset)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.cos = self.sin = torch.empty(0)
+        self.rope_variants: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._embed_multiplier: float | None = None
+
+    def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_layer_types(self) -> dict[str, str | None]:
+        """Rotary table name -> the config's layer type its parameters come from (None: the config's only set)."""
+        return {"global": None}
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def finish_load(self) -> None:
+        """After the checkpoint's weights are in (still in the checkpoint's fp32 or its dtype, before the cast):
+        fold the norms' offsets into their weights."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fold_offset()
+
+    def rename_checkpoint(self, name: str) -> str:
+        """A checkpoint tensor's name in this module's terms, less the leading `model.` (Mixtral renames its
+        expert and router modules)."""
+        return name
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
+                           ) -> Iterable[tuple[str, Callable[[], torch.Tensor]]]:
+        """The checkpoint's (name, read it) pairs as this model takes them (MoE families split stacked experts)."""
+        return tensors
+
+    def weight_target(self, name: str) -> tuple[str, int] | None:
+        """(our parameter, its first row) for checkpoint tensor `name`, or None for a tensor with no place to go
+        (rotary buffers, a tied lm_head). A fused module (q|k|v, gate|up) is filled from its parts' tensors."""
+        name = self.rename_checkpoint(name.removeprefix("model."))
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3:
+            parent, part, suffix = parts
+            try:
+                shards = getattr(self.get_submodule(parent), "shards", None)
+            except AttributeError:
+                shards = None
+            if shards is not None and part in shards():
+                fused, row = shards()[part]
+                return f"{parent}.{fused}.{suffix}", row
+        return name, 0
+
+    @property
+    def lm_weight(self) -> torch.Tensor | None:
+        """The lm_head's plain weight: the embedding's when tied (a oneDNN lm_head keeps only its reordered
+        copy, cpu_linear.py), else the module's own if it still has one."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return getattr(self.lm_head, "weight", None)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The keys every layer attends when every layer has a sliding window (the largest of them), else None: a
+        model with a global layer (Gemma 2 / 3) needs all of a sequence's K/V."""
+        windows = [layer.self_attn.window for layer in self.layers]
+        return max(windows) if all(windows) else None
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def init_rope(self, max_pos: int) -> None:
+        """cos/sin tables for positions < max_pos, on the model's device, in fp32; and the embedding multiplier in
+        the model's dtype, rounded as transformers' (Gemma: sqrt(3072) is 55.5 in bf16)."""
+        device = self.embed_tokens.weight.device
+        for name, layer_type in self.rope_layer_types().items():
+            cos, sin = rope_tables(self.config, self.head_dim, max_pos, layer_type)
+            if name == "global":
+                self.cos, self.sin = cos.to(device), sin.to(device)
+            else:
+                self.rope_variants[name] = (cos.to(device), sin.to(device))
+        if self.embed_scale is not None:
+            scale = torch.tensor(self.embed_scale, dtype=torch.float32)
+            self._embed_multiplier = float(scale.to(self.embed_tokens.weight.dtype) if self.embed_scale_in_dtype
+                                           else scale)
+
+    def prepare(self, max_pos: int) -> None:
+        """After the weights are in, cast and on their device: the rotary tables (init_rope), and on CUDA the
+        mixture-of-experts layers' experts stacked for the grouped GEMM (moe.py)."""
+        self.init_rope(max_pos)
+        if self.embed_tokens.weight.device.type == "cuda":
+            self.group_experts()
+
+    def group_experts(self) -> int:
+        """Stack every MoE layer's experts for the Triton grouped GEMM; returns how many layers (moe.MoECausalLM;
+        none here)."""
+        return 0
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        """The rotary embedding of a step's positions (for its ForwardContext)."""
+        dtype = self.embed_tokens.weight.dtype
+        variants = {name: Rotary(positions, cos, sin, dtype) for name, (cos, sin) in self.rope_variants.items()}
+        return Rotary(positions, self.cos, self.sin, dtype, variants)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        if self._embed_multiplier is not None:
+            x = x * self._embed_multiplier
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x, ctx.ops, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32; from a bf16 model with its top candidates recomputed in fp32 (refine_top_logits). Then
+        the family's logit scaling and soft-capping, which keep the order of the logits."""
+        logits = self.lm_head(hidden)
+        weight = self.lm_weight
+        if logits.dtype != torch.bfloat16 or weight is None:
+            logits = logits.float()
+        else:
+            if logits.device.type == "cpu" and cpu_kernels.available():
+                logits, top = cpu_sampling.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
+            else:
+                logits = logits.float()
+                top = logits.topk(REFINE_TOP, dim=-1).indices
+            refine_top_logits(logits, hidden, weight, top)
+        if self.logits_divisor is not None:
+            logits.div_(self.logits_divisor)
+        if self.final_softcap is not None:
+            soft_cap_(logits, self.final_softcap)
+        return logits
+
+
+def soft_cap_(logits: torch.Tensor, cap: float) -> None:
+    """logits = cap * tanh(logits / cap) in place (Gemma 2's final logits). On a CPU the C kernel's, whose every
+    value goes through one code path (torch's tanh gives a logit other bits by where it falls in the tensor: its
+    vector and scalar tanh differ, so a row's logits would depend on its batch); elsewhere torch's ops."""
+    if logits.device.type == "cpu" and cpu_kernels.available() and logits.is_contiguous():
+        elementwise.tanh_cap_(logits, cap)
+    else:
+        logits.div_(cap).tanh_().mul_(cap)
+
+
+REFINE_TOP = 8
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> None:
+    """Recompute the logits at `top` ([rows, k]: each row's k largest of the bf16 logits) in fp32, in place.
+
+    A bf16 matmul accumulates in fp32 but stores its result in bf16, 8 significant bits: a logit near 20 is
+    stored to 1/16, so the top candidates of a step often tie or swap after rounding, and greedy decoding
+    picks between them by rounding alone. The same dot products (bf16 hidden state and weight rows, so the
+    products are exact) summed and kept in fp32 decide them as an fp32 accumulation would. On SmolLM2-135M
+    this lifts teacher-forced top-1 agreement with the fp32 model from 97.6% (transformers' own bf16 forward
+    scores the same) to above 98% (tests/test_bf16_accuracy.py), for [rows, k, hidden] of work.
+
+    A one-row bmm takes another kernel than a bmm of 2 or more rows (different bits: measured), so a single
+    row is computed next to a copy of itself, and a row's refined logits never depend on its batch."""
+    rows = top.shape[0]
+    if rows == 1:
+        top, hidden = top.expand(2, -1), hidden.expand(2, -1)
+    exact = torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)
+    logits.scatter_(1, top[:rows], exact[:rows])

@@ -1,0 +1,142 @@
+"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top_k experts
+(softmax over the router logits, then the top k, renormalised or not per the config), the experts are gated MLPs,
+and Qwen2-MoE adds a shared expert scaled by a sigmoid gate.
+
+A step runs each expert once, over all the rows routed to it (never token by token):
+- on a CPU (and wherever the experts are separate modules), the (token, expert) pairs are sorted by expert and each
+  expert with rows is one call of its own GatedMLP. Its linears are ordinary nn.Linear modules, so reorder_linears
+  puts them on batchrun's C kernels (fp32 panels, bf16 panels / oneDNN bf16, cpu_linear.py) like any other layer's:
+  the grouping is in torch, the matmuls are the C kernels' (a grouped C kernel over all experts is not written);
+- on CUDA (`group_experts`), the experts' weights are stacked into one [E, N, K] tensor per projection and the rows
+  go through the Triton grouped GEMM (kernels/grouped_gemm.py): two launches per layer, no host sync.
+Each token's expert outputs are weighted and summed in ascending expert order, as transformers' index_add loop
+does, so fp32 results follow transformers' and a row's result depends on that row only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from batchrun.model.arch.blocks import CausalLM, GatedMLP
+from batchrun.model.ops import TorchOps
+
+GROUPED_BLOCK_M = 16  # rows per tile of the grouped GEMM (an expert's rows are padded to a multiple of it)
+
+
+class MoECausalLM(CausalLM):
+    """A causal LM with SparseMoE layers: it takes stacked expert tensors from a checkpoint, and groups its experts
+    for the grouped GEMM on CUDA."""
+
+    def checkpoint_tensors(self, tensors):
+        return split_stacked_experts(tensors)
+
+    def group_experts(self) -> int:
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None]
+        for block in blocks:
+            block.group_experts()
+        return len(blocks)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, normalize: bool,
+                 activation: str, shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, activation) for _ in range(num_experts))
+        self.act = self.experts[0].act
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, activation) \
+            if shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.w13: nn.Parameter | None = None  # [E, 2I, H] and [E, H, I] once grouped (group_experts)
+        self.w2: nn.Parameter | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [N, top_k], experts int64 [N, top_k]) of each row: transformers' router."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        weights, experts = self.route(x)
+        outputs = self._grouped(x, experts, ops) if self.w13 is not None else self._per_expert(x, experts, ops)
+        out = combine(outputs, weights, experts, x.dtype)
+        if self.shared_expert is not None:
+            # the gate's sigmoid in float64, rounded once: torch's fp32 sigmoid gives a value other bits by where it
+            # falls in the tensor (its vector and scalar exp differ), which would make a row depend on its batch
+            gate = torch.sigmoid(self.shared_expert_gate(x).double()).to(x.dtype)
+            out = out + gate * self.shared_expert(x, ops)
+        return out
+
+    def _per_expert(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """Each pair's expert output [N, top_k, H]: the pairs sorted by expert, one call per expert with rows."""
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # (host tensors here: no sync)
+        rows = x[order // self.top_k]
+        done = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                done[start : start + count] = self.experts[expert](rows[start : start + count], ops)
+                start += count
+        outputs = torch.empty_like(done)
+        outputs[order] = done
+        return outputs.view(*experts.shape, -1)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """The same through the grouped GEMM: every expert's rows in one launch per projection."""
+        from kernels import grouped_gemm, moe_align  # imports triton: only where the experts are grouped
+
+        pair_of_row, row_of_pair, tile_expert = moe_align(experts.reshape(-1), self.num_experts, GROUPED_BLOCK_M)
+        used = pair_of_row >= 0
+        source = torch.where(used, pair_of_row // self.top_k, -1)
+        gate_up = grouped_gemm(x, source, tile_expert, self.w13, block_m=GROUPED_BLOCK_M)
+        hidden = getattr(ops, self.act)(gate_up)
+        itself = torch.where(used, torch.arange(used.shape[0], device=x.device), -1)  # (padding rows: never read)
+        down = grouped_gemm(hidden, itself, tile_expert, self.w2, block_m=GROUPED_BLOCK_M)
+        return down[row_of_pair].view(*experts.shape, -1)
+
+    def group_experts(self) -> None:
+        """Stack the experts' weights for the grouped GEMM (one copy: the per-expert modules go)."""
+        with torch.no_grad():
+            w13 = torch.stack([e.gate_up_proj.weight for e in self.experts])
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = None
+        self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+
+
+def combine(outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[:, j] * outputs[:, j], the terms added in ascending expert order from the first (transformers
+    adds each expert's rows into zeros, expert by expert): [N, H] in `dtype`."""
+    terms = (outputs * weights.unsqueeze(-1)).to(dtype)
+    if terms.shape[1] > 1:
+        terms = terms.gather(1, experts.argsort(dim=1).unsqueeze(-1).expand_as(terms))
+    out = terms[:, 0].clone()
+    for j in range(1, terms.shape[1]):
+        out += terms[:, j]
+    return out
+
+
+_STACKED = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+
+
+def split_stacked_experts(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
+                          ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Checkpoint tensors with transformers' stacked expert tensors ([E, 2I, H] gate|up, [E, H, I] down, as its GGUF
+    reader and newer checkpoints give them) split into each expert's own (`experts.{e}.gate_up_proj.weight`:
+    gate rows then up rows, as our fused projection is laid out); other tensors pass as they come."""
+    for name, read in tensors:
+        match = _STACKED.fullmatch(name)
+        if match is None:
+            yield name, read
+            continue
+        stacked = read()
+        for e in range(stacked.shape[0]):
+            yield f"{match['prefix']}.{e}.{match['proj']}.weight", (lambda t=stacked[e]: t)
