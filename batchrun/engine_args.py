@@ -172,10 +172,12 @@ class EngineArgs:
     # (row-invariant linears, attention without a batch-dependent split); None: on where it is nearly free
     # (float32 on a CPU), off elsewhere. What each mode guarantees: README "Reproducibility".
     batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True)
-    # speculative decoding by prompt lookup (batchrun/engine/ngram.py): up to this many draft tokens per greedy
-    # sequence, checked in the same forward; 0: off. None: 8 on a CPU, off on CUDA (not measured there).
-    # Outputs are the same tokens either way in the batch-invariant mode (README "Reproducibility").
-    num_speculative_tokens: int | None = _setting(None, "int", "engine.num_speculative_tokens", nullable=True, min=0)
+    # speculative decoding by prompt lookup (batchrun/engine/ngram.py): up to this many draft tokens per sequence
+    # (greedy or seeded), checked in the same forward, each step only those expected to pay for their rows
+    # (engine/draft_policy.py); 0 or None: off. Off by default: on make bench's chat rows (natural replies) they
+    # cost 3-10% on a CPU, where a step is bound by compute; they pay on repetitive text (extraction, quoting, code
+    # edits), e.g. 8. Outputs are the same tokens either way in the batch-invariant mode (docs/reproducibility.md).
+    num_speculative_tokens: int | None = _setting(0, "int", "engine.num_speculative_tokens", nullable=True, min=0)
     # a step adds drafts only while its decode rows plus drafts stay within this many rows
     speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1)
     # CPU threads of torch, OpenMP and the C kernels; None: the CPUs this process may use (affinity mask, cgroup

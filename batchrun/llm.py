@@ -35,8 +35,6 @@ from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# draft tokens per greedy sequence on a CPU (EngineArgs.num_speculative_tokens None); see batchrun/engine/ngram.py
-DEFAULT_CPU_SPECULATIVE_TOKENS = 8
 
 PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 
@@ -147,9 +145,7 @@ class LLM:
                      reorder_linears(loaded.model, self.batch_invariant, room), kernel,
                      ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
-        num_speculative = args.num_speculative_tokens
-        if num_speculative is None:
-            num_speculative = 0 if on_cuda else DEFAULT_CPU_SPECULATIVE_TOKENS
+        num_speculative = args.num_speculative_tokens or 0
         sched_cfg = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             preemption_mode=args.preemption_mode, flops_per_token=2.0 * n_params,

@@ -275,9 +275,9 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         ("batchrun", f"{plan.key}-batchrun", lambda name: runner(name, {**base, "task": "batchrun",
                                                                         "llm_kwargs": br_kwargs,
                                                                         "op_profile": plan.op_profile}))]
-    if plan.speculation_variants:  # batchrun's defaults draft tokens on a CPU: without them too
-        kw = {**br_kwargs, "num_speculative_tokens": 0}
-        headline.append(("batchrun", f"{plan.key}-batchrun-nodraft",
+    if plan.speculation_variants:  # drafts are off by default: with them on too (8, as vLLM's n-gram row)
+        kw = {**br_kwargs, "num_speculative_tokens": 8}
+        headline.append(("batchrun", f"{plan.key}-batchrun-drafts",
                          lambda name: runner(name, {**base, "task": "batchrun", "llm_kwargs": kw})))
     if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests

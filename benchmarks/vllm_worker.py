@@ -25,15 +25,17 @@ WARMUP_PROMPT = list(range(10, 42))  # the same as benchmarks.worker's
 WARMUP_TOKENS = 4
 
 
-def _params(o: int, d: Decoding | None = None, i: int = 0) -> Any:
+def _params(o: int, d: Decoding | None = None) -> Any:
     """Request i's SamplingParams as the workload's decoding says (the same fields as batchrun's worker)."""
     from vllm import SamplingParams
 
     if d is None:
         return SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True)
     kw: dict[str, Any] = dict(n=d.n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=o)
-    if d.temperature > 0:
-        kw["seed"] = d.seed + i
+    # No per-request seed: vLLM 0.32's CPU runner fails on a seeded request whose sampled token it discards (a
+    # prompt prefilled in chunks, a preempted request: it rewinds the request's generator by an offset, and "CPU
+    # Generator does not use offset"). Its rows draw from the engine's generator (LLM(seed=0)) instead: the same
+    # distribution, reproducible for the whole run, and vLLM's cheaper path (no generator per request).
     if d.stop_at_eos:
         kw["stop_token_ids"] = list(d.eos_token_ids)
     else:
@@ -59,7 +61,7 @@ def task_vllm(spec: dict[str, Any]) -> Result:
                   max_model_len=spec["max_model_len"], **spec.get("vllm_kwargs", {}))
         load_s, load_rss = time.perf_counter() - t, rss_mb()
         llm.generate(_prompts([WARMUP_PROMPT]), _params(WARMUP_TOKENS), use_tqdm=False)
-        params = [_params(o, wl.decoding, i) for i, o in enumerate(wl.output_lens)]
+        params = [_params(o, wl.decoding) for o in wl.output_lens]
         prompts = _prompts(wl.prompts)
         with Clock(torch.get_num_threads()) as clock:
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -100,8 +100,8 @@ def _others(rng: random.Random, targets: list[list[int]], vocab: int) -> tuple[l
 
 # (name, engine settings): the settings, and the rest of the paths a row can take
 SETTINGS = {
-    "few-seqs": dict(max_num_seqs=7),
-    "small-steps": dict(max_num_seqs=64, max_num_batched_tokens=96),
+    "few-seqs": dict(max_num_seqs=7, num_speculative_tokens=8),
+    "small-steps": dict(max_num_seqs=64, max_num_batched_tokens=96, num_speculative_tokens=8),
     "no-prefix-cache-no-drafts": dict(max_num_seqs=32, enable_prefix_caching=False, num_speculative_tokens=0),
     "swap": dict(max_num_seqs=24, num_kv_blocks=40, swap_space=64 * 2**20, preemption_mode="swap",
                  enable_prefix_caching=False),

@@ -163,7 +163,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
                           "gpu_memory_utilization": 0.9, "swap_space": "1GiB", "max_num_seqs": 256,
                           "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
                           "attention_backend": "auto", "enforce_eager": False, "batch_invariant": None,
-                          "num_speculative_tokens": None, "speculative_max_rows": 128,
+                          "num_speculative_tokens": 0, "speculative_max_rows": 128,
                           "num_threads": None, "grammar_compile_timeout_s": 30.0}
     assert parse("sampling: {seed: null}").llm_kwargs()["seed"] == 0
 

@@ -78,6 +78,18 @@ def test_a_keep_rate_counts_the_drafts_up_to_the_first_miss():
     assert keep.rate == pytest.approx((5 + 2) / (6 + 4))
 
 
+def test_a_new_sequence_starts_from_what_every_sequence_s_drafts_did():
+    job = KeepRate()
+    first, second = KeepRate(prior=job), KeepRate(prior=job)
+    for _ in range(10):
+        first.record(4, 0)  # a miss at the first draft, ten times
+    assert (job.kept, job.trials) == (0, 10)  # the job's record counts every sequence's
+    assert job.rate == pytest.approx(2 / 14)
+    assert second.rate == pytest.approx(job.rate)  # nothing of its own yet: the job's rate, not 0.5
+    second.record(2, 2)
+    assert second.rate == pytest.approx((2 + job.rate * 4) / (2 + 4))
+
+
 def test_drafts_are_checked_only_where_they_pay_for_their_rows():
     proposals = [(1, [7, 7, 7, 7], 0.9), (2, [5, 5, 5, 5], 0.25), (3, [4, 4], 0.6)]
     # rows nearly free (a forward that reads the weights): every draft
@@ -127,7 +139,7 @@ def prompts():
 
 
 def _generate(path, prompts, params=GREEDY, **kw):
-    llm = LLM(str(path), **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 400, **kw})
+    llm = LLM(str(path), **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 400, "num_speculative_tokens": 8, **kw})
     llm.engine.scheduler.step_costs = FreeRows()  # every proposed draft is checked, whatever this machine's timings
     execute, llm.computed_tokens = llm.engine.runner.execute, 0
 
@@ -150,7 +162,7 @@ def test_drafts_change_no_token_in_the_batch_invariant_mode(tiny_llama_path, pro
     """fp32 on a CPU is batch invariant by default: a draft's row gives the bits a decode row would, so every
     token is the one plain decoding gives, and transformers' (greedy, fp32)."""
     plain_llm, plain = _generate(tiny_llama_path, prompts, num_speculative_tokens=0)
-    llm, drafted = _generate(tiny_llama_path, prompts)  # the CPU default: drafts on
+    llm, drafted = _generate(tiny_llama_path, prompts)  # 8 drafts per step at most
     assert llm.engine.scheduler.config.num_speculative_tokens > 0 and llm.batch_invariant
     assert _tokens(drafted) == _tokens(plain)
     m = llm.engine.metrics
@@ -227,7 +239,8 @@ def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_pa
     rows = prompts + shared
     kw = dict(max_num_seqs=4, num_kv_blocks=32, block_size=8, max_num_batched_tokens=64)
     plain_llm, plain = _generate(tiny_llama_path, rows, num_speculative_tokens=0, **kw)
-    llm = LLM(str(tiny_llama_path), dtype="float32", device="cpu", **kw)
+    llm = LLM(str(tiny_llama_path), dtype="float32", device="cpu", num_speculative_tokens=8, **kw)
+    llm.engine.scheduler.step_costs = FreeRows()  # every proposed draft is checked, whatever this machine's timings
     eng, step, longest = llm.engine, llm.engine.step, []
 
     def checked_step():  # after every step only a sequence's last block is partly filled: rejected drafts' go back

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
         6144, 8192, 12288, 16384)
 SMOOTHING = 0.25  # the weight of a new step in its point's running means (the machine's speed drifts)
-PRIOR_KEEP_RATE = 0.5  # a drafter's keep rate before anything is known, and the weight of that guess
+PRIOR_KEEP_RATE = 0.5  # the keep rate before any draft of the job was checked, and the weight of a guess
 PRIOR_WEIGHT = 4.0
 
 
@@ -70,19 +70,25 @@ class StepCosts:
 
 @dataclass
 class KeepRate:
-    """How often one sequence's drafts were kept: each checked position is a trial (the drafts up to and including
-    the first miss), each kept draft a success; smoothed toward PRIOR_KEEP_RATE by PRIOR_WEIGHT trials."""
+    """How often drafts were kept: each checked position is a trial (the drafts up to and including the first miss),
+    each kept draft a success; smoothed by PRIOR_WEIGHT trials toward the prior's rate, where the prior is the
+    record of every sequence's drafts (a new sequence's first guess is what drafts have done so far on this job:
+    about a quarter on natural replies, most on repetitive text), or toward PRIOR_KEEP_RATE without one."""
 
     kept: int = 0
     trials: int = 0
+    prior: KeepRate | None = None
 
     def record(self, num_drafted: int, num_kept: int) -> None:
         self.kept += num_kept
         self.trials += num_kept + (num_kept < num_drafted)
+        if self.prior is not None:
+            self.prior.record(num_drafted, num_kept)
 
     @property
     def rate(self) -> float:
-        return (self.kept + PRIOR_KEEP_RATE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+        guess = PRIOR_KEEP_RATE if self.prior is None else self.prior.rate
+        return (self.kept + guess * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
 
 
 def choose_drafts(proposals: list[tuple[int, list[int], float]], rows: int, spare: int,

@@ -23,6 +23,7 @@ from batchrun.engine.contract import (
     StepOutput,
 )
 from batchrun.engine.detokenizer import Detokenizer
+from batchrun.engine.draft_policy import KeepRate
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.ngram import NgramDrafter
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
@@ -86,6 +87,7 @@ class Engine:
         self._arrivals = 0
         # beams that have their candidates, waiting for their siblings: seq_id -> (token ids, log-probs)
         self._beam_candidates: dict[int, tuple[list[int], list[float]]] = {}
+        self.draft_keep = KeepRate()  # every sequence's drafts: where a new sequence's keep rate starts
         self.metrics = EngineMetrics(kv_blocks_total=config.num_blocks,
                                      kv_host_blocks_total=config.num_host_blocks,
                                      kv_bytes_per_token=config.kv_bytes_per_token)
@@ -105,7 +107,7 @@ class Engine:
                 _drafts_are_exact(params):
             banned = params.min_tokens > 0 and banned_until_min_tokens(params, self.eos_token_ids)
             seq.drafter = NgramDrafter(len(prompt_ids) + params.min_tokens if banned else 0, seq.stop_rule.max_len,
-                                       self.scheduler.config.num_speculative_tokens)
+                                       self.scheduler.config.num_speculative_tokens, prior=self.draft_keep)
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
         self._arrivals += 1

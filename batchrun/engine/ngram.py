@@ -26,13 +26,13 @@ MAX_N = 3  # the longest suffix matched first: longer matches predict better, sh
 class NgramDrafter:
     __slots__ = ("index", "indexed", "min_len", "max_len", "max_draft", "keep")
 
-    def __init__(self, min_len: int, max_len: int, max_draft: int = 1 << 30) -> None:
+    def __init__(self, min_len: int, max_len: int, max_draft: int = 1 << 30, prior: KeepRate | None = None) -> None:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
         self.indexed = 0  # n-grams ending at or before this position are in the index
         self.min_len = min_len  # drafts only from this length on (before it, min_tokens bans ids: not greedy)
         self.max_len = max_len  # the sequence stops at this length: no draft past it
         self.max_draft = max_draft
-        self.keep = KeepRate()  # how often this sequence's drafts were kept
+        self.keep = KeepRate(prior=prior)  # how often this sequence's drafts were kept (prior: every sequence's)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens likely to follow token_ids (none when its last tokens occurred nowhere before). A
