@@ -152,3 +152,14 @@ def test_relative_links_resolve_and_the_readme_links_every_page():
     assert broken == []
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert [p.name for p in DOCS.glob("*.md") if f"(docs/{p.name})" not in readme] == []
+
+
+def test_the_python_api_page_names_every_setting_and_sampling_field():
+    """docs/python-api.md lists LLM's keyword arguments and SamplingParams' fields by name: a new one must be added."""
+    from batchrun.engine_args import EngineArgs
+    from batchrun.sampling_params import SamplingParams
+
+    page = (DOCS / "python-api.md").read_text(encoding="utf-8")
+    names = [f.name for f in dataclasses.fields(EngineArgs) if f.metadata["job_key"] and f.name != "model"]
+    names += ["seed", *SamplingParams.field_names()]
+    assert [n for n in names if f"`{n}`" not in page] == []
