@@ -164,9 +164,10 @@ class EngineArgs:
     block_size: int = _setting(16, "int", "engine.block_size", min=1, power_of_two=True,
         doc='Tokens per KV-cache block.')
     kv_cache_memory: int | str | None = _setting(None, "size", "engine.kv_cache_memory", nullable=True,
-        doc='The KV pool, in bytes or a size like `"4GiB"`. null: on a CPU, sized for the job\'s rows (at most 2 '
-            'GiB, or an eighth of the memory if less) within what is free beside the weights (docs/memory.md); on '
-            'CUDA, `gpu_memory_utilization` of the GPU less the weights and a profiled peak forward.')
+        doc='The KV pool, in bytes or a size like `"4GiB"`. null: on a CPU, what the job\'s rows need (`LLM` outside a '
+            "job: 2 GiB, or an eighth of the memory if less), shrunk to what is free beside the weights "
+            "(docs/memory.md); on CUDA, `gpu_memory_utilization` of the GPU less the weights and a profiled peak "
+            "forward.")
     num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1,
         doc='The KV pool in blocks; overrides `kv_cache_memory`.')
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
