@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-cluster demo bench lint clean
+.PHONY: setup test test-cluster demo bench lint docs clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check batchrun kernels tests benchmarks
+
+# docs/jobs.md's key tables, from the settings' declarations (tests/test_docs.py fails when they are stale).
+docs: setup
+	$(PY) docs/gen_jobs.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -63,36 +63,60 @@ class Key(Rule):
 SCHEMA: dict[str, dict[str, Rule]] = {
     "model": job_rules("model"),  # path, dtype, device, max_model_len
     "input": {
-        "path": Key(kind="str", required=True),
-        "format": Key(None, "str", ("parquet", "jsonl", "dataset", "openai-batch"), nullable=True),
-        "prompt_column": Key("prompt", "str"),
-        "messages_column": Key(None, "str", nullable=True),
-        "id_column": Key("id", "str", nullable=True),
-        "keep_columns": Key([], "str_list"),
-        "split": Key("train", "str"),
-        "data_files": Key(None, "data_files", nullable=True),
-        "sampling_columns": Key({}, "str_map"),
-        "on_error": Key("record", "str", ("record", "skip", "fail")),
+        "path": Key(kind="str", required=True, doc=(
+            "The input: a Parquet file, folder or glob; a JSONL file, folder or glob; a saved Hugging Face dataset "
+            "folder or a `load_dataset` name; or an OpenAI batch input file.")),
+        "format": Key(None, "str", ("parquet", "jsonl", "dataset", "openai-batch"), nullable=True, doc=(
+            "null: inferred from the path (see Inputs below).")),
+        "prompt_column": Key("prompt", "str", doc="The column of prompt text."),
+        "messages_column": Key(None, "str", nullable=True, doc=(
+            "Instead of `prompt_column`: a column of chat messages, `[{role, content}, ...]`, rendered with the "
+            "tokenizer's chat template.")),
+        "id_column": Key("id", "str", nullable=True, doc=(
+            "The column the output's `id` is copied from; null, or the default `id` absent from the input: the "
+            "row numbers.")),
+        "keep_columns": Key([], "str_list", doc="Input columns copied to the output unchanged."),
+        "split": Key("train", "str", doc="The split of a dataset input."),
+        "data_files": Key(None, "data_files", nullable=True, doc=(
+            "With `format: dataset` and a builder name (json, parquet, csv, ...) as `path`: its files (a path, a "
+            "list, or a `split: paths` mapping).")),
+        "sampling_columns": Key({}, "str_map", doc=(
+            "Per-row sampling values from columns, `{SamplingParams field: column}`, e.g. `{max_tokens: budget}`; "
+            "also `json`, `regex`, `choice`, `grammar` or `structured_outputs` for a row's structured output. A "
+            "null cell keeps the `sampling:` value.")),
+        "on_error": Key("record", "str", ("record", "skip", "fail"), doc=(
+            "A row that cannot run: record (an output row with `finish_reason: error` and `error` saying why), "
+            "skip (no output row), fail (exit 1 after committing every row before it).")),
         # a prompt longer than the model takes: a row error (error), cut to fit with max_tokens (its start, or
         # its end), or not run and written with finish_reason "skipped" (skip)
-        "on_too_long": Key("error", "str", ("error", "truncate_left", "truncate_right", "skip")),
+        "on_too_long": Key("error", "str", ("error", "truncate_left", "truncate_right", "skip"), doc=(
+            "A prompt longer than the model takes: error (a row error), truncate_left (keep its end) or "
+            "truncate_right (keep its start) so that it and `max_tokens` fit, skip (written with "
+            "`finish_reason: skipped`); docs/durability.md.")),
     },
     "engine": job_rules("engine"),  # block_size, kv_cache_memory, ... (EngineArgs)
     "output": {
-        "path": Key(kind="str", required=True),
-        "rows_per_part": Key(10000, "int", min=1),
-        "include_prompt": Key(False, "bool"),
-        "include_token_ids": Key(False, "bool"),
-        "commit_interval_s": Key(60, "number", min=0.1),
+        "path": Key(kind="str", required=True, doc=(
+            "The output folder (created); with `--shard I/N`, `OUTPUT/shard-I-of-N/`.")),
+        "rows_per_part": Key(10000, "int", min=1, doc="Output rows per Parquet part."),
+        "include_prompt": Key(False, "bool", doc=(
+            "Add the prompt as a `prompt` column (for chat messages: the rendered template, system prompt and "
+            "all).")),
+        "include_token_ids": Key(False, "bool", doc="Add the completion's token ids as `token_ids`."),
+        "commit_interval_s": Key(60, "number", min=0.1, doc=(
+            "Also commit a part after this many seconds, so that a SIGKILL loses at most this much work.")),
     },
     "executor": {
-        "kind": Key("local", "str", ("local", "ray")),
+        "kind": Key("local", "str", ("local", "ray"), doc=(
+            "local: this process; ray: engines on a Ray cluster (docs/cluster.md). The keys below are for ray.")),
         # kind: ray only (batchrun.distributed)
-        "replicas": Key(1, "int", min=1),
-        "address": Key(None, "str", nullable=True),
-        "num_gpus_per_replica": Key(0, "number", min=0),
-        "num_cpus_per_replica": Key(1, "number", min=0.01),
-        "batch_size": Key(256, "int", min=1),
+        "replicas": Key(1, "int", min=1, doc="Engines, one per Ray actor."),
+        "address": Key(None, "str", nullable=True, doc=(
+            "null: start a Ray on this machine; `auto`: join this node's cluster; `ray://head:10001`: a remote "
+            "one.")),
+        "num_gpus_per_replica": Key(0, "number", min=0, doc="GPUs per replica (1 on a GPU cluster)."),
+        "num_cpus_per_replica": Key(1, "number", min=0.01, doc="CPUs per replica."),
+        "batch_size": Key(256, "int", min=1, doc="Rows per Ray Data batch sent to a replica."),
     },
 }
 

@@ -73,6 +73,8 @@ class Rule:
     max: float | None = None
     required: bool = False
     power_of_two: bool = False
+    # what the setting means, for a user: docs/jobs.md is generated from it (docs/gen_jobs.py), so it is written here
+    doc: str = field(default="", compare=False)
 
     def problem(self, value: Any) -> str | None:
         if value is None:
@@ -146,45 +148,79 @@ class EngineArgs:
     """
 
     # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.locate)
-    model: str = _setting(MISSING, "str", "model.path")
+    model: str = _setting(MISSING, "str", "model.path",
+        doc='The model: `builtin:NAME`, a local Hugging Face checkpoint folder, a `.gguf` file (or a folder '
+            'holding one), or a Hub id already in the local Hugging Face cache. Nothing is downloaded.')
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
-    dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"))
-    device: str = _setting("auto", "device", "model.device")
+    dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
+        doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
+    device: str = _setting("auto", "device", "model.device",
+        doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.
-    max_model_len: int | None = _setting(None, "int", "model.max_model_len", nullable=True, min=2)
+    max_model_len: int | None = _setting(None, "int", "model.max_model_len", nullable=True, min=2,
+        doc="The longest prompt + completion, in tokens; null: the model's own limit (capped, with a warning, at "
+            'what the KV cache holds).')
     # tokens per KV block; a power of two so that kernels split a slot into block and offset with shifts
-    block_size: int = _setting(16, "int", "engine.block_size", min=1, power_of_two=True)
-    kv_cache_memory: int | str | None = _setting(None, "size", "engine.kv_cache_memory", nullable=True)
-    num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1)
+    block_size: int = _setting(16, "int", "engine.block_size", min=1, power_of_two=True,
+        doc='Tokens per KV-cache block.')
+    kv_cache_memory: int | str | None = _setting(None, "size", "engine.kv_cache_memory", nullable=True,
+        doc='The KV pool, in bytes or a size like `"4GiB"`. null: on a CPU, what the job\'s rows need (`LLM` outside a '
+            "job: 2 GiB, or an eighth of the memory if less), shrunk to what is free beside the weights "
+            "(docs/memory.md); on CUDA, `gpu_memory_utilization` of the GPU less the weights and a profiled peak "
+            "forward.")
+    num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1,
+        doc='The KV pool in blocks; overrides `kv_cache_memory`.')
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
     # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
     # free beside the weights (batchrun.model.memory).
     kv_cache_tokens: int | None = _setting(None, "int", None, nullable=True, min=1)
-    gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0)
-    swap_space: int | str = _setting(0, "size", "engine.swap_space")
-    max_num_seqs: int = _setting(256, "int", "engine.max_num_seqs", min=1)
-    max_num_batched_tokens: int = _setting(4096, "int", "engine.max_num_batched_tokens", min=1)
-    preemption_mode: str = _setting("auto", "str", "engine.preemption_mode", choices=("auto", "swap", "recompute"))
-    enable_prefix_caching: bool = _setting(True, "bool", "engine.enable_prefix_caching")
-    attention_backend: str = _setting("auto", "str", "engine.attention_backend", choices=("auto", "torch", "triton"))
-    enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager")
+    gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0,
+        doc="CUDA, when neither `kv_cache_memory` nor `num_kv_blocks` is set: the share of the GPU's memory the "
+            'engine may take.')
+    swap_space: int | str = _setting(0, "size", "engine.swap_space",
+        doc='Host memory for swap preemption, in bytes or a size like `"8GiB"`; 0: no host pool, so a preempted '
+            'sequence is recomputed.')
+    max_num_seqs: int = _setting(256, "int", "engine.max_num_seqs", min=1,
+        doc='The most sequences running in one step.')
+    max_num_batched_tokens: int = _setting(4096, "int", "engine.max_num_batched_tokens", min=1,
+        doc='The most tokens one step computes (decode tokens, drafts and prompt chunks); longer prompts are '
+            'prefilled in chunks.')
+    preemption_mode: str = _setting("auto", "str", "engine.preemption_mode", choices=("auto", "swap", "recompute"),
+        doc="What frees KV blocks when the pool is full: swap a sequence's blocks to host memory (needs "
+            '`swap_space`), recompute them later, or auto: whichever the scheduler estimates is cheaper for that '
+            'sequence.')
+    enable_prefix_caching: bool = _setting(True, "bool", "engine.enable_prefix_caching",
+        doc='Requests whose prompts share a prefix share its KV blocks, computed once.')
+    attention_backend: str = _setting("auto", "str", "engine.attention_backend", choices=("auto", "torch", "triton"),
+        doc="auto: torch with batchrun's C kernels on a CPU, Triton on CUDA.")
+    enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager",
+        doc='CUDA: run without CUDA graphs.')
     # a row's output a function of its own prompt, parameters and seed only, whatever else shares its batch
     # (row-invariant linears, attention without a batch-dependent split); None: on where it is nearly free
-    # (float32 on a CPU), off elsewhere. What each mode guarantees: README "Reproducibility".
-    batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True)
-    # speculative decoding by prompt lookup (batchrun/engine/ngram.py): up to this many draft tokens per sequence
-    # (greedy or seeded), checked in the same forward, each step only those expected to pay for their rows
-    # (engine/draft_policy.py); 0 or None: off. Off by default: on make bench's chat rows (natural replies) they
-    # cost 3-10% on a CPU, where a step is bound by compute; they pay on repetitive text (extraction, quoting, code
-    # edits), e.g. 8. Outputs are the same tokens either way in the batch-invariant mode (docs/reproducibility.md).
-    num_speculative_tokens: int | None = _setting(0, "int", "engine.num_speculative_tokens", nullable=True, min=0)
+    # (float32 on a CPU), off elsewhere. What each mode guarantees: docs/reproducibility.md.
+    batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True,
+        doc="A row's output independent of what else runs in its batch; null: on in float32 on a CPU, off "
+            'elsewhere. What each mode guarantees: docs/reproducibility.md.')
+    # speculative decoding by prompt lookup (batchrun/engine/ngram.py). Off by default: on make bench's chat rows
+    # (natural replies) they cost up to 10% on a CPU, where a step is bound by compute (docs/performance.md).
+    # Outputs are the same tokens either way in the batch-invariant mode (docs/reproducibility.md).
+    num_speculative_tokens: int | None = _setting(0, "int", "engine.num_speculative_tokens", nullable=True, min=0,
+        doc='Speculative decoding by prompt lookup: up to this many draft tokens per sequence (greedy or seeded), '
+            'checked in the same forward, each step only those expected to pay for their rows; 0 or null: off '
+            '(the default: on natural replies they cost up to 10% on a CPU). They pay on repetitive text '
+            '(extraction, quoting, code edits): try 8.')
     # a step adds drafts only while its decode rows plus drafts stay within this many rows
-    speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1)
+    speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1,
+        doc='A step adds drafts only while its decode rows plus drafts stay within this many rows.')
     # CPU threads of torch, OpenMP and the C kernels; None: the CPUs this process may use (affinity mask, cgroup
     # CPU quota, SLURM_CPUS_PER_TASK; or OMP_NUM_THREADS when set), logged at start (batchrun/model/threads.py)
-    num_threads: int | None = _setting(None, "int", "engine.num_threads", nullable=True, min=1)
+    num_threads: int | None = _setting(None, "int", "engine.num_threads", nullable=True, min=1,
+        doc='CPU threads; null: the CPUs this process may use (affinity mask, cgroup CPU quota, '
+            '`SLURM_CPUS_PER_TASK`; `OMP_NUM_THREADS` when set), logged at start.')
     # how long one structured-output grammar may take to compile before it is refused (a row error)
-    grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001)
+    grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001,
+        doc='Seconds one structured-output grammar may take to compile; a slower one is refused (a row error; '
+            "exit 2 for the job's own `sampling.structured_outputs`).")
     # base of the per-request seeds of requests without their own (a job takes it from sampling.seed)
     seed: int = _setting(0, "int", None)
 

@@ -8,9 +8,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from batchrun.beam_search import BeamSearchOutput, BeamSearchParams
+from batchrun.chat import render_conversations
+from batchrun.collect import beam_search_output, in_input_order
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
@@ -31,12 +32,18 @@ from batchrun.model.memory import (
 from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.model.threads import configure_threads
 from batchrun.outputs import RequestOutput
+from batchrun.prompts import (
+    PreparedRequest,
+    PromptInput,
+    derive_seed,
+    prepare_requests,
+    prompt_problem,
+    tokenize_prompt,
+)
 from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -62,11 +69,6 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def _derive_seed(base: int, index: int) -> int:
-    """The seed of a request without its own: a function of the LLM's seed and the request's index."""
-    return (base * 0x9E3779B1 + index * 0x85EBCA77 + 1) & ((1 << 62) - 1)
 
 
 class LLM:
@@ -200,34 +202,13 @@ class LLM:
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         return cls(args)
 
-    # ---- inputs ----------------------------------------------------------------------------------
+    # ---- inputs (batchrun/prompts.py) ------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput, where: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                                 for i in ids):
-                    raise ValueError(f"{where}: prompt_token_ids must be a list of integers")
-                vocab = self.config.vocab_size
-                if any(i < 0 or i >= vocab for i in ids):
-                    raise ValueError(f"{where}: prompt_token_ids has an id outside the vocabulary [0, {vocab})")
-                return prompt.get("prompt"), list(ids)
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
-        raise ValueError(f"{where}: a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
-                         f"got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, self.config.vocab_size, prompt, where)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         """None when the prompt can run, else a one-line reason (for a row error)."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            return "empty prompt"
-        if n >= self.max_model_len:
-            return (f"prompt has {n} tokens, leaving no room to generate within max_model_len="
-                    f"{self.max_model_len}")
-        return None
+        return prompt_problem(prompt_token_ids, self.max_model_len)
 
     # ---- structured outputs ----------------------------------------------------------------------
     @property
@@ -258,46 +239,20 @@ class LLM:
         except StructuredOutputError as e:
             raise ValueError(f"{where}: structured_outputs: {e}") from None
 
-    def _prepare(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("prompts is empty: give at least one prompt")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        items = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] is not a SamplingParams")
-            text, ids = self._tokenize(p, f"prompts[{i}]")
-            reason = self.check_prompt(ids) or self.check_structured(sp)
-            if reason:
-                raise ValueError(f"prompts[{i}]: {reason}")
-            items.append((text, ids, sp))
-        return items
+    def _prepare(self, prompts, sampling_params) -> list[PreparedRequest]:
+        return prepare_requests(prompts, sampling_params, self._tokenize,
+                                lambda ids, params: self.check_prompt(ids) or self.check_structured(params))
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. Every prompt is checked before anything runs."""
-        items = self._prepare(prompts, sampling_params)
-        results: list[RequestOutput | None] = [None] * len(items)
-        bar = tqdm(total=len(items), desc="generate", disable=not use_tqdm, unit="req")
-        try:
-            stream = ((i, {"prompt_token_ids": ids, "prompt": text}, sp) for i, (text, ids, sp) in enumerate(items))
-            for i, out in self.stream(stream, max_in_flight=len(items), _checked=True):
-                results[i] = out
-                bar.update(1)
-        finally:
-            bar.close()
-        return results  # type: ignore[return-value]
+        requests = self._prepare(prompts, sampling_params)
+        stream = ((i, {"prompt_token_ids": r.prompt_token_ids, "prompt": r.prompt}, r.params)
+                  for i, r in enumerate(requests))
+        finished = self.stream(stream, max_in_flight=len(requests), _checked=True)
+        return in_input_order(finished, len(requests), desc="generate", use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
@@ -308,24 +263,10 @@ class LLM:
         Each conversation is rendered with the tokenizer's chat template (or `chat_template`), then runs as
         `generate` on the rendered text; the template already holds the special tokens, so none are added.
         `continue_final_message` extends the last (assistant) message instead of opening a new one."""
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a conversation ([{'role': ..., 'content': ...}, ...]) or a "
-                             "non-empty list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_path} has no chat template: pass chat_template=")
-        prompts = []
-        for i, conversation in enumerate(conversations):
-            if not isinstance(conversation, (list, tuple)) or not conversation or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
-                raise ValueError(f"messages[{i}]: a conversation is a non-empty list of {{'role', 'content'}} dicts")
-            text = self.tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
+        prompts = render_conversations(self.tokenizer, messages, model_path=self.model_path,
+                                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, items: Iterable[tuple[Any, PromptInput, SamplingParams]], *, max_in_flight: int = 1024,
@@ -355,7 +296,7 @@ class LLM:
                         if reason:
                             raise ValueError(f"request {key!r}: {reason}")
                     rid = f"{self._requests}"
-                    seed = sp.seed if sp.seed is not None else _derive_seed(self.seed, index)
+                    seed = sp.seed if sp.seed is not None else derive_seed(self.seed, index)
                     engine.add_request(rid, text, ids, sp, seed, grammar=self._grammar(sp, f"request {key!r}"))
                     keys[rid] = key
                     self._requests += 1
@@ -375,7 +316,7 @@ class LLM:
         with this `request_id` (the caller's, unique among those in flight). Without `params.seed`, its
         random stream derives from the LLM's seed and the number of requests added before it."""
         _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
-        seed = params.seed if params.seed is not None else _derive_seed(self.seed, self._requests)
+        seed = params.seed if params.seed is not None else derive_seed(self.seed, self._requests)
         grammar = self._grammar(params, f"request {request_id!r}")
         self.engine.add_request(request_id, prompt, ids, params, seed, grammar=grammar)
         self._requests += 1
@@ -399,30 +340,26 @@ class LLM:
             raise ValueError("params must be a BeamSearchParams")
         carrier = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, temperature=0.0,
                                  ignore_eos=params.ignore_eos)
-        items = self._prepare(prompts, carrier)
+        requests = self._prepare(prompts, carrier)
         engine = self.engine
         ids = {}
-        for i, (text, tokens, sp) in enumerate(items):
+        for i, r in enumerate(requests):
             rid = f"{self._requests}"
             self._requests += 1
-            engine.add_request(rid, text, tokens, sp, _derive_seed(self.seed, i), beam=params)
+            engine.add_request(rid, r.prompt, r.prompt_token_ids, r.params, derive_seed(self.seed, i), beam=params)
             ids[rid] = i
-        results: list[BeamSearchOutput | None] = [None] * len(items)
-        bar = tqdm(total=len(items), desc="beam search", disable=not use_tqdm, unit="req")
-        try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    i = ids.pop(out.request_id)
-                    prompt_ids = items[i][1]
-                    results[i] = BeamSearchOutput([
-                        BeamSearchSequence(prompt_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
-                        for c in out.outputs])
-                    bar.update(1)
-        finally:
-            bar.close()
-            if ids:
-                engine.abort_all()
-        return results  # type: ignore[return-value]
+
+        def finished():
+            try:
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        i = ids.pop(out.request_id)
+                        yield i, beam_search_output(requests[i].prompt_token_ids, out)
+            finally:
+                if ids:
+                    engine.abort_all()
+
+        return in_input_order(finished(), len(requests), desc="beam search", use_tqdm=use_tqdm)
 
     def metrics(self) -> dict[str, float | int]:
         return self.engine.metrics_dict()

@@ -50,6 +50,20 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------- checks that need no model
 
 
+RAY_INSTALL_HINT = "pip install 'batchrun[ray]'  (or: pip install 'ray[data]>=2.50')"
+
+
+def check_ray() -> None:
+    """JobError (exit 2) when Ray Data cannot be imported: `executor.kind: ray` is refused here, before any model
+    loads, rather than by batchrun/distributed/ (a layer above this one), which never imports Ray at module level."""
+    try:
+        import ray  # noqa: F401
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise JobError(f"executor.kind: ray needs Ray Data, which is not installed here ({e}); "
+                       f"install it with: {RAY_INSTALL_HINT}") from None
+
+
 def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
     """The model and engine settings against this machine, and where the model path points: the same checks
     LLM makes before it loads anything, so that `validate`, `run` and `serve` accept exactly what LLM does."""
@@ -184,9 +198,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
         raise JobError(f"--retry-errors: not with {'--no-resume' if not resume else '--limit'} (it retries the "
                        "rows with an error of a complete output, and keeps every other row)")
     if cfg.executor["kind"] == "ray":
-        from batchrun.distributed import require_ray
-
-        require_ray()
+        check_ray()
     model = check_model(cfg)
     check_structured_outputs(cfg, model)
     source = source if source is not None else open_source(cfg.input)

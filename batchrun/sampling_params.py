@@ -185,3 +185,32 @@ class SamplingParams:
     def field_names(cls) -> list[str]:
         """The user-settable fields (what a job file's `sampling:` section may name)."""
         return [f.name for f in fields(cls) if not f.name.startswith("_")]
+
+
+# What each field means, for a user: the `sampling:` section of docs/jobs.md is generated from these and the
+# fields' defaults (docs/gen_jobs.py; tests/test_docs.py fails when a field has no entry here).
+FIELD_DOCS: dict[str, str] = {
+    "n": "Samples per prompt; in a job, one output row each, with `sample_index` 0..n-1.",
+    "temperature": "0: greedy (the argmax); higher: flatter.",
+    "top_p": "Nucleus sampling: draw from the smallest set of tokens whose probabilities sum to at least this, in (0, 1].",
+    "top_k": "Draw from the k most likely tokens; 0 or -1: all.",
+    "min_p": "Drop tokens less likely than this times the most likely one's probability.",
+    "repetition_penalty": "Above 1: tokens already in the prompt or the output are less likely (> 0).",
+    "presence_penalty": "Subtracted from the logit of every token already generated, in [-2, 2].",
+    "frequency_penalty": "Subtracted from a token's logit once per time it was generated, in [-2, 2].",
+    "max_tokens": "The most tokens generated; a completion ends earlier at the end of sequence or a stop. "
+                  "null: up to max_model_len.",
+    "min_tokens": "End of sequence and stop tokens are banned until this many tokens are generated.",
+    "stop": "A string or a list of strings that end the completion (not included unless "
+            "`include_stop_str_in_output`).",
+    "stop_token_ids": "Token ids that end the completion, besides the model's end of sequence.",
+    "ignore_eos": "Keep generating past the end-of-sequence token (up to `max_tokens`).",
+    "seed": "The request's random stream. In a job, row i samples with seed + i (or a `seed` column); null: a "
+            "seed derived from the engine's seed and the request's place, not reproducible across runs.",
+    "logprobs": "N: for each generated token, the log-probabilities of the N most likely tokens and of the drawn one.",
+    "include_stop_str_in_output": "Keep the stop string that ended the completion in its text.",
+    "skip_special_tokens": "Leave special tokens out of the text.",
+    "structured_outputs": "Constrain the output: one of `{json: <schema>}` (`json_file: schema.json` in a job file), "
+                          "`{regex: ...}`, `{choice: [a, b]}`, `{grammar: <EBNF>}`, `{json_object: true}`; "
+                          "`disable_any_whitespace: true` for compact JSON. Needs `batchrun[structured]`.",
+}

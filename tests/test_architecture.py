@@ -6,6 +6,7 @@
 - the contract is a leaf: it imports nothing of batchrun.
 - no import cycle among the modules of batchrun/ and kernels/.
 - batchrun/serve/ is a top layer: only the CLI imports it; only its app and server import the ASGI stack.
+- every module sits in one layer of LAYERS (docs/architecture.md) and imports nothing from a layer above its own.
 
 Imports under `if TYPE_CHECKING:` do not run, so they are left out. A package's __init__ is a module like any
 other (its imports are edges); importing batchrun.x.y is an edge to batchrun.x.y, not to its parents, whose
@@ -165,3 +166,62 @@ def test_serve_is_a_top_layer():
     web = ("fastapi", "starlette", "uvicorn", "python_multipart", "multipart")
     users = sorted(m for m in MODULES if any(n.split(".")[0] in web for n in imports_of(m)))
     assert users == ["batchrun.serve.app", "batchrun.serve.server"]
+
+
+# The layers of docs/architecture.md, top to bottom. A module may import from its own layer and the layers below
+# it, never from one above. Each entry is a module or a package (its modules with it); every module of batchrun/
+# and kernels/ belongs to exactly one layer (test_every_module_has_a_layer), so a new one must be placed here.
+LAYERS: list[tuple[str, ...]] = [
+    ("batchrun.cli",),
+    ("batchrun.serve",),
+    ("batchrun.job", "batchrun.report", "batchrun.verify"),
+    ("batchrun.distributed",),
+    ("batchrun.plan", "batchrun.shards", "batchrun.show"),
+    ("batchrun.pipeline", "batchrun.progress", "batchrun.timeseries"),
+    ("batchrun.io",),
+    ("batchrun.config",),
+    ("batchrun.llm", "batchrun.prompts", "batchrun.chat", "batchrun.collect"),
+    ("batchrun.engine", "batchrun.structured"),
+    ("batchrun.model",),
+    ("batchrun.engine_args", "kernels"),
+    # leaves: plain data shared by every layer above (the package root imports its API names lazily)
+    ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.outputs", "batchrun.beam_search",
+     "batchrun"),
+]
+
+
+def _in_entry(module: str, entry: str) -> bool:
+    """An entry holds its modules; the root "batchrun" holds only itself (its package __init__)."""
+    return module == entry or (entry != "batchrun" and _under(module, entry))
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest entry holding `module` (batchrun.engine.contract before batchrun.engine)."""
+    best = max(((len(entry), i) for i, layer in enumerate(LAYERS) for entry in layer if _in_entry(module, entry)),
+               default=None)
+    if best is None:
+        raise KeyError(f"{module} is in no layer of LAYERS")
+    return best[1]
+
+
+def upward_imports(module: str, imported: set[str]) -> list[str]:
+    return sorted(n for n in imported if layer_of(n) < layer_of(module))
+
+
+def test_every_module_has_a_layer():
+    entries = [entry for layer in LAYERS for entry in layer]
+    assert len(entries) == len(set(entries))
+    assert sorted(m for m in MODULES if not any(_in_entry(m, e) for e in entries)) == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = {m: upward_imports(m, project_imports(m)) for m in MODULES}
+    assert {m: n for m, n in upward.items() if n} == {}
+
+
+def test_the_layer_check_sees_an_upward_import():
+    # the import this rule removed (plan.py used batchrun.distributed's Ray check) would be reported
+    assert upward_imports("batchrun.plan", {"batchrun.distributed", "batchrun.io.sources"}) == ["batchrun.distributed"]
+    # the model takes the contract, a leaf below it, not the engine above it
+    assert upward_imports("batchrun.model.runner", {"batchrun.engine.contract"}) == []
+    assert upward_imports("batchrun.model.runner", {"batchrun.engine.scheduler"}) == ["batchrun.engine.scheduler"]
