@@ -216,7 +216,8 @@ class Sink(ABC):
         raise SinkError(f"--retry-errors: not available for the output in {self.out_dir} (Parquet outputs only)")
 
     def replace_part(self, index: int, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]) -> None:
-        raise NotImplementedError
+        """Rewrite part `index` in place (ParquetSink); an output without parts cannot."""
+        raise SinkError(f"cannot rewrite a part of the output in {self.out_dir} (Parquet outputs only)")
 
     @abstractmethod
     def scan(self) -> Counts:

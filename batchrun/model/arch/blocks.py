@@ -14,6 +14,7 @@ residual + x, and the add happens inside the next norm (ops.rms_norm with a resi
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable
 
 import torch
@@ -304,7 +305,7 @@ class PostNormLayer(nn.Module):
 # ---- the causal LM -----------------------------------------------------------------------------------------------
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, metaclass=ABCMeta):
     """Embeddings, the family's decoder layers, the final norm and the lm_head. A family subclasses it and says
     how to make layer i (`make_layer`), and sets what its config asks: `embed_scale` (Gemma's sqrt(hidden),
     Granite's embedding_multiplier), `logits_divisor` (Granite's logits_scaling), `final_softcap` (Gemma 2's
@@ -328,8 +329,9 @@ class CausalLM(nn.Module):
         self.rope_variants: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_multiplier: float | None = None
 
+    @abstractmethod
     def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
-        raise NotImplementedError
+        """Decoder layer `layer` of this family (each family's class composes it from the blocks above)."""
 
     def rope_layer_types(self) -> dict[str, str | None]:
         """Rotary table name -> the config's layer type its parameters come from (None: the config's only set)."""
