@@ -38,7 +38,7 @@ bench: setup
 	$(PY) -m benchmarks.run --rounds 2
 
 lint: setup
-	$(VENV)/bin/ruff check batchrun kernels tests benchmarks
+	$(VENV)/bin/ruff check batchrun tests benchmarks
 
 # docs/jobs.md's key tables, from the settings' declarations (tests/test_docs.py fails when they are stale).
 docs: setup

@@ -107,7 +107,7 @@ BW_HEADS, BW_KV_HEADS, BW_HEAD_DIM, BW_BLOCK_SIZE = 32, 8, 128, 16
 def bandwidth_point(batch: int, context: int, variants: list[tuple[int, int]], device: torch.device,
                     dry_run: bool) -> dict[tuple[int, int], float]:
     """GB/s of K/V read by one decode step at each (block_n, partition_size), blocks shuffled in the pool."""
-    from kernels import paged_decode_attention
+    from batchrun.kernels import paged_decode_attention
 
     blocks_per_seq = context // BW_BLOCK_SIZE
     num_blocks = batch * blocks_per_seq

@@ -4,7 +4,7 @@
   (model, io, job, llm, distributed).
 - batchrun/model/ takes from the engine only the step contract (batchrun.engine.contract).
 - the contract is a leaf: it imports nothing of batchrun.
-- no import cycle among the modules of batchrun/ and kernels/.
+- no import cycle among the modules of batchrun/.
 - batchrun/serve/ is a top layer: only the CLI imports it; only its app and server import the ASGI stack.
 - every module sits in one layer of LAYERS (docs/architecture.md) and imports nothing from a layer above its own.
 
@@ -19,7 +19,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("batchrun", "kernels")
+PACKAGES = ("batchrun",)
 
 
 def _module_name(path: Path) -> str:
@@ -96,7 +96,7 @@ def test_engine_imports_no_torch():
 
 def test_engine_imports_nothing_above_it():
     above = ("batchrun.model", "batchrun.io", "batchrun.job", "batchrun.llm", "batchrun.distributed",
-             "batchrun.cli", "batchrun.config", "batchrun.plan", "batchrun.progress", "kernels")
+             "batchrun.cli", "batchrun.config", "batchrun.plan", "batchrun.progress", "batchrun.kernels")
     bad = {m: sorted(n for n in project_imports(m) if any(_under(n, a) for a in above))
            for m in MODULES if _under(m, "batchrun.engine")}
     assert {m: n for m, n in bad.items() if n} == {}
@@ -149,7 +149,7 @@ def _cycles(modules: set[str]) -> list[list[str]]:
 
 
 def test_no_import_cycle_in_engine_and_model():
-    layer = {m for m in MODULES if _under(m, "batchrun.engine") or _under(m, "batchrun.model") or _under(m, "kernels")}
+    layer = {m for m in MODULES if _under(m, "batchrun.engine") or _under(m, "batchrun.model") or _under(m, "batchrun.kernels")}
     assert _cycles(layer) == []
 
 
@@ -170,7 +170,7 @@ def test_serve_is_a_top_layer():
 
 # The layers of docs/architecture.md, top to bottom. A module may import from its own layer and the layers below
 # it, never from one above. Each entry is a module or a package (its modules with it); every module of batchrun/
-# and kernels/ belongs to exactly one layer (test_every_module_has_a_layer), so a new one must be placed here.
+# belongs to exactly one layer (test_every_module_has_a_layer), so a new one must be placed here.
 LAYERS: list[tuple[str, ...]] = [
     ("batchrun.cli",),
     ("batchrun.serve",),
@@ -183,7 +183,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchrun.llm", "batchrun.prompts", "batchrun.chat", "batchrun.collect"),
     ("batchrun.engine", "batchrun.structured"),
     ("batchrun.model",),
-    ("batchrun.engine_args", "kernels"),
+    ("batchrun.engine_args", "batchrun.kernels"),
     # leaves: plain data shared by every layer above (the package root imports its API names lazily)
     ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.outputs", "batchrun.beam_search",
      "batchrun"),
@@ -225,3 +225,14 @@ def test_the_layer_check_sees_an_upward_import():
     # the model takes the contract, a leaf below it, not the engine above it
     assert upward_imports("batchrun.model.runner", {"batchrun.engine.contract"}) == []
     assert upward_imports("batchrun.model.runner", {"batchrun.engine.scheduler"}) == ["batchrun.engine.scheduler"]
+
+
+def test_no_import_name_is_shared_with_another_distribution():
+    """An import name batchrun installs must not be one another installed package owns: a top-level `kernels`
+    of ours shadowed Hugging Face's `kernels`, which transformers >= 5.25 imports, and broke every import of a
+    transformers model class."""
+    from importlib.metadata import packages_distributions
+
+    shared = {name: sorted(set(dists)) for name, dists in packages_distributions().items()
+              if "batchrun" in dists and set(dists) - {"batchrun"}}
+    assert shared == {}

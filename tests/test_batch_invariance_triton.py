@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention
-from kernels._common import interpreting
+from batchrun.kernels import paged_decode_attention, paged_prefill_attention
+from batchrun.kernels._common import interpreting
 
 TILE = 16
 PARTITION = 32  # a 100-token context is split into 4 partitions

@@ -1,4 +1,4 @@
-"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: kernels/sampling.py, interpreted here) against the
+"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: batchrun/kernels/sampling.py, interpreted here) against the
 sorted definition of the kept set (model/sampler.py's docstring): the same threshold and token on rows with ties,
 flat and peaked rows, top_p 1 and tiny, top_k 1, min_p; the draws' distribution; rows independent of their batch."""
 
@@ -164,7 +164,7 @@ def test_the_triton_kernel_draws_what_the_torch_reference_draws():
     """The GPU kernel, interpreted here (TRITON_INTERPRET=1 without CUDA): greedy rows their argmax, sampled rows the
     reference's token but for a few near a boundary (fp32 sums where the reference sums in fp64), never a token
     outside the kept set."""
-    from kernels.sampling import sample_rows
+    from batchrun.kernels.sampling import sample_rows
 
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(48, 1000, generator=g) * 3

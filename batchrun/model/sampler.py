@@ -13,7 +13,7 @@ over e_i = exp((x_i - max x) / T). Each filter is a threshold on e (the largest 
          by probability that reaches top_p (ties at its end all kept);
   min-p  min_p (min_p x the most likely token's probability).
 No row is sorted: the CPU kernel (cpu_kernels/sampling.py: sample_rows, csrc/sampling.c) finds the thresholds by radix selection
-over the row's likely tokens, the GPU kernel (kernels/sampling.py) by bisection over the bits of e, and both
+over the row's likely tokens, the GPU kernel (batchrun/kernels/sampling.py) by bisection over the bits of e, and both
 give the kept set of the sorted definition. draw_reference is that definition in torch: the fallback without
 either kernel and the tests' reference.
 
@@ -149,7 +149,7 @@ def draw(logits: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tenso
     if logits.device.type == "cpu" and cpu_kernels.available():
         return cpu_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
     if logits.device.type == "cuda":
-        from kernels.sampling import sample_rows
+        from batchrun.kernels.sampling import sample_rows
 
         return sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
     return draw_reference(logits, b, u)

@@ -1,4 +1,4 @@
-"""The CUDA attention backend: the Triton kernels of `kernels/` behind the `AttentionBackend` contract.
+"""The CUDA attention backend: the Triton kernels of `batchrun/kernels/` behind the `AttentionBackend` contract.
 
 A step's flat batch is decodes first, then prefill / extend chunks (see attention.py), so the decode kernel
 gets the leading rows and the prefill kernel the rest, each writing its rows of one output tensor. Nothing in
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
+from batchrun.kernels import copy_blocks as _copy_blocks_kernel
+from batchrun.kernels import paged_decode_attention, paged_prefill_attention, store_kv
 from batchrun.model.attention import AttentionBackend, AttentionMetadata
-from kernels import copy_blocks as _copy_blocks_kernel
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
 
 
 class TritonBackend(AttentionBackend):

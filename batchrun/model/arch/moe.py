@@ -8,7 +8,7 @@ A step runs each expert once, over all the rows routed to it (never token by tok
   puts them on batchrun's C kernels (fp32 panels, bf16 panels / oneDNN bf16, cpu_linear.py) like any other layer's:
   the grouping is in torch, the matmuls are the C kernels' (a grouped C kernel over all experts is not written);
 - on CUDA (`group_experts`), the experts' weights are stacked into one [E, N, K] tensor per projection and the rows
-  go through the Triton grouped GEMM (kernels/grouped_gemm.py): two launches per layer, no host sync.
+  go through the Triton grouped GEMM (batchrun/kernels/grouped_gemm.py): two launches per layer, no host sync.
 Each token's expert outputs are weighted and summed in ascending expert order, as transformers' index_add loop
 does, so fp32 results follow transformers' and a row's result depends on that row only.
 """
@@ -92,7 +92,10 @@ class SparseMoE(nn.Module):
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """The same through the grouped GEMM: every expert's rows in one launch per projection."""
-        from kernels import grouped_gemm, moe_align  # imports triton: only where the experts are grouped
+        from batchrun.kernels import (  # imports triton: only where the experts are grouped
+            grouped_gemm,
+            moe_align,
+        )
 
         pair_of_row, row_of_pair, tile_expert = moe_align(experts.reshape(-1), self.num_experts, GROUPED_BLOCK_M)
         used = pair_of_row >= 0

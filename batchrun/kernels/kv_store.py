@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache
+from batchrun.kernels._common import check_kv_cache
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_dtype, dot_precision
+from batchrun.kernels._common import check_kv_cache, dot_dtype, dot_precision
 
 LOG2E = 1.4426950408889634
 # partition_size=None: one partition longer than any context (a fixed constexpr, so no recompilation per length)

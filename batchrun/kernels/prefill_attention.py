@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_dtype, dot_precision
-from kernels.decode_attention import LOG2E, attend_ref, gather_context, scores_log2
+from batchrun.kernels._common import check_kv_cache, dot_dtype, dot_precision
+from batchrun.kernels.decode_attention import LOG2E, attend_ref, gather_context, scores_log2
 
 
 @triton.jit

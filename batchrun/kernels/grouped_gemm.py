@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_dtype, dot_precision
+from batchrun.kernels._common import dot_dtype, dot_precision
 
 
 def tiles_bound(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -10,11 +10,11 @@ Kernels are defined at import, and Triton decides then whether they run compiled
 TRITON_INTERPRET=1 before importing this package to run them on CPU tensors.
 """
 
-from kernels.block_copy import copy_blocks, copy_blocks_ref
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
-from kernels.kv_store import store_kv, store_kv_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from batchrun.kernels.block_copy import copy_blocks, copy_blocks_ref
+from batchrun.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from batchrun.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
+from batchrun.kernels.kv_store import store_kv, store_kv_ref
+from batchrun.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
 __all__ = [
     "copy_blocks",
