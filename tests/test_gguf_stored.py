@@ -20,11 +20,11 @@ GGMLType = gguf.GGMLQuantizationType
 
 def block_bytes(kind: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
     """The bytes of a `kind` tensor [rows, in_features]: quantized by the gguf package where it can (Q8_0,
-    Q4_0, Q4_1), else random block bytes with finite fp16 scales (every bit pattern of the integers, 6-bit
+    Q4_0, Q4_1, Q5_0), else random block bytes with finite fp16 scales (every bit pattern of the integers, 6-bit
     sub-scales and mins is a valid Q4_K / Q6_K block, so random bytes cover the whole layout)."""
     qtype = GGMLType[kind]
     weights = rng.standard_normal((rows, in_features)).astype(np.float32)
-    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+    if kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
         return gguf.quants.quantize(weights, qtype)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, in_features // block_size, type_size), dtype=np.uint8)
@@ -36,8 +36,8 @@ def block_bytes(kind: str, rows: int, in_features: int, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
-def write_file(path, tensors: dict[str, tuple[str, np.ndarray, int]], arch: str = "llama") -> None:
-    """A GGUF file of tensors (name -> (type, bytes or float32 values, in_features)) with the metadata a
+def write_file(path, tensors: dict[str, tuple[str, np.ndarray]], arch: str = "llama") -> None:
+    """A GGUF file of tensors (name -> (type, block bytes or float32 values)) with the metadata a
     one-layer Llama of hidden size 256 needs (4 heads, 2 of keys and values)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
@@ -52,7 +52,7 @@ def write_file(path, tensors: dict[str, tuple[str, np.ndarray, int]], arch: str 
     writer.add_token_types([1] * 8)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    for name, (kind, data, in_features) in tensors.items():
+    for name, (kind, data) in tensors.items():
         if kind == "F32":
             writer.add_tensor(name, data)
         else:
@@ -67,7 +67,7 @@ def write_file(path, tensors: dict[str, tuple[str, np.ndarray, int]], arch: str 
 def test_each_type_dequantizes_as_the_gguf_package_does(kind, tmp_path):
     rng = np.random.default_rng(len(kind) + ord(kind[1]))
     rows, in_features = 5, 512
-    write_file(tmp_path / "t.gguf", {"t.weight": (kind, block_bytes(kind, rows, in_features, rng), in_features)})
+    write_file(tmp_path / "t.gguf", {"t.weight": (kind, block_bytes(kind, rows, in_features, rng))})
     (tensor,) = gguf.GGUFReader(tmp_path / "t.gguf").tensors
     assert tensor.tensor_type.name == kind and int(tensor.shape[0]) == in_features
     weight = quantized_weight(kind, np.asarray(tensor.data), in_features)
@@ -99,12 +99,9 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
               "blk.0.attn_v.weight": ("Q6_K", 128, hidden), "blk.0.attn_output.weight": ("Q4_0", hidden, hidden),
               "blk.0.ffn_gate.weight": ("Q4_1", inter, hidden), "blk.0.ffn_up.weight": ("Q4_K", inter, hidden),
               "blk.0.ffn_down.weight": ("Q5_0", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden)}
-    tensors = {name: (kind, block_bytes(kind, rows, cols, rng) if kind != "Q5_0" else
-                      gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLType.Q5_0),
-                      cols)
-               for name, (kind, rows, cols) in layout.items()}
+    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32), hidden)
+        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
     write_file(tmp_path / "tiny.gguf", tensors)
 
     with caplog.at_level(logging.INFO, logger="batchrun"):
@@ -134,16 +131,16 @@ def test_the_builtin_file_reads_as_its_dequantized_checkpoint(smollm2_path):
     """SmolLM2's real file: its 210 Q4_1 linears are stored (q/k un-permuted as transformers does), its Q8_0
     embedding and F32 norms dequantized; all equal the float32 checkpoint transformers dequantized from it."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     from batchrun.model.builtin import BUILTIN_MODELS
-    from batchrun.model.gguf import iter_quantized, quantization_types
+    from batchrun.model.gguf import iter_quantized
     from batchrun.model.quant import QuantizedWeight
 
     file = BUILTIN_MODELS["smollm2-135m-instruct"].locate("smollm2-135m-instruct")
-    assert quantization_types(file) == ["F32", "Q4_1", "Q8_0"]
     seen, stored = set(), 0
     with safe_open(str(smollm2_path / "model.safetensors"), "pt") as want:
-        for name, value in iter_quantized(file, torch.float32):
+        for name, value in iter_quantized(file, torch.float32, AutoConfig.from_pretrained(smollm2_path)):
             seen.add(name)
             if isinstance(value, QuantizedWeight):
                 stored += 1

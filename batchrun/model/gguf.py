@@ -12,8 +12,8 @@ transformers reads them (`gguf_file=`). Reading a GGUF file needs the `gguf` pac
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchrun.model.errors import ModelLoadError
@@ -155,28 +155,21 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     import torch
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-        read_field,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
     from batchrun.model.gguf_blocks import STORED_TYPES, quantized_weight
 
     dtype = dtype or torch.float32
     config = config or gguf_config(file)
     try:
-        parsed = load_gguf_checkpoint(str(file), return_tensors=False)
-    except (ValueError, KeyError, NotImplementedError) as e:
+        reader = GGUFReader(file)
+    except (ValueError, KeyError, OSError) as e:
         raise ModelLoadError(f"cannot read the tensors of GGUF file {str(file)!r}: {_one_line(e)}") from None
-    reader = GGUFReader(file)
     architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    name_map = _gguf_to_hf_names(skeleton, processor)
     linears = {f"{name}.weight" for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)}
     collected: dict[str, dict] = {"tensors": {}}  # what a processor stores itself (stacked MoE experts)
     dequantized: dict[str, int] = {}
@@ -205,6 +198,23 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
                  "Q4_1 and Q4_K as stored)", file.name,
                  ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())),
                  str(dtype).removeprefix("torch."))
+
+
+def _gguf_to_hf_names(skeleton, processor) -> dict[str, str]:
+    """transformers' map of GGUF tensor names to the skeleton's parameter names. It builds gguf's name table
+    once per submodule (hundreds of times: seconds for a small model), and that table depends only on the
+    architecture and layer count, so it is built once here for the duration of the call."""
+    import functools
+
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)
+    try:
+        return get_gguf_hf_weights_map(skeleton, processor)
+    finally:
+        gguf.get_tensor_name_map = build
 
 
 def _row_order(processor, name: str, rows: int, name_map: dict[str, str]):

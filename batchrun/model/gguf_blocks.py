@@ -15,7 +15,8 @@ over blocks:
 
 The nibble order differs from the plain one (low nibble even input, high nibble the next): Q4_0/Q4_1 hold
 input j in the low nibble of byte j and input j + 16 in its high nibble; Q4_K holds sub-block 2c in the low
-nibbles of its c-th 32 bytes and sub-block 2c + 1 in the high ones; so 4-bit values are unpacked and repacked.
+nibbles of its c-th 32 bytes and sub-block 2c + 1 in the high ones; so 4-bit bytes are repacked (the same
+values, paired differently).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchrun.model.quant import QuantizedWeight, pack_int4
+from batchrun.model.quant import QuantizedWeight
 
 STORED_TYPES = ("Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K")
 _BLOCK = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
@@ -45,20 +46,28 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _weight(bits: int, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group_size: int):
+def _rows(values: np.ndarray, rows: int) -> torch.Tensor:
+    """float32 [rows, groups] from per-block values [rows, blocks, ...] (groups in order within a block)."""
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(rows, -1), dtype=np.float32))
+
+
+def _weight(bits: int, q: np.ndarray | torch.Tensor, scale: np.ndarray, offset: np.ndarray | None,
+            group_size: int) -> QuantizedWeight:
+    """q: 8 bits: the int8 integers [rows, blocks, ...] in input order; 4 bits: the plain packed bytes."""
     rows = q.shape[0]
-    q = q.reshape(rows, -1)
-    qweight = torch.from_numpy(np.ascontiguousarray(q.view(np.int8) if bits == 8 else q))
-    if bits == 4:
-        qweight = pack_int4(qweight)
-    as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype=np.float32)))
-    return QuantizedWeight(bits=bits, qweight=qweight, scale=as_tensor(scale),
-                           offset=None if offset is None else as_tensor(offset), group_size=group_size)
+    qweight = q.reshape(rows, -1) if bits == 4 else torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1)
+                                                                                          .view(np.int8)))
+    return QuantizedWeight(bits=bits, qweight=qweight, scale=_rows(scale, rows),
+                           offset=None if offset is None else _rows(offset, rows), group_size=group_size)
 
 
-def _nibbles_halves(packed: np.ndarray) -> np.ndarray:
-    """[..., n] bytes -> [..., 2n] values: the n low nibbles, then the n high ones."""
-    return np.concatenate((packed & 0x0F, packed >> 4), axis=-1)
+def _repack_halves(packed: np.ndarray) -> torch.Tensor:
+    """Bytes [..., n] holding value i in the low nibble of byte i and value n + i in its high nibble -> the
+    plain packing of those 2n values (value 2j low, 2j + 1 high) [..., n], byte for byte: the first n / 2
+    bytes pair the low nibbles of bytes 2j and 2j + 1, the last n / 2 their high nibbles."""
+    pairs = torch.from_numpy(np.ascontiguousarray(packed)).unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    return torch.cat(((even & 0x0F) | ((odd & 0x0F) << 4), (even >> 4) | (odd & 0xF0)), dim=-1)
 
 
 def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
@@ -67,11 +76,11 @@ def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
 
 def _q4_0(blocks: np.ndarray) -> QuantizedWeight:
     d = _f16(blocks, 0)
-    return _weight(4, _nibbles_halves(blocks[..., 2:]), d, -8.0 * d, 32)
+    return _weight(4, _repack_halves(blocks[..., 2:]), d, -8.0 * d, 32)
 
 
 def _q4_1(blocks: np.ndarray) -> QuantizedWeight:
-    return _weight(4, _nibbles_halves(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2), 32)
+    return _weight(4, _repack_halves(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2), 32)
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,8 +98,7 @@ def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     scales, mins = _k_scales_mins(blocks[..., 4:16])
     rows, count = blocks.shape[:2]
     chunks = blocks[..., 16:].reshape(rows, count, 4, 32)  # chunk c: sub-blocks 2c (low) and 2c + 1 (high)
-    q = np.stack((chunks & 0x0F, chunks >> 4), axis=3)  # [rows, blocks, 4, 2, 32]: sub-blocks in order
-    return _weight(4, q, d * scales.astype(np.float32), -(dmin * mins.astype(np.float32)), 32)
+    return _weight(4, _repack_halves(chunks), d * scales.astype(np.float32), -(dmin * mins.astype(np.float32)), 32)
 
 
 def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
