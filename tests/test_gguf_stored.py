@@ -149,3 +149,28 @@ def test_the_builtin_file_reads_as_its_dequantized_checkpoint(smollm2_path):
             assert torch.equal(value, want.get_tensor(name)), name
         assert seen == set(want.keys())
     assert stored == 30 * 7
+
+
+def test_only_a_processor_that_reorders_rows_is_applied_to_stored_rows():
+    """A tensor processor is probed on the row numbers: a permutation of rows is taken, anything else (values
+    changed, a transpose, a rename) sends the tensor through transformers' dequantizing path."""
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, LlamaTensorProcessor
+
+    from batchrun.model.gguf import _row_order
+
+    class Processor:
+        def __init__(self, change):
+            self.change = change
+
+        def process(self, weights, name, **kwargs):
+            return GGUFTensor(*self.change(weights, name), {})
+
+    assert np.array_equal(_row_order(Processor(lambda w, n: (w, n)), "x", 6, {}), np.arange(6))
+    assert np.array_equal(_row_order(Processor(lambda w, n: (w[::-1], n)), "x", 6, {}), np.arange(6)[::-1])
+    for change in (lambda w, n: (w - 1, n), lambda w, n: (w.T, n), lambda w, n: (w, "y"), lambda w, n: (w / 2, n)):
+        assert _row_order(Processor(change), "x", 6, {}) is None
+    llama = LlamaTensorProcessor(config={"num_attention_heads": 2, "num_key_value_heads": 1})
+    # llama.cpp interleaves the two rotary halves of each head; transformers puts them back in halves
+    assert _row_order(llama, "blk.0.attn_k.weight", 8, {}).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert _row_order(llama, "blk.0.attn_q.weight", 8, {}).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert _row_order(llama, "blk.0.attn_v.weight", 8, {}).tolist() == list(range(8))

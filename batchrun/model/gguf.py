@@ -134,9 +134,10 @@ def write_checkpoint(file: Path, dest: Path, dtype: torch.dtype) -> None:
     gguf_tokenizer(file).save_pretrained(dest)
 
 
-def read_quantized(file: Path, dtype: torch.dtype | None = None) -> dict[str, QuantizedWeight | torch.Tensor]:
+def read_quantized(file: Path, dtype: torch.dtype | None = None,
+                   config: PretrainedConfig | None = None) -> dict[str, QuantizedWeight | torch.Tensor]:
     """`iter_quantized` gathered into a dict (Hugging Face name -> weight)."""
-    return dict(iter_quantized(file, dtype))
+    return dict(iter_quantized(file, dtype, config))
 
 
 def iter_quantized(file: Path, dtype: torch.dtype | None = None,
@@ -146,7 +147,8 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
 
     The weight of an nn.Linear stored as Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K comes as a QuantizedWeight; every
     other tensor (norms, embeddings, F32/F16/BF16, the other quantized types) as transformers dequantizes it,
-    cast to `dtype` (float32 when None). transformers' own name map and tensor processor are reused: a
+    cast to `dtype` (float32 when None). `config`: the file's (gguf_config), when the caller has it already.
+    A tied lm_head is not in the file and not yielded. transformers' own name map and tensor processor are reused: a
     processor that only reorders rows (Llama's un-permutation of attn_q / attn_k) is applied to the rows of
     the QuantizedWeight (a group never straddles rows), found by running it on the row numbers; any other
     processing makes that tensor dequantize as transformers would.
