@@ -64,13 +64,19 @@ def test_quantized_linear_matches_the_reference(bits, rows, out_features, in_fea
     assert_close_to_ref(quantized_linear(x, weight), x, weight)
 
 
-def test_several_k_tiles_per_group_and_leading_dims():
-    """A K-tile smaller than the group (the same scale over several tiles), and [batch, seq, in] activations."""
-    weight = random_weight(4, 24, 128, 128, seed=3)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_tiles_smaller_and_larger_than_a_group_and_leading_dims(bits):
+    """A K-tile smaller than the group (the same scale over several tiles), one of several groups (a dot
+    per group), and [batch, seq, in] activations."""
+    weight = random_weight(bits, 24, 128, 32, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    got = quantized_matmul(x.reshape(6, 128), weight.qweight, weight.scale, weight.offset, 128, 4,
-                           block_m=16, block_n=16, block_k=16)
-    assert_close_to_ref(got, x.reshape(6, 128), weight)
+    for block_k in (16, 64, 128):
+        got = quantized_matmul(x.reshape(6, 128), weight.qweight, weight.scale, weight.offset, 32, bits,
+                               block_m=16, block_n=16, block_k=block_k)
+        assert_close_to_ref(got, x.reshape(6, 128), weight)
+    with pytest.raises(ValueError, match="block_k 48 must be"):
+        quantized_matmul(x.reshape(6, 128), weight.qweight, weight.scale, weight.offset, 32, bits,
+                         block_m=16, block_n=16, block_k=48)
     assert torch.equal(quantized_linear(x, weight).reshape(6, 24), quantized_linear(x.reshape(6, 128), weight))
 
 
@@ -84,10 +90,11 @@ def test_batchruns_own_quantizers_round_trip_through_the_kernel():
 
 
 def test_tiles_and_refusals():
-    assert [block_k_for(g) for g in (16, 32, 48, 128, 576, 4096)] == [16, 32, 16, 128, 64, 128]
+    pairs = [(16, 64), (16, 48), (32, 128), (32, 96), (48, 96), (128, 256), (576, 576), (4096, 14336)]
+    assert [block_k_for(g, k) for g, k in pairs] == [64, 16, 128, 32, 16, 128, 64, 128]
     assert pick_tiles(1, 4096) == (16, 64) and pick_tiles(33, 4096) == (64, 128)
     with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, not 24"):
-        block_k_for(24)
+        block_k_for(24, 48)
     weight = random_weight(8, 8, 32, 32, seed=0)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16 activations"):
         quantized_linear(torch.zeros(1, 32, dtype=torch.float64, device=DEVICE), weight)

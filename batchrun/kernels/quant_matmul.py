@@ -8,10 +8,11 @@ scale out of the dot product:
 
     sum_k x[m, k] w[n, k] = scale[n, g] * sum_k x[m, k] q[n, k] + offset[n, g] * sum_k x[m, k]
 
-so each K-tile is one `tl.dot` on the integers themselves (exact in fp16/bf16/fp32: |q| <= 127) and one
-per-column scale and offset applied to the fp32 partial sum. The K-tile therefore divides the group size
-(groups of 16, 32, 128, a whole row...: any multiple of 16), and the dot runs in the activations' dtype,
-accumulating in fp32. The reference is batchrun.model.quant.linear_ref.
+so each group's slice of a K-tile is one `tl.dot` on the integers themselves (exact in fp16/bf16/fp32:
+|q| <= 127) and one per-column scale and offset applied to the fp32 partial sum. A K-tile is a slice of one
+group or a few whole groups (one dot each: groups of 16 or 32 still get 64- or 128-wide tiles); groups are
+any multiple of 16 (16, 32, 128, a whole row...). The dot runs in the activations' dtype, accumulating in
+fp32. The reference is batchrun.model.quant.linear_ref.
 """
 
 from __future__ import annotations
@@ -47,31 +48,38 @@ def _quant_matmul_kernel(
     q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn
     s_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP_SIZE, which divides K: no K mask
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        if BITS == 8:
-            q = tl.load(q_rows + offs_k[:, None], mask=n_mask[None, :], other=0)
-        else:
-            packed = tl.load(q_rows + (offs_k // 2)[:, None], mask=n_mask[None, :], other=0)
-            q = (packed >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
-        group = k0 // GROUP_SIZE
-        scale = tl.load(scale_ptr + s_rows + group, mask=n_mask, other=0.0)
-        partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
-        acc += partial * scale[None, :]
-        if BITS == 4:
-            offset = tl.load(offset_ptr + s_rows + group, mask=n_mask, other=0.0)
-            acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    # A K-tile is either a slice of one group or SUBGROUPS whole groups, one dot each (SUB_K inputs).
+    SUB_K: tl.constexpr = BLOCK_K if BLOCK_K <= GROUP_SIZE else GROUP_SIZE
+    SUBGROUPS: tl.constexpr = BLOCK_K // SUB_K
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K: no K mask
+        for sub in tl.static_range(SUBGROUPS):
+            offs_k = k0 + sub * SUB_K + tl.arange(0, SUB_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            if BITS == 8:
+                q = tl.load(q_rows + offs_k[:, None], mask=n_mask[None, :], other=0)
+            else:
+                packed = tl.load(q_rows + (offs_k // 2)[:, None], mask=n_mask[None, :], other=0)
+                q = (packed >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
+            group = (k0 + sub * SUB_K) // GROUP_SIZE
+            scale = tl.load(scale_ptr + s_rows + group, mask=n_mask, other=0.0)
+            partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
+            acc += partial * scale[None, :]
+            if BITS == 4:
+                offset = tl.load(offset_ptr + s_rows + group, mask=n_mask, other=0.0)
+                acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * offset[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def block_k_for(group_size: int) -> int:
-    """The largest K-tile of 16..128 that divides the group size (groups must be multiples of 16)."""
+def block_k_for(group_size: int, in_features: int) -> int:
+    """The largest K-tile of 16..128 that is a slice of one group or whole groups and tiles the row (groups
+    must be multiples of 16: a dot takes at least 16 inputs)."""
+    if group_size % 16:
+        raise ValueError(f"the Triton quantized matmul takes groups of a multiple of 16 inputs, not {group_size}")
     for block_k in (128, 64, 32, 16):
-        if group_size % block_k == 0:
+        if group_size % block_k == 0 or (block_k % group_size == 0 and in_features % block_k == 0):
             return block_k
-    raise ValueError(f"the Triton quantized matmul takes groups of a multiple of 16 inputs, not {group_size}")
+    raise AssertionError("unreachable: 16 divides the group size")
 
 
 def pick_tiles(rows: int, out_features: int) -> tuple[int, int]:
@@ -88,12 +96,14 @@ def pick_tiles(rows: int, out_features: int) -> tuple[int, int]:
 def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                      group_size: int, bits: int, *, block_m: int, block_n: int, block_k: int) -> torch.Tensor:
     """x [M, K] (float32, float16 or bfloat16) @ w.T -> [M, N] in x's dtype, fp32 accumulation; the weight as
-    QuantizedWeight holds it (qweight, scale, offset, group_size, bits). block_k must divide group_size."""
+    QuantizedWeight holds it (qweight, scale, offset, group_size, bits). block_k: a slice of a group or whole
+    groups, dividing K (block_k_for)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quantized matmul takes float32, float16 or bfloat16 activations, got {x.dtype}")
-    if group_size % block_k or block_k < 16:
-        raise ValueError(f"block_k {block_k} must be at least 16 and divide the group size {group_size}")
     rows, in_features = x.shape
+    if min(block_k, group_size) < 16 or (group_size % block_k and (block_k % group_size or in_features % block_k)):
+        raise ValueError(f"block_k {block_k} must be a slice of the groups of {group_size} or whole groups, "
+                         f"dividing {in_features} inputs, and at least 16")
     out_features = qweight.shape[0]
     if qweight.shape[1] * (2 if bits == 4 else 1) != in_features:
         raise ValueError(f"activations of {in_features} inputs for a weight of shape {tuple(qweight.shape)}")
@@ -120,5 +130,5 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     block_m, block_n = pick_tiles(flat.shape[0], weight.qweight.shape[0])
     out = quantized_matmul(flat, weight.qweight, weight.scale, weight.offset, weight.group_size, weight.bits,
-                           block_m=block_m, block_n=block_n, block_k=block_k_for(weight.group_size))
+                           block_m=block_m, block_n=block_n, block_k=block_k_for(weight.group_size, flat.shape[1]))
     return out.reshape(*leading, out.shape[-1])
