@@ -51,14 +51,18 @@ def _rows(values: np.ndarray, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values.reshape(rows, -1), dtype=np.float32))
 
 
-def _weight(bits: int, q: np.ndarray | torch.Tensor, scale: np.ndarray, offset: np.ndarray | None,
-            group_size: int) -> QuantizedWeight:
-    """q: 8 bits: the int8 integers [rows, blocks, ...] in input order; 4 bits: the plain packed bytes."""
+def _int8(q: np.ndarray, scale: np.ndarray, group_size: int) -> QuantizedWeight:
+    """q: the integers [rows, blocks, ...] in input order, as int8 or as their bytes."""
     rows = q.shape[0]
-    qweight = q.reshape(rows, -1) if bits == 4 else torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1)
-                                                                                          .view(np.int8)))
-    return QuantizedWeight(bits=bits, qweight=qweight, scale=_rows(scale, rows),
-                           offset=None if offset is None else _rows(offset, rows), group_size=group_size)
+    qweight = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1).view(np.int8)))
+    return QuantizedWeight(bits=8, qweight=qweight, scale=_rows(scale, rows), offset=None, group_size=group_size)
+
+
+def _int4(packed: torch.Tensor, scale: np.ndarray, offset: np.ndarray) -> QuantizedWeight:
+    """packed: the plain packed bytes [rows, blocks, ...] in input order; groups of 32."""
+    rows = packed.shape[0]
+    return QuantizedWeight(bits=4, qweight=packed.reshape(rows, -1), scale=_rows(scale, rows),
+                           offset=_rows(offset, rows), group_size=32)
 
 
 def _repack_halves(packed: np.ndarray) -> torch.Tensor:
@@ -71,16 +75,16 @@ def _repack_halves(packed: np.ndarray) -> torch.Tensor:
 
 
 def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
-    return _weight(8, blocks[..., 2:], _f16(blocks, 0), None, 32)
+    return _int8(blocks[..., 2:], _f16(blocks, 0), 32)
 
 
 def _q4_0(blocks: np.ndarray) -> QuantizedWeight:
     d = _f16(blocks, 0)
-    return _weight(4, _repack_halves(blocks[..., 2:]), d, -8.0 * d, 32)
+    return _int4(_repack_halves(blocks[..., 2:]), d, -8.0 * d)
 
 
 def _q4_1(blocks: np.ndarray) -> QuantizedWeight:
-    return _weight(4, _repack_halves(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2), 32)
+    return _int4(_repack_halves(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2))
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +102,7 @@ def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     scales, mins = _k_scales_mins(blocks[..., 4:16])
     rows, count = blocks.shape[:2]
     chunks = blocks[..., 16:].reshape(rows, count, 4, 32)  # chunk c: sub-blocks 2c (low) and 2c + 1 (high)
-    return _weight(4, _repack_halves(chunks), d * scales.astype(np.float32), -(dmin * mins.astype(np.float32)), 32)
+    return _int4(_repack_halves(chunks), d * scales.astype(np.float32), -(dmin * mins.astype(np.float32)))
 
 
 def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
@@ -112,7 +116,7 @@ def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
     high_bits = (high >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
     q = (low_bits | (high_bits << 4)).astype(np.int8) - np.int8(32)
     sub_scales = blocks[..., 192:208].view(np.int8).astype(np.float32)
-    return _weight(8, q, _f16(blocks, 208)[..., None] * sub_scales, None, 16)
+    return _int8(q, _f16(blocks, 208)[..., None] * sub_scales, 16)
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q6_K": _q6_k, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
