@@ -37,7 +37,7 @@ def _quant_matmul_kernel(
     M, N, K,
     stride_xm, stride_qn, stride_sn, stride_om,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -48,11 +48,9 @@ def _quant_matmul_kernel(
     q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn
     s_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # A K-tile is either a slice of one group or SUBGROUPS whole groups, one dot each (SUB_K inputs).
-    SUB_K: tl.constexpr = BLOCK_K if BLOCK_K <= GROUP_SIZE else GROUP_SIZE
-    SUBGROUPS: tl.constexpr = BLOCK_K // SUB_K
+    # A K-tile is either a slice of one group (SUB_K == BLOCK_K) or whole groups, one dot each (SUB_K == GROUP_SIZE)
     for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K: no K mask
-        for sub in tl.static_range(SUBGROUPS):
+        for sub in tl.static_range(BLOCK_K // SUB_K):
             offs_k = k0 + sub * SUB_K + tl.arange(0, SUB_K)
             a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             if BITS == 8:
@@ -119,6 +117,7 @@ def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
         x, qweight, scale, offset, out, rows, out_features, in_features,
         x.stride(0), qweight.stride(0), scale.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SUB_K=min(block_k, group_size),
         DOT_DTYPE=dot_dtype(x.dtype), DOT_PREC=dot_precision(x.dtype),
     )
     return out
