@@ -1,11 +1,13 @@
 """GPU check for the CUDA path, in one run of well under 8 minutes on one H200:
 
-1. the kernel tests, compiled on CUDA (`pytest tests/test_kernels.py`);
+1. the kernel tests, compiled on CUDA (`pytest tests/test_kernels.py tests/test_quant_matmul.py`);
 2. decode-attention bandwidth: bytes of K/V read per second, and as a share of the GPU's peak, for batch
    64-256 and contexts 512-8192, at the default tiles and a few alternatives (for tuning);
 3. end to end: a ~1B-parameter random Llama in bf16 on a ShareGPT-like workload, generated tokens per
    second for batchrun with and without CUDA graphs, next to transformers' static-batched `generate` and
-   transformers' continuous batching, on the same prompts and output lengths (EOS ignored everywhere).
+   transformers' continuous batching, on the same prompts and output lengths (EOS ignored everywhere);
+4. the Triton quantized matmul (int8 / int4 weights, GGUF's group sizes) on Llama-3-8B's MLP shapes: weight
+   bytes read per second and its time beside torch's bf16 matmul of the same shape, 1 to 256 rows.
 
     python -m benchmarks.gpu_check [--json-out results.json]
     python -m benchmarks.gpu_check --dry-run      # CPU plumbing check on a tiny model, about a minute
@@ -75,9 +77,10 @@ def run_guarded(report: Report, name: str, fn: Callable[[], object]) -> object |
 
 
 def kernel_tests(dry_run: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+           "tests/test_quant_matmul.py"]
     if dry_run:  # the full file runs in `make test`; here only prove the subprocess plumbing
-        cmd += ["-k", "store_kv or copy_blocks"]
+        cmd += ["-k", "store_kv or copy_blocks or round_trip"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     tail = proc.stdout.strip().splitlines()[-15:]
     print("\n".join(tail))
@@ -340,11 +343,59 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
     return {"params": n_params, "num_prompts": len(work.prompts), "gen_tokens": work.gen_tokens, "runs": results}
 
 
+# --- 4. quantized matmul ---------------------------------------------------------------------------------
+
+# (bits, group_size): Q8_0's groups, int8 per output row, Q4_0/Q4_1/Q4_K's groups, int4 in groups of 128.
+QUANT_FORMATS = [(8, 32), (8, 0), (4, 32), (4, 128)]  # group 0: a whole row
+
+
+def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int, in_features: int,
+                       device: torch.device, dry_run: bool) -> dict:
+    from batchrun.kernels import quantized_linear
+    from batchrun.model.quant import QuantizedWeight
+
+    group = group_size or in_features
+    groups = (out_features, in_features // group)
+    if bits == 8:
+        q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device)
+        weight = QuantizedWeight(8, q, torch.rand(groups, device=device) * 0.01, None, group)
+    else:
+        q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device)
+        weight = QuantizedWeight(4, q, torch.rand(groups, device=device) * 0.01,
+                                 torch.rand(groups, device=device) * -0.08, group)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+    dense = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device)
+    ms = time_ms(lambda: quantized_linear(x, weight), dry_run)
+    bf16_ms = time_ms(lambda: x @ dense.T, dry_run)
+    return {"bits": bits, "group_size": group, "rows": rows, "out": out_features, "in": in_features,
+            "ms": ms, "weight_gbps": weight.nbytes / (ms * 1e-3) / 1e9, "bf16_ms": bf16_ms,
+            "speedup_vs_bf16": bf16_ms / ms}
+
+
+def quant_matmul(dry_run: bool, peak_gbps: float) -> list[dict]:
+    device = torch.device("cpu" if dry_run else "cuda")
+    shapes = [(48, 64)] if dry_run else [(14336, 4096), (4096, 14336)]
+    row_counts = [1, 5] if dry_run else [1, 16, 64, 256]
+    formats = QUANT_FORMATS[::2] if dry_run else QUANT_FORMATS
+    print(f"bf16 activations; weight GB/s of peak {peak_gbps:.0f}; speedup = torch bf16 matmul time / ours")
+    print(f"{'bits':>4} {'group':>6} {'out x in':>12} {'rows':>5} {'ms':>8} {'GB/s':>7} {'of peak':>8} {'vs bf16':>8}")
+    points = []
+    for bits, group_size in formats:
+        for out_features, in_features in shapes:
+            for rows in row_counts:
+                p = quant_matmul_point(bits, group_size, rows, out_features, in_features, device, dry_run)
+                points.append(p)
+                print(f"{bits:>4} {p['group_size']:>6} {f'{out_features}x{in_features}':>12} {rows:>5} "
+                      f"{p['ms']:>8.3f} {p['weight_gbps']:>7.0f} {p['weight_gbps'] / peak_gbps:>8.1%} "
+                      f"{p['speedup_vs_bf16']:>7.2f}x", flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU plumbing check: tiny model, interpreted kernels, a few prompts")
-    parser.add_argument("--skip", action="append", default=[], choices=["tests", "bandwidth", "e2e"],
+    parser.add_argument("--skip", action="append", default=[], choices=["tests", "bandwidth", "e2e", "quant"],
                         help="skip a part (repeatable)")
     parser.add_argument("--num-prompts", type=int, default=None, help="end-to-end prompts (default 256; dry run 6)")
     parser.add_argument("--static-batch-size", type=int, default=64)
@@ -371,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     if "e2e" not in args.skip:
         section("3. end to end")
         run_guarded(report, "end to end", lambda: end_to_end(args, report, start + args.time_budget))
+    if "quant" not in args.skip:
+        section("4. quantized matmul")
+        run_guarded(report, "quantized matmul", lambda: quant_matmul(args.dry_run, args.peak_gbps))
     total = time.perf_counter() - start
     print(f"\ntotal {total:.0f}s; failed parts: {', '.join(report.failed) or 'none'}")
     if args.json_out:

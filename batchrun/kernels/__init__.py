@@ -5,6 +5,7 @@
 - `paged_prefill_attention`: new tokens over cached context + themselves, causal (prefill_attention.py)
 - `copy_blocks`: copy-on-write block copies over all layers in one launch (block_copy.py)
 - `grouped_gemm` / `moe_align`: every expert's rows of a mixture-of-experts layer in one launch (grouped_gemm.py)
+- `quantized_linear`: x @ w.T for an int8 / int4 QuantizedWeight, dequantized in the inner loop (quant_matmul.py)
 
 Kernels are defined at import, and Triton decides then whether they run compiled or interpreted: set
 TRITON_INTERPRET=1 before importing this package to run them on CPU tensors.
@@ -15,6 +16,7 @@ from batchrun.kernels.decode_attention import paged_decode_attention, paged_deco
 from batchrun.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
 from batchrun.kernels.kv_store import store_kv, store_kv_ref
 from batchrun.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from batchrun.kernels.quant_matmul import quantized_linear
 
 __all__ = [
     "copy_blocks",
@@ -26,6 +28,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "quantized_linear",
     "store_kv",
     "store_kv_ref",
     "tiles_bound",

@@ -1,0 +1,116 @@
+"""The Triton quantized matmul (batchrun/kernels/quant_matmul.py) against quant.linear_ref: 4 and 8 bits, groups
+of 16, 32, 128 and a whole row, 1, 5 and 33 rows, odd output counts, fp32/fp16/bf16 activations. Without CUDA
+the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so the shapes are small and
+the grid is a cover of those settings, not their product; one CUDA-only test runs production shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.kernels import quantized_linear
+from batchrun.kernels.quant_matmul import block_k_for, pick_tiles, quantized_matmul
+from batchrun.model.quant import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # relative to the output's scale
+
+
+def random_weight(bits: int, out_features: int, in_features: int, group_size: int, seed: int,
+                  device=DEVICE) -> QuantizedWeight:
+    """Every integer value and signed scales and offsets (as GGUF's Q4_1 / Q4_K hold), not only what
+    quantize_int4 / quantize_int8 would produce."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = (out_features, in_features // group_size)
+    scale = torch.randn(groups, generator=gen) * 0.02
+    if bits == 8:
+        q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+        return QuantizedWeight(8, q.to(device), scale.to(device), None, group_size)
+    q = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    offset = torch.randn(groups, generator=gen) * 0.1
+    return QuantizedWeight(4, pack_int4(q).to(device), scale.to(device), offset.to(device), group_size)
+
+
+def assert_close_to_ref(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
+    want = linear_ref(x, weight)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = (got.float() - want).abs().max().item()
+    assert err <= TOL[x.dtype] * max(1.0, want.abs().max().item()), err
+
+
+# (bits, rows, out_features, in_features, group_size, dtype): every group size, row count and dtype with each
+# width; a whole row as the group (in_features == group_size) for both widths.
+CASES = [
+    (4, 1, 37, 128, 32, torch.float32),
+    (4, 5, 19, 256, 128, torch.float16),
+    (4, 33, 40, 64, 16, torch.bfloat16),
+    (4, 5, 21, 80, 80, torch.float32),  # a whole row of 80: K-tiles of 16
+    (4, 1, 64, 192, 192, torch.bfloat16),  # a whole row of 192: K-tiles of 64
+    (8, 1, 23, 64, 16, torch.float16),  # Q6_K's groups
+    (8, 5, 37, 128, 32, torch.bfloat16),  # Q8_0's groups
+    (8, 33, 17, 256, 128, torch.float32),
+    (8, 5, 29, 96, 96, torch.float16),  # a whole row (quantize_int8's layout)
+    (8, 1, 31, 32, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("bits,rows,out_features,in_features,group_size,dtype", CASES,
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_quantized_linear_matches_the_reference(bits, rows, out_features, in_features, group_size, dtype):
+    weight = random_weight(bits, out_features, in_features, group_size, seed=rows * out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    assert_close_to_ref(quantized_linear(x, weight), x, weight)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_tiles_smaller_and_larger_than_a_group_and_leading_dims(bits):
+    """A K-tile smaller than the group (the same scale over several tiles), one of several groups (a dot
+    per group), and [batch, seq, in] activations."""
+    weight = random_weight(bits, 24, 128, 32, seed=3)
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for block_k in (16, 64, 128):
+        got = quantized_matmul(x.reshape(6, 128), weight.qweight, weight.scale, weight.offset, 32, bits,
+                               block_m=16, block_n=16, block_k=block_k)
+        assert_close_to_ref(got, x.reshape(6, 128), weight)
+    with pytest.raises(ValueError, match="block_k 48 must be"):
+        quantized_matmul(x.reshape(6, 128), weight.qweight, weight.scale, weight.offset, 32, bits,
+                         block_m=16, block_n=16, block_k=48)
+    assert torch.equal(quantized_linear(x, weight).reshape(6, 24), quantized_linear(x.reshape(6, 128), weight))
+
+
+def test_batchruns_own_quantizers_round_trip_through_the_kernel():
+    w = torch.randn(20, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    for weight in (quantize_int8(w), quantize_int4(w, 32)):
+        got = quantized_linear(x, weight)
+        assert_close_to_ref(got, x, weight)
+        assert (got - x @ w.T).abs().max() < 0.25 * (x @ w.T).abs().max()  # and near the float weight
+
+
+def test_tiles_and_refusals():
+    pairs = [(16, 64), (16, 48), (32, 128), (32, 96), (48, 96), (128, 256), (576, 576), (4096, 14336)]
+    assert [block_k_for(g, k) for g, k in pairs] == [64, 16, 128, 32, 16, 128, 64, 128]
+    assert pick_tiles(1, 4096) == (16, 64) and pick_tiles(33, 4096) == (64, 128)
+    with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, not 24"):
+        block_k_for(24, 48)
+    weight = random_weight(8, 8, 32, 32, seed=0)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16 activations"):
+        quantized_linear(torch.zeros(1, 32, dtype=torch.float64, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="activations of 64 inputs"):
+        quantized_linear(torch.zeros(1, 64, device=DEVICE), weight)
+    assert quantized_linear(torch.zeros(0, 32, device=DEVICE), weight).shape == (0, 8)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits,group_size", [(8, 32), (8, 16), (8, 4096), (4, 32), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_production_shapes_on_cuda(bits, group_size, rows):
+    """A Llama-3-8B-sized projection (4096 -> 14336 and back) in bf16, the GGUF and int8/int4 group sizes."""
+    for out_features, in_features in ((14336, 4096), (4096, 14336)):
+        if in_features % group_size:
+            continue
+        weight = random_weight(bits, out_features, in_features, group_size, seed=rows)
+        x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
+        assert_close_to_ref(quantized_linear(x, weight), x, weight)
