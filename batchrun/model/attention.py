@@ -9,7 +9,9 @@ the same case as a plain prefill with zero cached tokens.
 KV pool layout (one allocation for the whole model, made once):
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 A layer sees `kv_cache[layer]` = [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is block
-s // block_size, offset s % block_size.
+s // block_size, offset s % block_size. With `kv_cache_dtype: int8` the pool is int8 and a row is head_dim + 4
+wide (the values, then their float32 scale: batchrun/model/kv_quant.py); the backends quantize as they store
+and dequantize as they read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.model.kv_quant import dequantize, is_quantized, store_kv_int8_torch
 
 
 @dataclass
@@ -142,9 +145,19 @@ class TorchBackend(AttentionBackend):
         self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
+        quantized = is_quantized(kv_cache)
+        if self.cpu_kernels and quantized:
+            # every row on the int8 kernel (sdpa_prefill would need the pool dequantized first)
+            cpu_attention.store_kv_int8(k, v, kv_cache, meta.slot_mapping)
+            row_seq, row_len = meta.query_rows
+            return cpu_attention.paged_attention_int8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
+                                                      window=window, softcap=softcap)
         if self.cpu_kernels:
             return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
-        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        if quantized:
+            store_kv_int8_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        else:
+            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale, window, softcap)
@@ -179,12 +192,15 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx: int):
-        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim]."""
+        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim] (float32 from an int8
+        pool)."""
         bs = kv_cache.shape[2]
         nblk = (ctx + bs - 1) // bs
         bt = block_tables[:, :nblk].long()
         kk = kv_cache[0][bt]  # [S, nblk, bs, Hkv, D]
         vv = kv_cache[1][bt]
+        if is_quantized(kv_cache):
+            kk, vv = dequantize(kk), dequantize(vv)
         s = bt.shape[0]
         kk = kk.view(s, nblk * bs, *kk.shape[3:])[:, :ctx].transpose(1, 2)
         vv = vv.view(s, nblk * bs, *vv.shape[3:])[:, :ctx].transpose(1, 2)
@@ -214,7 +230,7 @@ class TorchBackend(AttentionBackend):
             qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
             end = start + qlen
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
-            if slen == qlen:  # nothing cached: attend to the new tokens directly
+            if slen == qlen and not is_quantized(kv_cache):  # nothing cached: attend to the new tokens directly
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
             else:
