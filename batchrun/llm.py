@@ -18,8 +18,8 @@ from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
 from batchrun.model.cpu_kernels.linears import bf16_kernel
 from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
-from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.kv_quant import KV_CACHE_DTYPES
+from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.locate import locate_model
 from batchrun.model.memory import (
     MemoryPlan,
