@@ -174,7 +174,7 @@ class EngineArgs:
     kv_cache_dtype: str = _setting("auto", "str", "engine.kv_cache_dtype", choices=("auto", "int8"),
         doc="How the KV cache stores keys and values. auto: in the model's dtype. int8: one byte per value plus a "
             "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
-            "float32) at a small cost in accuracy; CPU only for now (docs/kv-cache.md).")
+            "float32) at a small cost in accuracy (docs/kv-cache.md).")
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
     # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
     # free beside the weights (batchrun.model.memory).
@@ -264,9 +264,6 @@ class EngineArgs:
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise EngineArgsError("attention_backend", "triton needs a CUDA device (or TRITON_INTERPRET=1 for "
                                                        "tests); use torch or auto on CPU")
-        if self.kv_cache_dtype != "auto" and (on_cuda or self.attention_backend == "triton"):
-            raise EngineArgsError("kv_cache_dtype", f"{self.kv_cache_dtype} is not supported on CUDA or the triton "
-                                                    "attention backend yet (only on a CPU); use auto there")
 
     @property
     def kv_cache_bytes(self) -> int | None:
