@@ -139,17 +139,45 @@ def test_a_rows_int8_attention_is_bitwise_the_same_whatever_the_step(dtype):
     assert torch.equal(chunked, alone) and torch.equal(decoded, alone)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_the_fp8_kernel_matches_the_torch_reference(kv_dtype, dtype):
+    """fp8 pools (each value cast on its own, no scale): the C kernel against the torch reference, which reads the
+    same fp8 bytes as float32, over decodes, a prefill and an extend with a sliding window and soft-capping."""
+    hq, hkv, d, bs = 8, 2, 64, 8
+    seqs = [(make_seq(30, hq, hkv, d, dtype, 1), 29, 30), (make_seq(21, hq, hkv, d, dtype, 2), 0, 21),
+            (make_seq(45, hq, hkv, d, dtype, 3), 17, 45)]
+    place([s for s, _, _ in seqs], 45, bs, 32, seed=4)
+    pool = torch.zeros(2, 32, bs, hkv, d, dtype=kv_dtype)
+    run = functools.partial(run_step_, window=19, softcap=15.0)
+    run(REFERENCE, pool, [(s, 0, a) for s, a, _ in seqs if a > 0])
+    ref_pool = pool.clone()
+    got, ref = run(KERNEL, pool, seqs), run(REFERENCE, ref_pool, seqs)
+    assert torch.equal(pool.view(torch.uint8), ref_pool.view(torch.uint8))
+    assert pool.view(torch.uint8).ne(0).any()
+    for (_s, a, b), x, y in zip(seqs, got, ref):
+        assert x.shape == (b - a, hq, d)
+        if dtype == BF:
+            assert close_bf16(x, y, ulps=2), (a, b, (x.float() - y.float()).abs().max())
+        else:
+            assert torch.allclose(x, y, atol=2e-6, rtol=1e-5), (a, b, (x - y).abs().max())
+
+
 # ---- the engine -------------------------------------------------------------------------------------------------
 
 
 def test_a_bad_kv_cache_dtype_is_refused_before_anything_loads():
-    with pytest.raises(EngineArgsError, match="kv_cache_dtype: must be one of auto, int8"):
+    with pytest.raises(EngineArgsError, match="kv_cache_dtype: must be one of auto, int8, fp8_e4m3, fp8_e5m2"):
         EngineArgs("builtin:none", kv_cache_dtype="int4")
+    with pytest.raises(EngineArgsError, match="kv_cache_dtype: fp8_e4m3 runs on a CPU only"):
+        EngineArgs("builtin:none", kv_cache_dtype="fp8_e4m3", attention_backend="triton").check_environment()
 
 
 def test_the_same_memory_holds_more_tokens_and_swaps_keep_values_and_scales(make_ckpt):
     path = make_ckpt("llama")
     plain = LLM(str(path), device="cpu", kv_cache_memory="4MiB", swap_space="1MiB")
+    fp8 = LLM(str(path), device="cpu", kv_cache_memory="4MiB", swap_space="1MiB", kv_cache_dtype="fp8_e4m3")
     small = LLM(str(path), device="cpu", kv_cache_memory="4MiB", swap_space="1MiB", kv_cache_dtype="int8")
     runner = small.engine.runner
     head_dim = runner.shape.head_dim
@@ -157,6 +185,8 @@ def test_the_same_memory_holds_more_tokens_and_swaps_keep_values_and_scales(make
     ratio = 4 * head_dim / (head_dim + 4)  # fp32 bytes per value / int8 bytes per value and scale
     assert small.engine.config.num_blocks == int(plain.engine.config.num_blocks * ratio)
     assert runner.host_cache.dtype == torch.int8
+    assert fp8.engine.config.num_blocks == 4 * plain.engine.config.num_blocks
+    assert fp8.engine.runner.kv_cache.dtype == fp8.engine.runner.host_cache.dtype == torch.float8_e4m3fn
 
     # a block's bytes (values and scales) out to host memory, into another block, and copied (copy-on-write)
     g = torch.Generator().manual_seed(0)
@@ -174,26 +204,34 @@ def test_the_same_memory_holds_more_tokens_and_swaps_keep_values_and_scales(make
 
 
 @pytest.fixture(scope="module")
-def int8_references(make_ckpt):
-    """The batch-invariance targets run alone on an int8 pool (fp32)."""
+def references_8bit(make_ckpt):
+    """The batch-invariance targets run alone on an 8-bit pool (fp32), per kv_cache_dtype."""
     path = make_ckpt("llama")
-    llm = LLM(str(path), dtype="float32", batch_invariant=True, max_num_seqs=1, enable_prefix_caching=False,
-              num_kv_blocks=64, kv_cache_dtype="int8")
-    prompts = _prompts(llm.config.vocab_size)
-    return path, prompts, [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts, TARGET_PARAMS)]
+    refs = {}
+    for kv in ("int8", "fp8_e4m3"):
+        llm = LLM(str(path), dtype="float32", batch_invariant=True, max_num_seqs=1, enable_prefix_caching=False,
+                  num_kv_blocks=64, kv_cache_dtype=kv)
+        prompts = _prompts(llm.config.vocab_size)
+        refs[kv] = (prompts, [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts, TARGET_PARAMS)])
+    return path, refs
 
 
 @needs_kernels
-@pytest.mark.parametrize(("settings", "seed"), [
-    (dict(max_num_seqs=12, num_kv_blocks=14, swap_space=2**20, preemption_mode="swap", enable_prefix_caching=False), 6),
-    (dict(max_num_seqs=7, max_num_batched_tokens=40, num_kv_blocks=64), 5),
-], ids=["swap", "chunked-prefix-cache"])
-def test_int8_tokens_do_not_depend_on_the_batch(int8_references, settings, seed):
-    """tests/test_batch_invariance.py's property with an int8 pool: quantization is per token, so a token's stored
-    bytes, and every row's attention over them, are the same in any batch (the targets' log-probs compared bit for
-    bit). The swap case preempts a target to host memory and back."""
-    path, targets, expected = int8_references
-    llm = LLM(str(path), dtype="float32", batch_invariant=True, kv_cache_dtype="int8", **settings)
+@pytest.mark.parametrize(("kv", "settings", "seed"), [
+    ("int8", dict(max_num_seqs=12, num_kv_blocks=14, swap_space=2**20, preemption_mode="swap",
+                  enable_prefix_caching=False), 6),
+    ("int8", dict(max_num_seqs=7, max_num_batched_tokens=40, num_kv_blocks=64), 5),
+    ("fp8_e4m3", dict(max_num_seqs=12, num_kv_blocks=14, swap_space=2**20, preemption_mode="swap",
+                      enable_prefix_caching=False), 6),
+], ids=["int8-swap", "int8-chunked-prefix-cache", "fp8-swap"])
+def test_int8_tokens_do_not_depend_on_the_batch(references_8bit, kv, settings, seed):
+    """tests/test_batch_invariance.py's property with an 8-bit pool: quantization is per token (int8) or per value
+    (fp8), so a token's stored bytes, and every row's attention over them, are the same in any batch (the targets'
+    log-probs compared bit for bit). The swap cases preempt a target to host memory and back (fp8's block moves
+    copy bytes)."""
+    path, refs = references_8bit
+    targets, expected = refs[kv]
+    llm = LLM(str(path), dtype="float32", batch_invariant=True, kv_cache_dtype=kv, **settings)
     rng = random.Random(seed)
     preempting = "swap_space" in settings
     others, other_params = _others(rng, targets, llm.config.vocab_size, preempting)

@@ -17,12 +17,46 @@ from __future__ import annotations
 import torch
 
 # kv_cache_dtype -> the pool's dtype (None: the model's dtype, today's pool)
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8}
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                  "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_BYTES = 4  # the float32 scale at the end of each int8 row
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:
+    """An int8 pool: rows of values and their scale."""
     return kv_cache.dtype == torch.int8
+
+
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    """An fp8 pool: each value cast to fp8 on its own (saturated at the format's largest), no scale, rows of
+    head_dim as in the model's dtype. Simpler and coarser than int8 (3 or 2 mantissa bits)."""
+    return kv_cache.dtype in FP8
+
+
+def as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """An fp8 pool viewed as uint8 (torch has no index_copy_ for fp8 on a CPU: block moves copy the bytes); any
+    other pool as it is."""
+    return pool.view(torch.uint8) if pool.dtype in FP8 else pool
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x cast to an fp8 dtype, clamped to its finite range first (e5m2 would overflow to inf)."""
+    top = torch.finfo(dtype).max
+    return x.float().clamp(-top, top).to(dtype)
+
+
+def store_kv_fp8_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       has_padding: bool = False) -> None:
+    """Cast the step's K/V to the fp8 pool's dtype and scatter them into their slots (-1 dropped)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    if has_padding:
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    # index_copy_ has no fp8 kernel on a CPU: the bytes go through as uint8
+    flat[0].view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(k, kv_cache.dtype).view(torch.uint8))
+    flat[1].view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(v, kv_cache.dtype).view(torch.uint8))
 
 
 def row_width(head_dim: int, kv_dtype: torch.dtype | None) -> int:

@@ -27,7 +27,7 @@ from batchrun.model.attention import AttentionMetadata
 from batchrun.model.backends import select_backend
 from batchrun.model.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.context import ForwardContext
-from batchrun.model.kv_quant import row_width
+from batchrun.model.kv_quant import as_bytes, row_width
 from batchrun.model.ops import select_ops
 from batchrun.model.sampling_batch import plan_sampling, sample_step
 
@@ -120,9 +120,9 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([d for d, _ in pairs], device=self.device)
         dst = torch.tensor([h for _, h in pairs])
-        moved = self.kv_cache.index_select(2, src)  # ordered before this step's forward overwrites them
+        moved = as_bytes(self.kv_cache).index_select(2, src)  # ordered before this step's forward overwrites them
         if not self.on_cuda:
-            self.host_cache.index_copy_(2, dst, moved)
+            as_bytes(self.host_cache).index_copy_(2, dst, moved)
             return
         self._flush_pending_out()
         staging = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
@@ -138,23 +138,23 @@ class ModelRunner:
         if self._pending_out is not None:
             staging, dst, done = self._pending_out
             done.synchronize()
-            self.host_cache.index_copy_(2, dst, staging)
+            as_bytes(self.host_cache).index_copy_(2, dst, staging)
             self._pending_out = None
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._flush_pending_out()
         src = torch.tensor([h for h, _ in pairs])
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        moved = self.host_cache.index_select(2, src)
+        moved = as_bytes(self.host_cache).index_select(2, src)
         if not self.on_cuda:
-            self.kv_cache.index_copy_(2, dst, moved)
+            as_bytes(self.kv_cache).index_copy_(2, dst, moved)
             return
         moved = moved.pin_memory()
         with torch.cuda.stream(self.copy_stream):
             on_device = moved.to(self.device, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # before the forward reads them
         on_device.record_stream(torch.cuda.current_stream(self.device))
-        self.kv_cache.index_copy_(2, dst, on_device)
+        as_bytes(self.kv_cache).index_copy_(2, dst, on_device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.backend.name == "triton":
@@ -164,7 +164,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        pool = as_bytes(self.kv_cache)
+        pool.index_copy_(2, dst, pool.index_select(2, src))
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:

@@ -907,29 +907,36 @@ void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *
     }
 }
 
+/* One 8-bit value of a pool row: int8 (times the row's scale, applied by the caller), or an fp8 byte decoded
+ * through lut (256 floats: the fp8 format's values, from torch; no scale). */
+ALWAYS float q8_value(const int8_t *row, int64_t i, const float *lut, const int fp8) {
+    return fp8 ? lut[(uint8_t)row[i]] : (float)row[i];
+}
+
 /* q . k over d dims in 16 lanes (vectorized by the compiler: each lane's sum is its own, in order), the lanes then
  * added in a fixed order: the same bits whatever the row's neighbours. */
-static inline float dot_q8(const float *q, const int8_t *k, int64_t d) {
+ALWAYS float dot_q8(const float *q, const int8_t *k, int64_t d, const float *lut, const int fp8) {
     float lane[16] = {0};
     int64_t i = 0;
     for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; l++) lane[l] += q[i + l] * (float)k[i + l];
-    for (; i < d; i++) lane[i % 16] += q[i] * (float)k[i];
+        for (int l = 0; l < 16; l++) lane[l] += q[i + l] * q8_value(k, i + l, lut, fp8);
+    for (; i < d; i++) lane[i % 16] += q[i] * q8_value(k, i, lut, fp8);
     float s = 0.0f;
     for (int l = 0; l < 16; l++) s += lane[l];
     return s;
 }
 
-/* paged_attention's contract (the same rows, lengths, window and softcap) over an int8 pool: each key's dot
- * product is taken on its int8 values and multiplied by its scale (folded into the score), and each value row's
- * weight is multiplied by its scale before the int8 values are accumulated, all in fp32. A task is one row and
- * one kv head; a row's arithmetic is a function of that row alone, its keys taken in order (batch invariant).
- * Returns 0, or 1 if scratch memory could not be allocated. */
-int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
-                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
-                         int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
-                         int64_t window, float softcap) {
-    const int64_t g = hq / hkv, row = hkv * Q8_ROW(d);
+/* paged_attention's contract (the same rows, lengths, window and softcap) over an 8-bit pool. int8 (fp8 = 0): each
+ * key's dot product is taken on its int8 values and multiplied by its scale (folded into the score), and each value
+ * row's weight is multiplied by its scale before the int8 values are accumulated, all in fp32. fp8 (fp8 = 1): rows
+ * of d bytes decoded through lut, no scale. A task is one row and one kv head; a row's arithmetic is a function of
+ * that row alone, its keys taken in order (batch invariant). Returns 0, or 1 if scratch memory could not be
+ * allocated. */
+ALWAYS int attend_8bit(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                       int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t window,
+                       float softcap, const float *lut, const int fp8) {
+    const int64_t width = fp8 ? d : Q8_ROW(d), g = hq / hkv, row = hkv * width;
     int64_t cap = 1, work = 0;
     for (int64_t i = 0; i < num_rows; i++) {
         cap = row_len[i] > cap ? row_len[i] : cap;
@@ -950,11 +957,10 @@ int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const v
                     for (int64_t i = 0; i < d; i++) qf[i] = ld1(q, r * q_stride + j * d + i, bf);
                     float m = -INFINITY;
                     for (int64_t t = lo; t < n; t++) {
-                        const int8_t *kt = (const int8_t *)k + ((int64_t)table[t / bs] * bs + t % bs) * row + h * Q8_ROW(d);
-                        float ks;
-                        const float dot = dot_q8(qf, kt, d);
-                        memcpy(&ks, kt + d, 4);
-                        float s = dot * ks * scale;
+                        const int8_t *kt = (const int8_t *)k + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
+                        float ks = 1.0f;
+                        if (!fp8) memcpy(&ks, kt + d, 4);
+                        float s = dot_q8(qf, kt, d, lut, fp8) * ks * scale;
                         if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
                         sc[t] = s;
                         m = s > m ? s : m;
@@ -962,13 +968,13 @@ int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const v
                     float sum = 0.0f;
                     for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
                     for (int64_t t = lo; t < n; t++) {
-                        const int8_t *vt = (const int8_t *)v + ((int64_t)table[t / bs] * bs + t % bs) * row + h * Q8_ROW(d);
+                        const int8_t *vt = (const int8_t *)v + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
                         const float p = expf(sc[t] - m);
-                        float vs;
-                        memcpy(&vs, vt + d, 4);
+                        float vs = 1.0f;
+                        if (!fp8) memcpy(&vs, vt + d, 4);
                         sum += p;
                         const float w = p * vs;
-                        for (int64_t i = 0; i < d; i++) acc[i] += w * (float)vt[i];
+                        for (int64_t i = 0; i < d; i++) acc[i] += w * q8_value(vt, i, lut, fp8);
                     }
                     const float inv = n > lo ? 1.0f / sum : 0.0f;
                     for (int64_t i = 0; i < d; i++) st1(out, (r * hq + j) * d + i, acc[i] * inv, bf);
@@ -978,4 +984,21 @@ int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const v
         free(sc);
     }
     return failed;
+}
+
+int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                         int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                         int64_t window, float softcap) {
+    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
+                       window, softcap, NULL, 0);
+}
+
+/* The same over an fp8 pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2): lut holds the 256 values of the format. */
+int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                        int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                        int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                        int64_t window, float softcap, const float *lut) {
+    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
+                       window, softcap, lut, 1);
 }
