@@ -170,6 +170,12 @@ class EngineArgs:
             "forward.")
     num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1,
         doc='The KV pool in blocks; overrides `kv_cache_memory`.')
+    # how the KV pool stores K and V (batchrun/model/kv_quant.py); auto: the model's dtype
+    kv_cache_dtype: str = _setting("auto", "str", "engine.kv_cache_dtype", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+        doc="How the KV cache stores keys and values. auto: in the model's dtype. int8: one byte per value plus a "
+            "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
+            "float32) at a small cost in accuracy. fp8_e4m3 / fp8_e5m2: one byte per value, cast on its own with no scale "
+            "(coarser than int8); CPU only (docs/kv-cache.md).")
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
     # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
     # free beside the weights (batchrun.model.memory).
@@ -242,7 +248,8 @@ class EngineArgs:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
         torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
         wants_cuda = self.device.startswith("cuda")
-        if not wants_cuda and self.attention_backend != "triton":
+        may_be_cuda = self.device == "auto" and self.kv_cache_dtype.startswith("fp8")  # fp8 runs on a CPU only
+        if not wants_cuda and self.attention_backend != "triton" and not may_be_cuda:
             return
         import torch
 
@@ -256,6 +263,9 @@ class EngineArgs:
                 raise EngineArgsError("device", f"{self.device} but this machine has {count} CUDA "
                                                 f"device{'s' * (count != 1)}")
         on_cuda = wants_cuda or (self.device == "auto" and has_cuda)
+        if self.kv_cache_dtype.startswith("fp8") and (on_cuda or self.attention_backend == "triton"):
+            raise EngineArgsError("kv_cache_dtype", f"{self.kv_cache_dtype} runs on a CPU only (the Triton kernels "
+                                                    "have no fp8 path yet); use int8 or auto on CUDA")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise EngineArgsError("attention_backend", "triton needs a CUDA device (or TRITON_INTERPRET=1 for "
                                                        "tests); use torch or auto on CPU")

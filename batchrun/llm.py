@@ -18,6 +18,7 @@ from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
 from batchrun.model.cpu_kernels.linears import bf16_kernel
 from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
+from batchrun.model.kv_quant import KV_CACHE_DTYPES
 from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.locate import locate_model
 from batchrun.model.memory import (
@@ -100,13 +101,14 @@ class LLM:
         cfg = load_config(path)  # the dtype decision and the memory check need the config before the weights
         self.dtype = _resolve_dtype(args.dtype, self.device, getattr(cfg, "dtype", None))
         self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device, self.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
         block_size = args.block_size
         memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
         loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len)
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        shape = cache_shape(loaded.model, block_size, self.dtype)
+        shape = cache_shape(loaded.model, block_size, self.dtype, self.kv_dtype)
 
         if memory is not None:
             num_kv_blocks = memory.kv // shape.bytes_per_block
@@ -131,8 +133,9 @@ class LLM:
             log.warning("max_model_len %d capped at the KV cache's %d tokens", self.max_model_len,
                         num_kv_blocks * block_size)
             self.max_model_len = num_kv_blocks * block_size
-        log.info("KV cache: %d blocks of %d tokens (%d bytes/token, %.2f GiB), %d host blocks", num_kv_blocks,
-                 block_size, shape.bytes_per_token, num_kv_blocks * shape.bytes_per_block / 2**30, num_host_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%d bytes/token in %s, %.2f GiB), %d host blocks", num_kv_blocks,
+                 block_size, shape.bytes_per_token, str(shape.pool_dtype).removeprefix("torch."),
+                 num_kv_blocks * shape.bytes_per_block / 2**30, num_host_blocks)
 
         runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
                              batch_invariant=self.batch_invariant)
@@ -168,7 +171,7 @@ class LLM:
         """The CPU memory of this engine, from the checkpoint's headers and the config, before anything loads:
         the KV pool's size, or InsufficientMemoryError (one line) when the model cannot fit (batchrun.model.memory)."""
         element_size = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = kv_bytes_per_token(config, element_size)
+        per_token = kv_bytes_per_token(config, element_size, self.kv_dtype)
         kv_bytes = args.kv_cache_bytes
         if args.num_kv_blocks is not None:
             kv_bytes = args.num_kv_blocks * args.block_size * per_token

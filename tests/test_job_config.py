@@ -67,6 +67,7 @@ def test_every_sampling_field_is_accepted():
     ("engine: {block_size: '16'}", "engine.block_size: expected an integer, got '16'"),
     ("engine: {enable_prefix_caching: yes please}", "engine.enable_prefix_caching: expected true or false"),
     ("engine: {preemption_mode: sometimes}", "engine.preemption_mode: must be one of auto, swap, recompute"),
+    ("engine: {kv_cache_dtype: int4}", "engine.kv_cache_dtype: must be one of auto, int8"),
     ("engine: {kv_cache_memory: lots}", "engine.kv_cache_memory: expected a byte count or a size"),
     ("output: {path: out/x, rows_per_part: -1}", "output.rows_per_part: must be >= 1"),
     ("input: {path: x.parquet, keep_columns: text}", "input.keep_columns: expected a list of column names"),
@@ -159,7 +160,7 @@ def test_model_and_engine_sections_are_engine_args_fields():
     args = cfg.engine_args()
     assert args == EngineArgs("builtin:tiny-llama", block_size=32, swap_space="1GiB", seed=7)
     assert args.swap_space_bytes == 2**30 and args.kv_cache_bytes is None
-    assert cfg.engine == {"block_size": 32, "kv_cache_memory": None, "num_kv_blocks": None,
+    assert cfg.engine == {"block_size": 32, "kv_cache_memory": None, "num_kv_blocks": None, "kv_cache_dtype": "auto",
                           "gpu_memory_utilization": 0.9, "swap_space": "1GiB", "max_num_seqs": 256,
                           "max_num_batched_tokens": 4096, "preemption_mode": "auto", "enable_prefix_caching": True,
                           "attention_backend": "auto", "enforce_eager": False, "batch_invariant": None,

@@ -40,3 +40,9 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
                          f"{tuple(kv_cache.shape)}")
     if kv_cache.stride(4) != 1:
         raise ValueError("kv_cache must have unit stride on head_dim")
+
+
+def dequantize_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int8 pool rows [..., D + 4] (head_dim values, then their float32 scale's bytes: batchrun/model/kv_quant.py,
+    which this layer cannot import) -> float32 [..., D], for the references."""
+    return packed[..., :-4].float() * packed[..., -4:].contiguous().view(torch.float32)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels._common import check_kv_cache, dot_dtype, dot_precision
+from batchrun.kernels._common import check_kv_cache, dequantize_rows, dot_dtype, dot_precision
 
 LOG2E = 1.4426950408889634
 # partition_size=None: one partition longer than any context (a fixed constexpr, so no recompilation per length)
@@ -50,6 +50,13 @@ def scores_log2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def load_scales(at, mask):
+    """The float32 scales of int8 rows (batchrun/model/kv_quant.py's format): 4 bytes at each row's `at`, aligned
+    (a row is head_dim + 4 bytes, head_dim a multiple of 4)."""
+    return tl.load(at.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     qk_scale, window, softcap,
@@ -59,6 +66,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,7 +88,10 @@ def _decode_partition_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
+    if QUANT:  # int8 K/V are widened to the model's dtype (exact: |q| <= 127), the query stays in it
+        q = q.to(DOT_DTYPE)
+    else:
+        q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -94,15 +105,23 @@ def _decode_partition_kernel(
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        s = scores_log2(tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC), qk_scale, softcap, SOFTCAP)
+        dots = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC)
+        if QUANT:  # each key's scale, the float32 after its int8 values, folded into its scores
+            dots = dots * load_scales(k_base + token + HEAD_DIM, n_mask)[None, :]
+        s = scores_log2(dots, qk_scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        # p is rounded to the cache dtype before the product, as a fused GPU kernel does with tensor cores.
-        pv = tl.dot(p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        # p is rounded to the cache dtype before the product, as a fused GPU kernel does with tensor cores (int8: each
+        # value row's scale multiplied into its weights first, rounded to the model's dtype)
+        if QUANT:
+            w = (p * load_scales(v_base + token + HEAD_DIM, n_mask)[None, :]).to(out_ptr.dtype.element_ty)
+        else:
+            w = p.to(cache_ptr.dtype.element_ty)
+        pv = tl.dot(w.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -191,6 +210,8 @@ def paged_decode_attention(
     else:  # never touched: the kernel writes `out` directly
         part_out = part_lse = out
     block_d = triton.next_power_of_2(head_dim)
+    quant = kv_cache.dtype == torch.int8
+    compute = q.dtype if quant else kv_cache.dtype  # int8 K/V are widened to the query's dtype
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
         q, kv_cache, out, part_out, part_lse, block_tables, seq_lens,
         scale if softcap else scale * LOG2E, window, softcap,
@@ -200,8 +221,8 @@ def paged_decode_attention(
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
-        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype), WINDOW=window > 0,
-        SOFTCAP=softcap > 0,
+        DOT_DTYPE=dot_dtype(compute), DOT_PREC=dot_precision(compute), WINDOW=window > 0,
+        SOFTCAP=softcap > 0, QUANT=quant,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -214,12 +235,15 @@ def paged_decode_attention(
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first `seq_len` tokens, read slot by slot: [seq_len, num_kv_heads, head_dim]."""
+    """K and V of one sequence's first `seq_len` tokens, read slot by slot: [seq_len, num_kv_heads, head_dim]
+    (float32 from an int8 pool)."""
     block_size = kv_cache.shape[2]
     blocks = block_table.tolist()
     slots = [(blocks[pos // block_size], pos % block_size) for pos in range(seq_len)]
     keys = torch.stack([kv_cache[0, block, offset] for block, offset in slots])
     values = torch.stack([kv_cache[1, block, offset] for block, offset in slots])
+    if kv_cache.dtype == torch.int8:
+        return dequantize_rows(keys), dequantize_rows(values)
     return keys, values
 
 
@@ -252,6 +276,6 @@ def paged_decode_attention_ref(
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         k, v = gather_context(kv_cache, block_tables[i], seq_len)
-        out[i] = attend_ref(q[i : i + 1].to(kv_cache.dtype), k, v, [seq_len - 1], scale, window,
+        out[i] = attend_ref(q[i : i + 1].to(k.dtype), k, v, [seq_len - 1], scale, window,
                             softcap)[0].to(q.dtype)
     return out

@@ -40,8 +40,51 @@ def _store_kv_kernel(
     tl.store(cache_ptr + stride_c + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_rows(x, mask, HEAD_DIM: tl.constexpr):
+    """Rows of x [BLOCK_H, BLOCK_D] (fp32) -> (int8 values, float32 scales [BLOCK_H]): batchrun/model/kv_quant.py's
+    symmetric int8, scale = absmax / 127, values rounded half to even (torch.round's rule, spelled out: the
+    interpreter and the GPU then agree)."""
+    x = tl.where(mask, x, 0.0)
+    scale = tl.max(tl.abs(x), 1) / 127.0
+    y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to the even one
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    return r.to(tl.int8), scale
+
+
+@triton.jit
+def _store_kv_int8_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c, stride_cb, stride_ct, stride_ch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token: each KV head's row quantized on its own, its scale stored after its values.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < NUM_HEADS
+    mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h * stride_ch
+    for which in tl.static_range(2):
+        src = (k_ptr + t * stride_kt + offs_h[:, None] * stride_kh) if which == 0 else \
+            (v_ptr + t * stride_vt + offs_h[:, None] * stride_vh)
+        x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        values, scale = _quantize_rows(x, mask, HEAD_DIM)
+        base = cache_ptr + which * stride_c + row
+        tl.store(base[:, None] + offs_d[None, :], values, mask=mask)
+        tl.store((base + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=h_mask)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, Hkv, D];
+    """k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, Hkv, D]
+    (or an int8 pool, [..., D + 4]: quantized as stored, batchrun/model/kv_quant.py's format);
     slot_mapping: int64 [num_tokens], -1 for padding."""
     check_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = k.shape
@@ -49,6 +92,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must have unit stride on head_dim")
+    if kv_cache.dtype == torch.int8:
+        _store_kv_int8_kernel[(num_tokens,)](
+            k, v, kv_cache, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=kv_cache.shape[2],
+        )
+        return
     _store_kv_kernel[(num_tokens,)](
         k, v, kv_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels._common import check_kv_cache, dot_dtype, dot_precision
-from batchrun.kernels.decode_attention import LOG2E, attend_ref, gather_context, scores_log2
+from batchrun.kernels.decode_attention import LOG2E, attend_ref, gather_context, load_scales, scores_log2
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _prefill_kernel(
     stride_c, stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,7 +47,10 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
+    if QUANT:  # int8 K/V (the decode kernel's arithmetic)
+        q = q.to(DOT_DTYPE)
+    else:
+        q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
     q_pos = cached + offs_m  # rows past query_len see a superset of valid keys: finite, and never stored
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -66,7 +69,10 @@ def _prefill_kernel(
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        s = scores_log2(tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC), qk_scale, softcap, SOFTCAP)
+        dots = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC)
+        if QUANT:
+            dots = dots * load_scales(k_base + token + HEAD_DIM, n_mask)[None, :]
+        s = scores_log2(dots, qk_scale, softcap, SOFTCAP)
         seen = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if WINDOW:
             seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
@@ -80,7 +86,11 @@ def _prefill_kernel(
         p = tl.exp2(s - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        pv = tl.dot(p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+        if QUANT:
+            w = (p * load_scales(v_base + token + HEAD_DIM, n_mask)[None, :]).to(out_ptr.dtype.element_ty)
+        else:
+            w = p.to(cache_ptr.dtype.element_ty)
+        pv = tl.dot(w.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -122,6 +132,8 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return out
+    quant = kv_cache.dtype == torch.int8
+    compute = q.dtype if quant else kv_cache.dtype  # int8 K/V are widened to the query's dtype
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
         q, kv_cache, out, block_tables, seq_lens, query_start_loc,
         scale if softcap else scale * LOG2E, window, softcap,
@@ -129,8 +141,8 @@ def paged_prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype(kv_cache.dtype), DOT_PREC=dot_precision(kv_cache.dtype), WINDOW=window > 0,
-        SOFTCAP=softcap > 0,
+        DOT_DTYPE=dot_dtype(compute), DOT_PREC=dot_precision(compute), WINDOW=window > 0,
+        SOFTCAP=softcap > 0, QUANT=quant,
     )
     return out
 
@@ -152,5 +164,5 @@ def paged_prefill_attention_ref(
         lo, hi = starts[i], starts[i + 1]
         k, v = gather_context(kv_cache, block_tables[i], seq_len)
         q_pos = list(range(seq_len - (hi - lo), seq_len))
-        out[lo:hi] = attend_ref(q[lo:hi].to(kv_cache.dtype), k, v, q_pos, scale, window, softcap).to(q.dtype)
+        out[lo:hi] = attend_ref(q[lo:hi].to(k.dtype), k, v, q_pos, scale, window, softcap).to(q.dtype)
     return out

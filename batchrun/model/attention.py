@@ -9,7 +9,9 @@ the same case as a plain prefill with zero cached tokens.
 KV pool layout (one allocation for the whole model, made once):
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 A layer sees `kv_cache[layer]` = [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is block
-s // block_size, offset s % block_size.
+s // block_size, offset s % block_size. With `kv_cache_dtype: int8` the pool is int8 and a row is head_dim + 4
+wide (the values, then their float32 scale: batchrun/model/kv_quant.py); with fp8_e4m3 / fp8_e5m2 it is fp8,
+rows of head_dim. The backends quantize as they store and dequantize as they read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.model.kv_quant import dequantize, is_fp8, is_quantized, store_kv_fp8_torch, store_kv_int8_torch
 
 
 @dataclass
@@ -142,9 +145,25 @@ class TorchBackend(AttentionBackend):
         self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
+        quantized, fp8 = is_quantized(kv_cache), is_fp8(kv_cache)
+        if fp8:
+            store_kv_fp8_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+            if self.cpu_kernels:  # every row on the fp8 kernel
+                row_seq, row_len = meta.query_rows
+                return cpu_attention.paged_attention_fp8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
+                                                         window=window, softcap=softcap)
+        if self.cpu_kernels and quantized:
+            # every row on the int8 kernel (sdpa_prefill would need the pool dequantized first)
+            cpu_attention.store_kv_int8(k, v, kv_cache, meta.slot_mapping)
+            row_seq, row_len = meta.query_rows
+            return cpu_attention.paged_attention_int8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
+                                                      window=window, softcap=softcap)
         if self.cpu_kernels:
             return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
-        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        if quantized:
+            store_kv_int8_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        elif not fp8:
+            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale, window, softcap)
@@ -179,12 +198,17 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx: int):
-        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim]."""
+        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim] (float32 from an int8
+        pool)."""
         bs = kv_cache.shape[2]
         nblk = (ctx + bs - 1) // bs
         bt = block_tables[:, :nblk].long()
         kk = kv_cache[0][bt]  # [S, nblk, bs, Hkv, D]
         vv = kv_cache[1][bt]
+        if is_quantized(kv_cache):
+            kk, vv = dequantize(kk), dequantize(vv)
+        elif is_fp8(kv_cache):
+            kk, vv = kk.float(), vv.float()
         s = bt.shape[0]
         kk = kk.view(s, nblk * bs, *kk.shape[3:])[:, :ctx].transpose(1, 2)
         vv = vv.view(s, nblk * bs, *vv.shape[3:])[:, :ctx].transpose(1, 2)
@@ -214,7 +238,8 @@ class TorchBackend(AttentionBackend):
             qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
             end = start + qlen
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
-            if slen == qlen:  # nothing cached: attend to the new tokens directly
+            # nothing cached: attend to the new tokens directly (an 8-bit pool's rounded values are read back instead)
+            if slen == qlen and not (is_quantized(kv_cache) or is_fp8(kv_cache)):
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
             else:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from batchrun.model.errors import InsufficientMemoryError
+from batchrun.model.kv_quant import row_width
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +171,15 @@ def checkpoint_elements(path: Path) -> int:
     return count
 
 
-def kv_bytes_per_token(config, element_size: int) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes, from a model's config."""
+def kv_bytes_per_token(config, element_size: int, kv_dtype: torch.dtype | None = None) -> int:
+    """2 (K and V) x layers x KV heads x head dim x bytes, from a model's config; with an int8 pool (kv_dtype),
+    one byte per value and a 4-byte scale per KV head (batchrun/model/kv_quant.py)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+    if kv_dtype is not None:
+        element_size = torch.empty(0, dtype=kv_dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * row_width(head_dim, kv_dtype) * element_size
 
 
 @dataclass

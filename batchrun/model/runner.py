@@ -3,6 +3,8 @@ decides nothing.
 
 The device pool and the host (swap) pool are each one tensor allocated at start-up:
     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+(in int8 with each row's scale at its end, head_dim + 4 wide, for kv_cache_dtype int8: every block move below
+then carries the scales with the values.)
 Per step the runner applies the scheduler's block moves (swap out, swap in, copy-on-write) in bulk, one
 call each, builds the flat batch (token ids, positions, slot mapping, block tables) and runs the model,
 computing logits only for the positions that sample, then samples them as the step's SamplingRequests say
@@ -25,6 +27,7 @@ from batchrun.model.attention import AttentionMetadata
 from batchrun.model.backends import select_backend
 from batchrun.model.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.context import ForwardContext
+from batchrun.model.kv_quant import as_bytes, row_width
 from batchrun.model.ops import select_ops
 from batchrun.model.sampling_batch import plan_sampling, sample_step
 
@@ -40,28 +43,38 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's
+    kv_dtype: torch.dtype | None = None  # the pool's when not the model's: int8 (batchrun/model/kv_quant.py)
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (slot, kv head) row: head_dim, plus the float32 scale's 4 bytes in an int8 pool."""
+        return row_width(self.head_dim, self.kv_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x head dim x dtype bytes; LLaMA-2-7B fp16: 512 KiB."""
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+        """2 (K and V) x layers x kv heads x row bytes; LLaMA-2-7B fp16: 512 KiB (int8: 264 KiB)."""
+        item = torch.empty(0, dtype=self.pool_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * item
 
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
     def pool(self, num_blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
         # zeros, not empty: unused slots are read (then masked) by batched attention, and garbage NaNs
-        # would leak through a zero attention weight
-        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+        # would leak through a zero attention weight (an int8 row of zeros has scale 0: zeros too)
+        return torch.zeros(shape, dtype=self.pool_dtype, device=device, pin_memory=pin)
 
 
-def cache_shape(model: CausalLM, block_size: int, dtype: torch.dtype) -> CacheShape:
+def cache_shape(model: CausalLM, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> CacheShape:
     attn = model.layers[0].self_attn
-    return CacheShape(len(model.layers), attn.num_kv_heads, attn.head_dim, block_size, dtype)
+    return CacheShape(len(model.layers), attn.num_kv_heads, attn.head_dim, block_size, dtype, kv_dtype)
 
 
 class ModelRunner:
@@ -107,9 +120,9 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([d for d, _ in pairs], device=self.device)
         dst = torch.tensor([h for _, h in pairs])
-        moved = self.kv_cache.index_select(2, src)  # ordered before this step's forward overwrites them
+        moved = as_bytes(self.kv_cache).index_select(2, src)  # ordered before this step's forward overwrites them
         if not self.on_cuda:
-            self.host_cache.index_copy_(2, dst, moved)
+            as_bytes(self.host_cache).index_copy_(2, dst, moved)
             return
         self._flush_pending_out()
         staging = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
@@ -125,23 +138,23 @@ class ModelRunner:
         if self._pending_out is not None:
             staging, dst, done = self._pending_out
             done.synchronize()
-            self.host_cache.index_copy_(2, dst, staging)
+            as_bytes(self.host_cache).index_copy_(2, dst, staging)
             self._pending_out = None
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._flush_pending_out()
         src = torch.tensor([h for h, _ in pairs])
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        moved = self.host_cache.index_select(2, src)
+        moved = as_bytes(self.host_cache).index_select(2, src)
         if not self.on_cuda:
-            self.kv_cache.index_copy_(2, dst, moved)
+            as_bytes(self.kv_cache).index_copy_(2, dst, moved)
             return
         moved = moved.pin_memory()
         with torch.cuda.stream(self.copy_stream):
             on_device = moved.to(self.device, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # before the forward reads them
         on_device.record_stream(torch.cuda.current_stream(self.device))
-        self.kv_cache.index_copy_(2, dst, on_device)
+        as_bytes(self.kv_cache).index_copy_(2, dst, on_device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.backend.name == "triton":
@@ -151,7 +164,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        pool = as_bytes(self.kv_cache)
+        pool.index_copy_(2, dst, pool.index_select(2, src))
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:

@@ -15,6 +15,9 @@ _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "paged_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _I, _F]),
     "store_kv": (None, [_P, _P, _I, _P, _I, _I, _P, _P, _I]),  # the last: the element size
+    "paged_attention_int8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F]),
+    "store_kv_int8": (None, [_P, _P, _I, _P, _I, _I, _I, _P, _P, _B]),
+    "paged_attention_fp8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F, _P]),
 }
 
 # The fewest lanes (a tile's rows x query heads per kv head) for which bf16 attention goes to AMX outside the
@@ -68,3 +71,62 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     k_ptr = kv_cache.data_ptr()
     _library().store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv * d,
                         k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(), k.element_size())
+
+
+def paged_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                         row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention's contract over an int8 pool (batchrun.model.kv_quant's format): kv_cache int8
+    [2, NB, BS, Hkv, D + 4]; q and out fp32 or bf16. Batch invariant."""
+    n, hq, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=q.dtype)
+    k_ptr = kv_cache.data_ptr()
+    v_ptr = k_ptr + kv_cache.stride(0)
+    if _library().paged_attention_int8(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
+                                       row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs,
+                                       scale, dtype_flag(q), window, softcap):
+        raise MemoryError("paged attention: no memory for the score buffers")
+    return out
+
+
+def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize k, v [N, Hkv, D] (fp32 or bf16, the same row stride) into their slots of one layer's int8 pool
+    (kv_quant.quantize_rows' bytes); slot_mapping int64 [N], -1 skipped."""
+    n, hkv, d = k.shape
+    if k.stride() != v.stride() or k.stride(1) != d or k.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    k_ptr = kv_cache.data_ptr()
+    _library().store_kv_int8(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv, d,
+                             k_ptr, k_ptr + kv_cache.stride(0), dtype_flag(k))
+
+
+@cache
+def fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 values of an fp8 format as float32, by byte (the kernel's decoding table)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                        row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention's contract over an fp8 pool (float8_e4m3fn or float8_e5m2, [2, NB, BS, Hkv, D]); q and out
+    fp32 or bf16. Batch invariant."""
+    n, hq, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=q.dtype)
+    k_ptr = kv_cache.data_ptr()
+    if _library().paged_attention_fp8(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv_cache.stride(0), bt.data_ptr(),
+                                      bt.stride(0), row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv,
+                                      d, bs, scale, dtype_flag(q), window, softcap,
+                                      fp8_values(kv_cache.dtype).data_ptr()):
+        raise MemoryError("paged attention: no memory for the score buffers")
+    return out

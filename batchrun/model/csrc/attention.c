@@ -868,3 +868,137 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
         memcpy((char *)vc + slots[i] * row, (const char *)v + i * step, row);
     }
 }
+
+/* ---- the int8 KV pool (kv_cache_dtype: int8) ---------------------------------------------------------- */
+
+/* In an int8 pool each (slot, kv head) row is head_dim int8 values followed by their float32 scale (d + 4 bytes):
+ * symmetric, per token and kv head, x ~ scale * q with scale = absmax / 127. The scale sits inside the row so that
+ * every block move (copy-on-write, swap out and in) carries it with the values. batchrun/model/kv_quant.py is the
+ * torch side of the same format; its quantize_rows gives the same bytes as quantize_row here. */
+#define Q8_ROW(d) ((d) + 4)
+
+static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = fabsf(ld1(x, i, bf));
+        absmax = a > absmax ? a : absmax;
+    }
+    const float scale = absmax / 127.0f;
+    for (int64_t i = 0; i < d; i++) {
+        float r = scale > 0.0f ? nearbyintf(ld1(x, i, bf) / scale) : 0.0f;
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        dst[i] = (int8_t)r;
+    }
+    memcpy(dst + d, &scale, 4);
+}
+
+/* Quantize each token's K and V rows (hkv heads of d values, fp32 or bf16, token rows `stride` elements apart)
+ * into int8 pool slot slots[i] (rows of hkv * Q8_ROW(d) bytes); a negative slot is padding and is skipped. */
+void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
+                   int64_t hkv, int64_t d, void *kc, void *vc, int bf) {
+#pragma omp parallel for if (num_tokens * hkv * d > PAR_MIN_WORK)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0) continue;
+        for (int64_t h = 0; h < hkv; h++) {
+            const int64_t dst = (slots[i] * hkv + h) * Q8_ROW(d);
+            quantize_row(at(k, i * stride + h * d, bf), d, (int8_t *)kc + dst, bf);
+            quantize_row(at(v, i * stride + h * d, bf), d, (int8_t *)vc + dst, bf);
+        }
+    }
+}
+
+/* One 8-bit value of a pool row: int8 (times the row's scale, applied by the caller), or an fp8 byte decoded
+ * through lut (256 floats: the fp8 format's values, from torch; no scale). */
+ALWAYS float q8_value(const int8_t *row, int64_t i, const float *lut, const int fp8) {
+    return fp8 ? lut[(uint8_t)row[i]] : (float)row[i];
+}
+
+/* q . k over d dims in 16 lanes (vectorized by the compiler: each lane's sum is its own, in order), the lanes then
+ * added in a fixed order: the same bits whatever the row's neighbours. */
+ALWAYS float dot_q8(const float *q, const int8_t *k, int64_t d, const float *lut, const int fp8) {
+    float lane[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) lane[l] += q[i + l] * q8_value(k, i + l, lut, fp8);
+    for (; i < d; i++) lane[i % 16] += q[i] * q8_value(k, i, lut, fp8);
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += lane[l];
+    return s;
+}
+
+/* paged_attention's contract (the same rows, lengths, window and softcap) over an 8-bit pool. int8 (fp8 = 0): each
+ * key's dot product is taken on its int8 values and multiplied by its scale (folded into the score), and each value
+ * row's weight is multiplied by its scale before the int8 values are accumulated, all in fp32. fp8 (fp8 = 1): rows
+ * of d bytes decoded through lut, no scale. A task is one row and one kv head; a row's arithmetic is a function of
+ * that row alone, its keys taken in order (batch invariant). Returns 0, or 1 if scratch memory could not be
+ * allocated. */
+ALWAYS int attend_8bit(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                       int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t window,
+                       float softcap, const float *lut, const int fp8) {
+    const int64_t width = fp8 ? d : Q8_ROW(d), g = hq / hkv, row = hkv * width;
+    int64_t cap = 1, work = 0;
+    for (int64_t i = 0; i < num_rows; i++) {
+        cap = row_len[i] > cap ? row_len[i] : cap;
+        work += row_len[i];
+    }
+    int failed = 0;
+#pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
+    {
+        float *sc = malloc(sizeof(float) * (cap + 2 * d)); /* scores [cap], the query in fp32 [d], sums [d] */
+        failed = sc == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_rows * hkv; task++) {
+            if (sc != NULL) { /* every thread meets the loop; one without scratch takes no part */
+                float *qf = sc + cap, *acc = qf + d;
+                const int64_t r = task / hkv, h = task % hkv, n = row_len[r], lo = first_key(n, window);
+                const int32_t *table = bt + (int64_t)row_seq[r] * bt_stride;
+                for (int64_t j = h * g; j < (h + 1) * g; j++) {
+                    for (int64_t i = 0; i < d; i++) qf[i] = ld1(q, r * q_stride + j * d + i, bf);
+                    float m = -INFINITY;
+                    for (int64_t t = lo; t < n; t++) {
+                        const int8_t *kt = (const int8_t *)k + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
+                        float ks = 1.0f;
+                        if (!fp8) memcpy(&ks, kt + d, 4);
+                        float s = dot_q8(qf, kt, d, lut, fp8) * ks * scale;
+                        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+                        sc[t] = s;
+                        m = s > m ? s : m;
+                    }
+                    float sum = 0.0f;
+                    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+                    for (int64_t t = lo; t < n; t++) {
+                        const int8_t *vt = (const int8_t *)v + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
+                        const float p = expf(sc[t] - m);
+                        float vs = 1.0f;
+                        if (!fp8) memcpy(&vs, vt + d, 4);
+                        sum += p;
+                        const float w = p * vs;
+                        for (int64_t i = 0; i < d; i++) acc[i] += w * q8_value(vt, i, lut, fp8);
+                    }
+                    const float inv = n > lo ? 1.0f / sum : 0.0f;
+                    for (int64_t i = 0; i < d; i++) st1(out, (r * hq + j) * d + i, acc[i] * inv, bf);
+                }
+            }
+        }
+        free(sc);
+    }
+    return failed;
+}
+
+int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                         int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                         int64_t window, float softcap) {
+    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
+                       window, softcap, NULL, 0);
+}
+
+/* The same over an fp8 pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2): lut holds the 256 values of the format. */
+int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                        int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                        int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                        int64_t window, float softcap, const float *lut) {
+    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
+                       window, softcap, lut, 1);
+}
