@@ -92,7 +92,7 @@ class Plan:
     fmt: str = ""
     openvino_weights: str = "fp32"  # the export's weight format (benchmarks.openvino_env.WEIGHT_OPTIONS)
     openvino_kv: str = ""  # the OpenVINO row's KV cache precision ("": the row's dtype; "u8": its CPU default)
-    vllm_checkpoint: str = ""  # "w8a8-int8": vLLM runs benchmarks.w8a8_checkpoint's copy of the checkpoint
+    vllm_checkpoint: str = ""  # "w8a8-int8" / "w4a16-g128": vLLM runs benchmarks.vllm_checkpoint's copy
     vllm_not_run: str = ""  # why vLLM has no row on this format: the row says "not run: <this>"
     baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
     baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
@@ -148,7 +148,7 @@ PLANS: dict[str, Plan] = {
     # The same row quantized (issue 33), each beside its peers on the same format; asked for by name
     # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
     # int8 weights: batchrun's symmetric per-output-channel int8 (W8A8 where VNNI / AMX run it); OpenVINO's
-    # --weight-format int8 --sym (per channel); vLLM's CPU W8A8 int8 (compressed-tensors, benchmarks.w8a8_checkpoint).
+    # --weight-format int8 --sym (per channel); vLLM's CPU W8A8 int8 (compressed-tensors, benchmarks.vllm_checkpoint).
     "llama1b-int8": Plan("llama1b-int8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
                                                                      "quantization": "int8"},
                          fmt="int8 weights", openvino_weights="int8-sym", vllm_checkpoint="w8a8-int8",
@@ -157,7 +157,7 @@ PLANS: dict[str, Plan] = {
                          note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, per output "
                               "channel). OpenVINO GenAI: the IR exported with --weight-format int8 --sym (per "
                               "channel, embedding included). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
-                              "channel, activations per token at run time), written by benchmarks.w8a8_checkpoint."),
+                              "channel, activations per token at run time), written by benchmarks.vllm_checkpoint."),
     # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
     # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them).
     "llama1b-int4": Plan("llama1b-int4", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
@@ -399,15 +399,13 @@ def vllm_base(plan: Plan, base: dict[str, Any]) -> dict[str, Any]:
     {"error": ..., "config": ...} (a failed row) when the copy cannot be made."""
     if not plan.vllm_checkpoint:
         return base
-    if plan.vllm_checkpoint != "w8a8-int8":
-        raise ValueError(f"plan {plan.key}: unknown vllm_checkpoint {plan.vllm_checkpoint!r}")
-    from benchmarks.w8a8_checkpoint import make_w8a8
+    from benchmarks.vllm_checkpoint import make_quantized
 
     try:
-        return {**base, "model_path": str(make_w8a8(base["model_path"]))}
+        return {**base, "model_path": str(make_quantized(base["model_path"], plan.vllm_checkpoint))}
     except (OSError, RuntimeError) as e:
-        return {"error": f"vLLM not run: its W8A8 checkpoint could not be made: {e}",
-                "config": {"dtype": plan.dtype, "quantization": "w8a8-int8"}}
+        return {"error": f"vLLM not run: its {plan.vllm_checkpoint} checkpoint could not be made: {e}",
+                "config": {"dtype": plan.dtype, "quantization": plan.vllm_checkpoint}}
 
 
 def select_plans(spec: str) -> tuple[str, ...]:

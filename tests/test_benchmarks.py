@@ -411,12 +411,12 @@ def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_pa
 
     from safetensors import safe_open
 
-    from benchmarks.w8a8_checkpoint import make_w8a8
+    from benchmarks.vllm_checkpoint import make_quantized
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama_path, ckpt)
-    out = make_w8a8(ckpt)
-    assert out == tmp_path / "ckpt-w8a8-int8" and make_w8a8(ckpt) == out  # made once
+    out = make_quantized(ckpt, "w8a8-int8")
+    assert out == tmp_path / "ckpt-w8a8-int8" and make_quantized(ckpt) == out  # made once
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
     (src,) = ckpt.glob("*.safetensors")
@@ -433,6 +433,21 @@ def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_pa
                 assert torch.equal(b.get_tensor(name), w)
         assert names == set(a.keys()) | {n.removesuffix("weight") + "weight_scale" for n in a.keys()
                                          if n.endswith("proj.weight")}
+
+
+def test_w4a16_packs_eight_int4_groups_to_an_int32():
+    from benchmarks.vllm_checkpoint import pack_int4, quantize_groups
+
+    w = torch.randn(32, 256, dtype=torch.bfloat16)
+    q, scale = quantize_groups(w)
+    assert q.min() >= -8 and q.max() <= 7 and scale.shape == (32, 2) and scale.dtype == torch.bfloat16
+    deq = (q.float().reshape(32, 2, 128) * scale.float().unsqueeze(2)).reshape(32, 256)
+    assert (deq - w.float()).abs().max() <= scale.float().max() / 2 + 1e-3  # within half a step of its group
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (32, 32)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # column 8j + i is nibble i of word j, stored as value + 8
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(32, 256)
+    assert torch.equal(nibbles - 8, q.to(torch.int64))
 
 
 def test_openvino_exports_name_their_weight_format():
