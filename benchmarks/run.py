@@ -8,6 +8,7 @@ of the demand, n=4 sampling). Writes results.json, report.md and throughput.png 
     python -m benchmarks.run                      # tiny and small models, all scenarios (~20 min on 2 cores)
     python -m benchmarks.run --model tiny         # the tiny model only (~5 min)
     python -m benchmarks.run --quick              # a seconds-long end-to-end check of the harness
+    python -m benchmarks.run --rounds 2 --model quant   # issue 33's quantized 1B rows beside the bf16 one
     python -m benchmarks.run --model tiny --scenarios none --llm-kwargs '{"max_num_seqs": 128}'
 """
 
@@ -93,7 +94,6 @@ class Plan:
     openvino_weights: str = "fp32"  # the export's weight format (benchmarks.openvino_env.WEIGHT_OPTIONS)
     openvino_kv: str = ""  # the OpenVINO row's KV cache precision ("": the row's dtype; "u8": its CPU default)
     vllm_checkpoint: str = ""  # "w8a8-int8" / "w4a16-g128": vLLM runs benchmarks.vllm_checkpoint's copy
-    vllm_not_run: str = ""  # why vLLM has no row on this format: the row says "not run: <this>"
     baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
     baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
     weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
@@ -116,8 +116,6 @@ CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, pr
 # The 1B-class rows: Llama-3.2-1B's shape (benchmarks/models.py), random bf16 weights, random text, EOS ignored.
 LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
                scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False)
-VLLM_NO_INT4 = ("vLLM CPU 0.32 runs 4-bit weights only from a GPTQ / AWQ / compressed-tensors W4A16 checkpoint "
-                "(CPUWNA16LinearKernel), which this harness does not write (it writes the W8A8 int8 one)")
 
 PLANS: dict[str, Plan] = {
     "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
@@ -159,15 +157,19 @@ PLANS: dict[str, Plan] = {
                               "channel, embedding included). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
                               "channel, activations per token at run time), written by benchmarks.vllm_checkpoint."),
     # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
-    # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them).
+    # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them); vLLM's CPU
+    # W4A16 (compressed-tensors int4 symmetric in groups of 128, bf16 activations).
     "llama1b-int4": Plan("llama1b-int4", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
                                                                      "quantization": "int4"},
-                         fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_not_run=VLLM_NO_INT4,
+                         fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_checkpoint="w4a16-g128",
+                         vllm_kwargs={"quantization": "compressed-tensors"},
                          baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 2 / 128,
                          note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4. OpenVINO "
                               "GenAI: the IR exported with --weight-format int4 --sym --group-size 128 --ratio 1.0 "
                               "--backup-precision int8_sym (every decoder linear int4 symmetric in groups of 128, the "
-                              "embedding and tied lm_head int8 symmetric per channel)."),
+                              "embedding and tied lm_head int8 symmetric per channel). vLLM CPU: W4A16 "
+                              "(compressed-tensors, int4 symmetric in groups of 128, bf16 scales and activations), "
+                              "written by benchmarks.vllm_checkpoint."),
     # int8 KV cache, bf16 weights: batchrun's int8 (a scale per token and head); OpenVINO's u8 (its CPU default:
     # keys by channel, values by token, with zero points); vLLM's fp8 (e4m3, the CPU attention backend's).
     "llama1b-kv8": Plan("llama1b-kv8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
@@ -327,11 +329,7 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         kw = {**br_kwargs, "num_speculative_tokens": 8}
         headline.append(("batchrun", f"{plan.key}-batchrun-drafts",
                          lambda name: runner(name, {**base, "task": "batchrun", "llm_kwargs": kw})))
-    if plan.vllm and vllm is not None and plan.vllm_not_run:
-        config = {"dtype": plan.dtype, **plan.vllm_kwargs}
-        headline.append(("vllm", f"{plan.key}-vllm",
-                         lambda name: {"error": f"vLLM not run: {plan.vllm_not_run}", "config": config}))
-    elif plan.vllm and vllm is not None:
+    if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
         vbase = vllm_base(plan, base)

@@ -363,12 +363,19 @@ def test_quant_plans_are_asked_for_by_name_and_leave_the_default_set_alone():
 
 
 @pytest.mark.parametrize("key, batchrun, openvino, vllm", [
-    ("llama1b-int8", {"quantization": "int8"}, ("int8-sym", None), "w8a8"),
-    ("llama1b-int4", {"quantization": "int4"}, ("int4-sym-g128", None), None),
+    ("llama1b-int8", {"quantization": "int8"}, ("int8-sym", None), "w8a8-int8"),
+    ("llama1b-int4", {"quantization": "int4"}, ("int4-sym-g128", None), "w4a16-g128"),
     ("llama1b-kv8", {"kv_cache_dtype": "int8"}, ("fp32", "u8"), {"kv_cache_dtype": "fp8"}),
 ])
 def test_quant_plans_build_their_worker_arguments(monkeypatch, tmp_path, tiny_llama_path, key, batchrun, openvino,
                                                    vllm):
+    from pathlib import Path
+
+    from benchmarks import vllm_checkpoint
+
+    made = []  # the copy's writer is tested below; here only that the row asks for it and reads it
+    monkeypatch.setattr(vllm_checkpoint, "make_quantized",
+                        lambda c, fmt: made.append(fmt) or vllm_checkpoint.quantized_dir(Path(c), fmt))
     cap, _ = _quant_rows(monkeypatch, tmp_path, tiny_llama_path, key)
     (spec,) = cap.batchrun
     kw = spec["llm_kwargs"]
@@ -376,13 +383,11 @@ def test_quant_plans_build_their_worker_arguments(monkeypatch, tmp_path, tiny_ll
     assert spec["task"] == "batchrun" and spec["model_path"] == str(tmp_path / "llama-3.2-1b")
     (ov,) = cap.openvino
     assert (ov["weight_format"], ov["kv_cache_precision"]) == openvino and ov["dtype"] == "bfloat16"
-    if vllm is None:  # no int4 checkpoint for vLLM: its row says why, and no worker starts
-        assert cap.vllm == []
-        return
     (vl,) = cap.vllm
     assert vl["dtype"] == "bfloat16"
-    if vllm == "w8a8":  # vLLM reads the W8A8 copy written beside the checkpoint
-        assert vl["base"]["model_path"] == str(tmp_path / "llama-3.2-1b-w8a8-int8")
+    if isinstance(vllm, str):  # vLLM reads the compressed-tensors copy written beside the checkpoint
+        assert vl["base"]["model_path"] == str(tmp_path / f"llama-3.2-1b-{vllm}")
+        assert made == [vllm]
         assert vl["args"][-1] == {"quantization": "compressed-tensors"}
     else:
         assert vl["base"]["model_path"] == spec["model_path"] and vl["args"][-1] == vllm
@@ -399,10 +404,16 @@ def test_quant_plans_pass_engine_args_batchrun_declares():
         assert set(PLANS[k].batchrun_kwargs) <= fields, k
 
 
-def test_int4_plan_has_a_not_run_vllm_row(monkeypatch, tmp_path, tiny_llama_path):
-    _, m = _quant_rows(monkeypatch, tmp_path, tiny_llama_path, "llama1b-int4")
+def test_a_quantized_copy_vllm_cannot_get_is_a_failed_row(monkeypatch, tmp_path, tiny_llama_path):
+    from benchmarks import vllm_checkpoint
+
+    def unwritable(checkpoint, fmt):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(vllm_checkpoint, "make_quantized", unwritable)
+    cap, m = _quant_rows(monkeypatch, tmp_path, tiny_llama_path, "llama1b-int4")
     (row,) = m["runs"]["vllm"]
-    assert row["error"].startswith("vLLM not run: ") and "CPUWNA16LinearKernel" in row["error"]
+    assert cap.vllm == [] and row["error"].startswith("vLLM not run: ") and "No space left" in row["error"]
     assert m["format"] == "int4 weights" and m["baseline"] == "llama1b-bf16" and m["baseline_target"] == 2.5
 
 
