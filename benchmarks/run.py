@@ -153,8 +153,8 @@ PLANS: dict[str, Plan] = {
                          vllm_kwargs={"quantization": "compressed-tensors"},
                          baseline="llama1b-bf16", baseline_target=1.7, weight_bytes_per_param=1.0,
                          note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, per output "
-                              "channel). OpenVINO GenAI: the IR exported with --weight-format int8 --sym (per "
-                              "channel, embedding included). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
+                              "channel; the lm_head stays bf16). OpenVINO GenAI: the IR exported with --weight-format "
+                              "int8 --sym (per channel, the tied embedding and lm_head int8 too). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
                               "channel, activations per token at run time), written by benchmarks.vllm_checkpoint."),
     # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
     # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them); vLLM's CPU
@@ -164,7 +164,8 @@ PLANS: dict[str, Plan] = {
                          fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_checkpoint="w4a16-g128",
                          vllm_kwargs={"quantization": "compressed-tensors"},
                          baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 2 / 128,
-                         note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4. OpenVINO "
+                         note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4 "
+                              "(symmetric; the lm_head stays bf16). OpenVINO "
                               "GenAI: the IR exported with --weight-format int4 --sym --group-size 128 --ratio 1.0 "
                               "--backup-precision int8_sym (every decoder linear int4 symmetric in groups of 128, the "
                               "embedding and tied lm_head int8 symmetric per channel). vLLM CPU: W4A16 "

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 128
+SOURCE_KEY = "source-key.txt"  # openvino_env.checkpoint_key of the checkpoint the copy was made from
 _INT8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
 _INT8_TOKENS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 _INT4_GROUPS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
@@ -110,9 +111,13 @@ def make_quantized(checkpoint: str | Path, fmt: str = "w8a8-int8") -> Path:
 
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: choose from {', '.join(FORMATS)}")
+    from benchmarks.openvino_env import checkpoint_key
+
     checkpoint = Path(checkpoint)
     target = quantized_dir(checkpoint, fmt)
-    if (target / "config.json").is_file():
+    key = checkpoint_key(checkpoint)  # a checkpoint rewritten in place gets a new copy
+    if (target / "config.json").is_file() and (target / SOURCE_KEY).is_file() and (
+            (target / SOURCE_KEY).read_text().strip() == key):
         return target
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
@@ -135,6 +140,8 @@ def make_quantized(checkpoint: str | Path, fmt: str = "w8a8-int8") -> Path:
     cfg = json.loads((checkpoint / "config.json").read_text())
     cfg["quantization_config"] = FORMATS[fmt]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / SOURCE_KEY).write_text(key + "\n")
+    shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
 

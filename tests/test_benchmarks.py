@@ -427,7 +427,9 @@ def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_pa
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama_path, ckpt)
     out = make_quantized(ckpt, "w8a8-int8")
-    assert out == tmp_path / "ckpt-w8a8-int8" and make_quantized(ckpt) == out  # made once
+    assert out == tmp_path / "ckpt-w8a8-int8"
+    made = (out / "model.safetensors").stat().st_mtime_ns
+    assert make_quantized(ckpt) == out and (out / "model.safetensors").stat().st_mtime_ns == made  # made once
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
     (src,) = ckpt.glob("*.safetensors")
