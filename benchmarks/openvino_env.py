@@ -10,7 +10,7 @@ held by a constraint so that pip's resolution cannot swap it. optimum-intel 2.x 
 torchvision, which pulls a CUDA torch.
 
 `python -m benchmarks.openvino_env` makes the venv (or says why it cannot) and prints its python;
-`python -m benchmarks.openvino_env CHECKPOINT [fp32|int8|int4]` also exports that checkpoint and prints the IR's
+`python -m benchmarks.openvino_env CHECKPOINT [FORMAT]` (a WEIGHT_OPTIONS key, fp32 by default) also exports that checkpoint and prints the IR's
 folder.
 """
 
@@ -32,7 +32,22 @@ log = logging.getLogger(__name__)
 OPENVINO = ["openvino==2026.4.1", "openvino-genai==2026.4.1.0", "openvino-tokenizers==2026.4.1.0",
             "optimum-intel[openvino]==1.27.0"]
 TORCH = ("torch==2.13.0+cpu", "torch==2.13.0")  # the local CPU build first: plain 2.13.0 on PyPI is CUDA's
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+# The weight formats an export can take, each with the optimum-cli options that make it; the name is the cache
+# folder's suffix. "int8" / "int4" are optimum-cli's own defaults (asymmetric; int4 in groups of 128, its embedding
+# and lm_head int8 asymmetric). The "-sym" ones are set to match batchrun's quantized linears for issue 33's rows:
+# int8 symmetric per output channel; int4 symmetric in groups of 128 on every linear (ratio 1.0: no layer left in
+# int8 by a sensitivity rule), the embedding and lm_head (tied in Llama-3.2-1B) int8 symmetric, as nncf keeps them
+# unless --all-layers is given.
+WEIGHT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fp32": ("--weight-format", "fp32"),
+    "fp16": ("--weight-format", "fp16"),
+    "int8": ("--weight-format", "int8"),
+    "int4": ("--weight-format", "int4"),
+    "int8-sym": ("--weight-format", "int8", "--sym"),
+    "int4-sym-g128": ("--weight-format", "int4", "--sym", "--group-size", "128", "--ratio", "1.0",
+                      "--backup-precision", "int8_sym"),
+}
+WEIGHT_FORMATS = tuple(WEIGHT_OPTIONS)
 # What the export reads from a checkpoint: the cache key hashes these files' names, sizes and mtimes (a
 # checkpoint rewritten in place gets a new IR; hashing the bytes of a 2 GB model would cost seconds each run).
 KEY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -199,7 +214,7 @@ def export(checkpoint: str | Path, weight_format: str = "fp32", threads: int = 2
         staged, out = Path(tmp) / "checkpoint", Path(tmp) / "ir"
         _stage(checkpoint, staged)
         cmd = [str(py.parent / "optimum-cli"), "export", "openvino", "--model", str(staged),
-               "--task", "text-generation-with-past", "--weight-format", weight_format, str(out)]
+               "--task", "text-generation-with-past", *WEIGHT_OPTIONS[weight_format], str(out)]
         log.info("exporting %s to OpenVINO IR (%s)", checkpoint, weight_format)
         proc = subprocess.run(cmd, env=environment(threads), capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0 or not (out / "openvino_model.xml").is_file():
@@ -236,7 +251,7 @@ class OpenvinoSetup:
         (openvino_worker.CPU_BLOCK_SIZE), so a caller that wants every request to fit at once passes at least
         the workload's demand in 32-token blocks. kv_cache_precision None is the row's dtype; "u8" is the CPU
         plugin's own default, a row of its own."""
-        config = {"dtype": dtype, "kv_cache_precision": kv_cache_precision or dtype}
+        config = {"dtype": dtype, "kv_cache_precision": kv_cache_precision or dtype, "weight_format": weight_format}
         if self.python is None:
             return {"error": f"OpenVINO GenAI not run: {self.error}", "config": config}
         try:
@@ -250,6 +265,8 @@ class OpenvinoSetup:
                      module="benchmarks.openvino_worker")
         if "error" in res:
             res["config"] = config
+        else:
+            res.setdefault("config", {})["weight_format"] = weight_format
         return res
 
 

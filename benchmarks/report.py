@@ -121,12 +121,48 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
 
             shape = m["shape"]
             streamed = m["flops"]["body_params"] + m["flops"]["lm_head_params"]  # the matrices a step reads whole
-            weight_bytes = streamed * (2 if m.get("dtype") == "bfloat16" else 4)
+            dtype_bytes = 2 if m.get("dtype") == "bfloat16" else 4
+            # quantized rows: the decoder's linears in the row's format, the lm_head in the dtype (batchrun keeps it)
+            weight_bytes = (m["flops"]["body_params"] * (m.get("weight_bytes_per_param") or dtype_bytes)
+                            + m["flops"]["lm_head_params"] * dtype_bytes)
             derived["roofline"] = roofline(dec, weight_bytes, _kv_bytes_per_token(shape), streamed,
                                            4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
                                            bandwidth or 0.0, peak_flops)
     derived["targets"] = _targets(m["key"], derived)
     return derived
+
+
+def decode_tok_s(d: dict[str, Any]) -> float | None:
+    """batchrun's tokens/s over its decode-only steps (forward time, from the roofline pass), None without one."""
+    rf = d.get("roofline")
+    return 1e3 * rf["rows_per_step"] / rf["step_ms"] if rf and rf.get("step_ms") else None
+
+
+def link_baselines(res: dict[str, Any]) -> None:
+    """For each plan with a baseline (a quantized row and its bf16 row, issue 33) where both batchrun rows ran:
+    batchrun's tokens/s over the baseline's, end to end and at decode, and the issue's decode target among the
+    plan's targets. Idempotent: a re-rendered report recomputes the same entries."""
+    models = res["models"]
+    for m in models.values():
+        d = m["derived"]
+        d.pop("vs_baseline", None)
+        d["targets"] = [t for t in d["targets"] if not t.get("baseline")]
+        base = models.get(m.get("baseline") or "")
+        if base is None:
+            continue
+        mine, theirs = d["systems"].get("batchrun", {}).get("best"), base["derived"]["systems"].get(
+            "batchrun", {}).get("best")
+        if not mine or not theirs:
+            continue
+        dec, dec_base = decode_tok_s(d), decode_tok_s(base["derived"])
+        vs = {"plan": m["baseline"], "ratio": mine["gen_tok_s"] / theirs["gen_tok_s"],
+              "decode_ratio": dec / dec_base if dec and dec_base else None}
+        d["vs_baseline"] = vs
+        goal = m.get("baseline_target")
+        if goal:
+            r = vs["decode_ratio"]
+            d["targets"].append({"target": f"decode tok/s vs batchrun's {m['baseline']} row", "goal": f">= {goal:g}x",
+                                 "measured": r, "met": None if r is None else r >= goal, "baseline": True})
 
 
 def _n(m: dict[str, Any]) -> int:
@@ -232,7 +268,8 @@ def _row_name(m: dict[str, Any]) -> str:
     kind = "chat" if what == "chat" else "random text"
     how = dec.split(",")[0].split(" (")[0] if dec else "greedy"
     n = ", n = 4" if "n = 4" in dec else ""
-    return f"{m['model']} {kind}, {how}{n}, {dt}"
+    fmt = f", {m['format']}" if m.get("format") else ""
+    return f"{m['model']} {kind}, {how}{n}, {dt}{fmt}"
 
 
 def _variant(d: dict[str, Any], system: str, match: Any) -> dict[str, Any] | None:
@@ -246,8 +283,8 @@ def summary_table(res: dict[str, Any]) -> list[str]:
     """One line per plan: generated tokens/s of each system at its defaults (OpenVINO with the row's KV dtype, and
     with its u8 default), batchrun with drafts on, and batchrun's default over the fastest peer row."""
     lines = ["| row | batchrun | batchrun, drafts on | vLLM CPU | OpenVINO GenAI | OpenVINO, u8 KV | "
-             "batchrun / fastest peer | peak RSS MiB (batchrun / vLLM / OpenVINO) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "batchrun / fastest peer | batchrun / its bf16 row (decode) | peak RSS MiB (batchrun / vLLM / OpenVINO) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for m in res["models"].values():
         d = m["derived"]
 
@@ -265,8 +302,10 @@ def summary_table(res: dict[str, Any]) -> list[str]:
         ov8 = _variant(d, "openvino", lambda c: c.get("kv_cache_precision") == "u8")
         fp = d.get("fastest_peer")
         ratio = _f(fp["ratio"], "{:.2f}x") if fp else "-"
+        vs = d.get("vs_baseline")
+        own = f"{_f(vs['ratio'], '{:.2f}x')} ({_f(vs['decode_ratio'], '{:.2f}x')})" if vs else "-"
         lines.append(f"| {_row_name(m)} | {rate(br)} | {rate(drafts)} | {rate(vl)} | {rate(ov)} | {rate(ov8)} | "
-                     f"{ratio} | {rss(br)} / {rss(vl)} / {rss(ov)} |")
+                     f"{ratio} | {own} | {rss(br)} / {rss(vl)} / {rss(ov or ov8)} |")
     return lines
 
 
@@ -312,6 +351,12 @@ def _cfg(c: dict[str, Any]) -> str:
         parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
     if c.get("kv_cache_precision"):
         parts.append(f"KV {c['kv_cache_precision']}")
+    if c.get("quantization"):
+        parts.append(f"weights {c['quantization']}")
+    if c.get("weight_format") and c["weight_format"] != "fp32":
+        parts.append(f"IR weights {c['weight_format']}")
+    if c.get("kv_cache_dtype") and c["kv_cache_dtype"] != "auto":
+        parts.append(f"KV {c['kv_cache_dtype']}")
     return ", ".join(parts) or "-"
 
 
@@ -370,7 +415,8 @@ def markdown(res: dict[str, Any]) -> str:
         w = m["workload"]
         dtype = m.get("dtype", "float32")
         dt = "" if dtype == "float32" else ", " + {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters{dt})", "",
+        fmt = f", {m['format']}" if m.get("format") else ""
+        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters{dt}{fmt})", "",
                   f"Workload: {w['requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
                   f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "
                   f"(mean {w['output_len_mean']:.0f}) tokens, seed {w.get('seed')}; {w['prompt_tokens']} prompt + "
@@ -510,6 +556,7 @@ def main(argv: list[str]) -> int:
     """Re-render report.md (and the plot) from a saved results.json."""
     path = Path(argv[0])
     res = json.loads(path.read_text())
+    link_baselines(res)
     if plot(res, path.parent / "throughput.png"):
         res["plot"] = "throughput.png"
     (path.parent / "report.md").write_text(markdown(res))

@@ -8,6 +8,7 @@ of the demand, n=4 sampling). Writes results.json, report.md and throughput.png 
     python -m benchmarks.run                      # tiny and small models, all scenarios (~20 min on 2 cores)
     python -m benchmarks.run --model tiny         # the tiny model only (~5 min)
     python -m benchmarks.run --quick              # a seconds-long end-to-end check of the harness
+    python -m benchmarks.run --rounds 2 --model quant   # issue 33's quantized 1B rows beside the bf16 one
     python -m benchmarks.run --model tiny --scenarios none --llm-kwargs '{"max_num_seqs": 128}'
 """
 
@@ -88,6 +89,14 @@ class Plan:
     openvino_u8: bool = False  # also OpenVINO with its CPU default u8 KV cache, a row of its own
     batchrun_kwargs: dict[str, Any] = field(default_factory=dict)  # extra LLM arguments for this plan's rows
     op_profile: int = 32  # requests of batchrun's op-profile pass after its timed run (0: none)
+    # Quantized rows (issue 33): what every system's row runs, named in the report ("int8 weights", "int8 KV")
+    fmt: str = ""
+    openvino_weights: str = "fp32"  # the export's weight format (benchmarks.openvino_env.WEIGHT_OPTIONS)
+    openvino_kv: str = ""  # the OpenVINO row's KV cache precision ("": the row's dtype; "u8": its CPU default)
+    vllm_checkpoint: str = ""  # "w8a8-int8" / "w4a16-g128": vLLM runs benchmarks.vllm_checkpoint's copy
+    baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
+    baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
+    weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
 
 
 # vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
@@ -103,6 +112,10 @@ OUTPUT = LengthDist(median=48, sigma=0.7, lo=16, hi=256)
 SAMPLED = Decoding(temperature=0.8, top_p=0.95, seed=0)
 CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, prompt=PROMPT, output=OUTPUT,
             static_batches=(), cb_requests_per_step=(), scenarios=(), vllm_ngram=False)
+
+# The 1B-class rows: Llama-3.2-1B's shape (benchmarks/models.py), random bf16 weights, random text, EOS ignored.
+LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
+               scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False)
 
 PLANS: dict[str, Plan] = {
     "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
@@ -133,9 +146,44 @@ PLANS: dict[str, Plan] = {
                               batchrun_kwargs={"kv_cache_dtype": "int8"}, note="batchrun's KV cache in int8"),
     # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
     # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
-    "llama1b-bf16": Plan("llama1b-bf16", "", 48, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
-                         scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False,
-                         batchrun_kwargs={"num_speculative_tokens": 0}),
+    "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
+    # The same row quantized (issue 33), each beside its peers on the same format; asked for by name
+    # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
+    # int8 weights: batchrun's symmetric per-output-channel int8 (W8A8 where VNNI / AMX run it); OpenVINO's
+    # --weight-format int8 --sym (per channel); vLLM's CPU W8A8 int8 (compressed-tensors, benchmarks.vllm_checkpoint).
+    "llama1b-int8": Plan("llama1b-int8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                     "quantization": "int8"},
+                         fmt="int8 weights", openvino_weights="int8-sym", vllm_checkpoint="w8a8-int8",
+                         vllm_kwargs={"quantization": "compressed-tensors"},
+                         baseline="llama1b-bf16", baseline_target=1.7, weight_bytes_per_param=1.0,
+                         note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, per output "
+                              "channel; the lm_head stays bf16). OpenVINO GenAI: the IR exported with --weight-format "
+                              "int8 --sym (per channel, the tied embedding and lm_head int8 too). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
+                              "channel, activations per token at run time), written by benchmarks.vllm_checkpoint."),
+    # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
+    # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them); vLLM's CPU
+    # W4A16 (compressed-tensors int4 symmetric in groups of 128, bf16 activations).
+    "llama1b-int4": Plan("llama1b-int4", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                     "quantization": "int4"},
+                         fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_checkpoint="w4a16-g128",
+                         vllm_kwargs={"quantization": "compressed-tensors"},
+                         baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 2 / 128,
+                         note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4 "
+                              "(symmetric; the lm_head stays bf16). OpenVINO "
+                              "GenAI: the IR exported with --weight-format int4 --sym --group-size 128 --ratio 1.0 "
+                              "--backup-precision int8_sym (every decoder linear int4 symmetric in groups of 128, the "
+                              "embedding and tied lm_head int8 symmetric per channel). vLLM CPU: W4A16 "
+                              "(compressed-tensors, int4 symmetric in groups of 128, bf16 scales and activations), "
+                              "written by benchmarks.vllm_checkpoint."),
+    # int8 KV cache, bf16 weights: batchrun's int8 (a scale per token and head); OpenVINO's u8 (its CPU default:
+    # keys by channel, values by token, with zero points); vLLM's fp8 (e4m3, the CPU attention backend's).
+    "llama1b-kv8": Plan("llama1b-kv8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                   "kv_cache_dtype": "int8"},
+                        fmt="int8 KV", openvino_kv="u8", vllm_kwargs={"kv_cache_dtype": "fp8"},
+                        baseline="llama1b-bf16",
+                        note="bf16 weights, 8-bit KV cache: batchrun kv_cache_dtype int8, OpenVINO GenAI "
+                             "KV_CACHE_PRECISION u8, vLLM CPU kv_cache_dtype fp8 (e4m3). The KV budget is the bf16 "
+                             "row's bytes: every system holds the whole workload at once."),
     # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/builtin.py):
     # a Gemma (sliding and global layers, GeGLU, a 262k vocabulary) and a mixture of experts. Asked for by name.
     "gemma3-270m": Plan("gemma3-270m", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
@@ -153,6 +201,9 @@ PLANS: dict[str, Plan] = {
 # ignored on the same real model (a second view); the other plans are asked for by name.
 DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "smollm2-bf16",
                  "smollm2")
+# Issue 33's quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
+QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
+PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS}
 
 QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
@@ -286,8 +337,9 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
     if plan.vllm and vllm is not None:
         # the same bytes, or more where vLLM's 16-token blocks need more for the same requests
         vllm_kv = max(kv_bytes, wl.blocks_needed(16) * 16 * shape.kv_bytes_per_token)
-        headline.append(("vllm", f"{plan.key}-vllm", lambda name: vllm.run(runner, name, base, plan.dtype, vllm_kv,
-                                                                            wl.max_len, plan.vllm_kwargs)))
+        vbase = vllm_base(plan, base)
+        headline.append(("vllm", f"{plan.key}-vllm", lambda name: vbase if "error" in vbase else vllm.run(
+            runner, name, vbase, plan.dtype, vllm_kv, wl.max_len, plan.vllm_kwargs)))
         if plan.speculation_variants and plan.vllm_ngram:  # vLLM with n-gram drafting (off by default there)
             ngram = {**plan.vllm_kwargs, "speculative_config": VLLM_NGRAM}
             headline.append(("vllm", f"{plan.key}-vllm-ngram",
@@ -297,7 +349,9 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         # 32 tokens: the same bytes, or what its blocks need for the same requests
         ov_kv = max(kv_bytes, wl.blocks_needed(32) * 32 * shape.kv_bytes_per_token)
         headline.append(("openvino", f"{plan.key}-openvino",
-                         lambda name: openvino.run(runner, name, base, plan.dtype, ov_kv)))
+                         lambda name: openvino.run(runner, name, base, plan.dtype, ov_kv,
+                                                   kv_cache_precision=plan.openvino_kv or None,
+                                                   weight_format=plan.openvino_weights)))
         if plan.openvino_u8:
             headline.append(("openvino", f"{plan.key}-openvino-u8",
                              lambda name: openvino.run(runner, name, base, plan.dtype, ov_kv, kv_cache_precision="u8")))
@@ -334,11 +388,35 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
          "eos_token_ids": list(wl.decoding.eos_token_ids) if wl.decoding.stop_at_eos else [],
          "block_size": BLOCK_SIZE, "kv_blocks": kv_blocks, "kv_bytes": kv_bytes, "demand_blocks": demand,
          "contiguous": contiguous_preallocation(kv_bytes, shape, max_model_len, wl), "runs": runs,
-         "llm_kwargs": br_kwargs, "note": plan.note, "plan": {"workload": plan.workload, "decoding": wl.decoding.label}}
+         "llm_kwargs": br_kwargs, "note": plan.note, "plan": {"workload": plan.workload, "decoding": wl.decoding.label},
+         "format": plan.fmt, "baseline": plan.baseline, "baseline_target": plan.baseline_target,
+         "weight_bytes_per_param": plan.weight_bytes_per_param}
     todo = [s for s in scenarios if s in plan.scenarios]
     if todo:
         m["scenarios"] = run_scenarios(plan, runner, todo, wl, shape, vocab, llm_kwargs)
     return m
+
+
+def vllm_base(plan: Plan, base: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM worker's base spec: the plan's checkpoint, or the quantized copy the plan asks for (made here, once);
+    {"error": ..., "config": ...} (a failed row) when the copy cannot be made."""
+    if not plan.vllm_checkpoint:
+        return base
+    from benchmarks.vllm_checkpoint import make_quantized
+
+    try:
+        return {**base, "model_path": str(make_quantized(base["model_path"], plan.vllm_checkpoint))}
+    except (OSError, RuntimeError) as e:
+        return {"error": f"vLLM not run: its {plan.vllm_checkpoint} checkpoint could not be made: {e}",
+                "config": {"dtype": plan.dtype, "quantization": plan.vllm_checkpoint}}
+
+
+def select_plans(spec: str) -> tuple[str, ...]:
+    """Plan keys from --model: a comma-separated list of plans and groups (all, quant), in order, each once."""
+    keys: list[str] = []
+    for k in (k.strip() for k in spec.split(",") if k.strip()):
+        keys.extend(PLAN_GROUPS.get(k, (k,)))
+    return tuple(dict.fromkeys(keys))
 
 
 def run_scenarios(plan: Plan, runner: Runner, todo: list[str], wl: Workload, shape: ModelShape, vocab: int,
@@ -429,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="all",
-                    help=f"comma-separated plans of {','.join(PLANS)}, or 'all' ({','.join(DEFAULT_PLANS)})")
+                    help=f"comma-separated plans of {','.join(PLANS)}, and groups: 'all' ({','.join(DEFAULT_PLANS)}), "
+                         f"'quant' ({','.join(QUANT_PLANS)})")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out (no venv is made)")
     ap.add_argument("--no-openvino", action="store_true", help="leave OpenVINO GenAI out (no venv is made)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers' baselines out")
@@ -458,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plans = [QUICK]
     else:
-        keys = DEFAULT_PLANS if args.model == "all" else tuple(k.strip() for k in args.model.split(",") if k.strip())
+        keys = select_plans(args.model)
         if set(keys) - set(PLANS):
             ap.error(f"unknown plans {sorted(set(keys) - set(PLANS))}; choose from {','.join(PLANS)}")
         plans = [PLANS[k] for k in keys]
@@ -507,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"))
         _strip_outputs(m)
         res["models"][plan.key] = m
+    report.link_baselines(res)
     env = res["env"]
     env["loadavg_end"] = _loadavg()
     env["contended"] = any(float(x.split()[0]) > THREADS + 0.5 for x in (env["loadavg_start"], env["loadavg_end"])

@@ -7,6 +7,7 @@ baseline's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -300,3 +301,200 @@ def test_a_baseline_builds_from_the_single_file_layout_and_the_split_one(tmp_pat
         got, top = torch.empty(3, 1000), torch.empty(3, 8, dtype=torch.int64)
         lib.logits_top(logits.data_ptr(), got.data_ptr(), 3, 1000, 8, top.data_ptr())
         assert torch.equal(got, want) and torch.equal(top, want_top)
+
+
+# ---- issue 33's quantized rows: the plans, their worker arguments and the report (no model runs) ------------
+
+
+class _Captured:
+    """Stands in for the runner and the two peers' setups: records each row's arguments, runs nothing."""
+
+    def __init__(self) -> None:
+        self.batchrun: list[dict] = []
+        self.vllm: list[dict] = []
+        self.openvino: list[dict] = []
+
+    def __call__(self, name, spec, **kw):  # the Runner: batchrun's rows
+        self.batchrun.append(spec)
+        return {"error": "not run in this test"}
+
+    def log(self, msg: str) -> None:
+        pass
+
+    def peer(self, rows: list[dict]):
+        outer = self
+
+        class Setup:
+            def run(self, runner, name, base, dtype, kv_bytes, *args, **kwargs):
+                assert runner is outer
+                rows.append({"base": base, "dtype": dtype, "kv_bytes": kv_bytes, "args": args, **kwargs})
+                return {"error": "not run in this test"}
+
+        return Setup()
+
+
+def _quant_rows(monkeypatch, tmp_path, tiny_llama_path, key: str) -> tuple[_Captured, dict]:
+    """run_model on plan `key` with every row captured; the plan's checkpoint is a copy of the tiny one (nothing the
+    size of 1B is made)."""
+    import shutil
+
+    from benchmarks import models, run
+
+    ckpt = tmp_path / "llama-3.2-1b"
+    shutil.copytree(tiny_llama_path, ckpt)
+    monkeypatch.setattr(models, "bench_checkpoint", lambda name: ckpt)
+    cap = _Captured()
+    m = run.run_model(run.PLANS[key], cap, (), {}, 1.0, vllm=cap.peer(cap.vllm), openvino=cap.peer(cap.openvino))
+    return cap, m
+
+
+def test_quant_plans_are_asked_for_by_name_and_leave_the_default_set_alone():
+    from benchmarks.run import DEFAULT_PLANS, PLANS, select_plans
+
+    assert select_plans("all") == DEFAULT_PLANS
+    assert not any(k in DEFAULT_PLANS for k in ("llama1b-int8", "llama1b-int4", "llama1b-kv8"))
+    assert select_plans("quant") == ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
+    assert select_plans("llama1b-int8, quant") == ("llama1b-int8", "llama1b-bf16", "llama1b-int4", "llama1b-kv8")
+    for k in select_plans("quant"):
+        p = PLANS[k]  # the bf16 row's workload and model exactly: only the format differs
+        assert (p.checkpoint, p.num_requests, p.prompt, p.output, p.dtype, p.seed) == (
+            "llama-3.2-1b", 48, PLANS["llama1b-bf16"].prompt, PLANS["llama1b-bf16"].output, "bfloat16", 0)
+        assert p.baseline in ("", "llama1b-bf16")
+
+
+@pytest.mark.parametrize("key, batchrun, openvino, vllm", [
+    ("llama1b-int8", {"quantization": "int8"}, ("int8-sym", None), "w8a8-int8"),
+    ("llama1b-int4", {"quantization": "int4"}, ("int4-sym-g128", None), "w4a16-g128"),
+    ("llama1b-kv8", {"kv_cache_dtype": "int8"}, ("fp32", "u8"), {"kv_cache_dtype": "fp8"}),
+])
+def test_quant_plans_build_their_worker_arguments(monkeypatch, tmp_path, tiny_llama_path, key, batchrun, openvino,
+                                                   vllm):
+    from pathlib import Path
+
+    from benchmarks import vllm_checkpoint
+
+    made = []  # the copy's writer is tested below; here only that the row asks for it and reads it
+    monkeypatch.setattr(vllm_checkpoint, "make_quantized",
+                        lambda c, fmt: made.append(fmt) or vllm_checkpoint.quantized_dir(Path(c), fmt))
+    cap, _ = _quant_rows(monkeypatch, tmp_path, tiny_llama_path, key)
+    (spec,) = cap.batchrun
+    kw = spec["llm_kwargs"]
+    assert kw.items() >= {**batchrun, "num_speculative_tokens": 0, "dtype": "bfloat16"}.items()
+    assert spec["task"] == "batchrun" and spec["model_path"] == str(tmp_path / "llama-3.2-1b")
+    (ov,) = cap.openvino
+    assert (ov["weight_format"], ov["kv_cache_precision"]) == openvino and ov["dtype"] == "bfloat16"
+    (vl,) = cap.vllm
+    assert vl["dtype"] == "bfloat16"
+    if isinstance(vllm, str):  # vLLM reads the compressed-tensors copy written beside the checkpoint
+        assert vl["base"]["model_path"] == str(tmp_path / f"llama-3.2-1b-{vllm}")
+        assert made == [vllm]
+        assert vl["args"][-1] == {"quantization": "compressed-tensors"}
+    else:
+        assert vl["base"]["model_path"] == spec["model_path"] and vl["args"][-1] == vllm
+
+
+def test_quant_plans_pass_engine_args_batchrun_declares():
+    from batchrun.engine_args import EngineArgs
+    from benchmarks.run import PLANS, QUANT_PLANS
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    if not {"quantization", "kv_cache_dtype"} <= fields:
+        pytest.skip("EngineArgs has no quantization / kv_cache_dtype field yet (issue 33's engine side not merged)")
+    for k in QUANT_PLANS:
+        assert set(PLANS[k].batchrun_kwargs) <= fields, k
+
+
+def test_a_quantized_copy_vllm_cannot_get_is_a_failed_row(monkeypatch, tmp_path, tiny_llama_path):
+    from benchmarks import vllm_checkpoint
+
+    def unwritable(checkpoint, fmt):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(vllm_checkpoint, "make_quantized", unwritable)
+    cap, m = _quant_rows(monkeypatch, tmp_path, tiny_llama_path, "llama1b-int4")
+    (row,) = m["runs"]["vllm"]
+    assert cap.vllm == [] and row["error"].startswith("vLLM not run: ") and "No space left" in row["error"]
+    assert m["format"] == "int4 weights" and m["baseline"] == "llama1b-bf16" and m["baseline_target"] == 2.5
+
+
+def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_path):
+    import shutil
+
+    from safetensors import safe_open
+
+    from benchmarks.vllm_checkpoint import make_quantized
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_path, ckpt)
+    out = make_quantized(ckpt, "w8a8-int8")
+    assert out == tmp_path / "ckpt-w8a8-int8"
+    made = (out / "model.safetensors").stat().st_mtime_ns
+    assert make_quantized(ckpt) == out and (out / "model.safetensors").stat().st_mtime_ns == made  # made once
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
+    (src,) = ckpt.glob("*.safetensors")
+    with safe_open(str(src), "pt") as a, safe_open(str(out / src.name), "pt") as b:
+        names = set(b.keys())
+        for name in a.keys():
+            w = a.get_tensor(name)
+            if name.endswith("proj.weight"):
+                q, scale = b.get_tensor(name), b.get_tensor(name.removesuffix("weight") + "weight_scale")
+                assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (w.shape[0], 1)
+                assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+                assert torch.allclose(q.float() * scale, w.float(), atol=float(scale.max()) / 2 + 1e-6)
+            else:
+                assert torch.equal(b.get_tensor(name), w)
+        assert names == set(a.keys()) | {n.removesuffix("weight") + "weight_scale" for n in a.keys()
+                                         if n.endswith("proj.weight")}
+
+
+def test_w4a16_packs_eight_int4_groups_to_an_int32():
+    from benchmarks.vllm_checkpoint import pack_int4, quantize_groups
+
+    w = torch.randn(32, 256, dtype=torch.bfloat16)
+    q, scale = quantize_groups(w)
+    assert q.min() >= -8 and q.max() <= 7 and scale.shape == (32, 2) and scale.dtype == torch.bfloat16
+    deq = (q.float().reshape(32, 2, 128) * scale.float().unsqueeze(2)).reshape(32, 256)
+    assert (deq - w.float()).abs().max() <= scale.float().max() / 2 + 1e-3  # within half a step of its group
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (32, 32)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # column 8j + i is nibble i of word j, stored as value + 8
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(32, 256)
+    assert torch.equal(nibbles - 8, q.to(torch.int64))
+
+
+def test_openvino_exports_name_their_weight_format():
+    from benchmarks.openvino_env import WEIGHT_OPTIONS
+
+    assert WEIGHT_OPTIONS["fp32"] == ("--weight-format", "fp32")
+    int4 = WEIGHT_OPTIONS["int4-sym-g128"]
+    assert int4[:2] == ("--weight-format", "int4") and "--sym" in int4
+    assert int4[int4.index("--group-size") + 1] == "128" and int4[int4.index("--ratio") + 1] == "1.0"
+    assert WEIGHT_OPTIONS["int8-sym"] == ("--weight-format", "int8", "--sym")
+
+
+def _derived(rate: float, decode: float | None) -> dict:
+    best = {"gen_tok_s": rate, "config": {}}
+    rf = {"rows_per_step": decode / 10, "step_ms": 100.0} if decode else None
+    return {"systems": {"batchrun": {"variants": [best], "best": best}}, "targets": [], "roofline": rf}
+
+
+def test_report_gives_quantized_rows_their_ratio_to_the_bf16_row():
+    from benchmarks.report import link_baselines, summary_table
+
+    models = {"llama1b-bf16": {"derived": _derived(100.0, 50.0)},
+              "llama1b-int8": {"derived": _derived(150.0, 90.0), "baseline": "llama1b-bf16", "baseline_target": 1.7,
+                               "format": "int8 weights"},
+              "llama1b-int4": {"derived": _derived(200.0, None), "baseline": "missing", "baseline_target": 2.5}}
+    for k, m in models.items():
+        m.update(key=k, model="llama-3.2-1b", dtype="bfloat16", workload={"decoding": "greedy"})
+    res = {"models": models}
+    link_baselines(res)
+    link_baselines(res)  # idempotent (a re-rendered report)
+    vs = models["llama1b-int8"]["derived"]["vs_baseline"]
+    assert vs["ratio"] == pytest.approx(1.5) and vs["decode_ratio"] == pytest.approx(1.8)
+    (t,) = models["llama1b-int8"]["derived"]["targets"]
+    assert t["goal"] == ">= 1.7x" and t["met"] is True and t["measured"] == pytest.approx(1.8)
+    assert "vs_baseline" not in models["llama1b-int4"]["derived"]  # its baseline did not run: no ratio
+    line = next(x for x in summary_table(res) if "int8 weights" in x)
+    assert "| 1.50x (1.80x) |" in line
