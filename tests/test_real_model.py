@@ -31,14 +31,15 @@ def chat_text(tokenizer, question):
 
 
 def test_greedy_parity_with_transformers(smollm2, smollm2_path):
-    """16 prompts (8 chat-templated questions, 8 plain texts), 64 greedy fp32 tokens each, against
-    transformers' generate one prompt at a time (a left-padded batch is not token-exact in transformers)."""
+    """8 prompts (4 chat-templated questions with short answers, 4 plain texts), 48 greedy fp32 tokens each,
+    against transformers' generate one prompt at a time (a left-padded batch is not token-exact in
+    transformers). transformers' side is most of the test's time: 8 x 48 keeps it within CI's budget."""
     from transformers import AutoModelForCausalLM
 
     tok = smollm2.tokenizer
-    prompts = [tok(chat_text(tok, q), add_special_tokens=False).input_ids for q in QUESTIONS]
-    prompts += [tok(t).input_ids for t in TEXTS]
-    outs = smollm2.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=64, temperature=0),
+    prompts = [tok(chat_text(tok, QUESTIONS[i]), add_special_tokens=False).input_ids for i in (0, 1, 5, 7)]
+    prompts += [tok(TEXTS[i]).input_ids for i in (0, 2, 4, 6)]
+    outs = smollm2.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=48, temperature=0),
                             use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
@@ -46,11 +47,11 @@ def test_greedy_parity_with_transformers(smollm2, smollm2_path):
     with torch.inference_mode():
         for i, p in enumerate(prompts):
             ids = torch.tensor([p])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
                               eos_token_id=IM_END, pad_token_id=IM_END)[0, len(p):].tolist()
             assert got[i] == ref, f"prompt {i}: {tok.decode(p)!r}"
     print(f"transformers reference: {time.monotonic() - t0:.1f}s")
-    assert any(g[-1] == IM_END for g in got[:8]) and all(len(g) == 64 for g in got[8:] if IM_END not in g)
+    assert any(g[-1] == IM_END for g in got[:4]) and all(len(g) == 48 for g in got[4:] if IM_END not in g)
 
 
 @pytest.mark.parametrize("question,words", [
