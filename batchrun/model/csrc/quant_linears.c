@@ -1,9 +1,12 @@
 /* Weight-only quantized linears y = x W^T + bias on int8 and int4 weights (batchrun/model/quant.py's layout:
  * w = q * scale[o, g] for 8 bits, w = q * scale[o, g] + offset[o, g] for 4 bits, g = i / group_size, any group
- * size that divides k), with the activations quantized per row on the fly (W8A8): x[r, i] ~ xs[r] * xq[r, i],
- * xq in -127..127, xs = max |x[r]| / 127. Then
- *     y[r, o] = xs[r] * sum_g ( scale[o, g] * sum_{i in g} q[o, i] xq[r, i]  (+ offset[o, g] * sum_{i in g} xq[r, i]) )
- * with the inner sums exact in int32 and the rest fp32.
+ * size that divides k), with the activations quantized on the fly (W8A8) per row and group of the kernel's `kg`
+ * inputs (kg divides the weights' group: the packing replicates a larger group's scale): x[r, i] ~ xs[r, g] *
+ * xq[r, i], xq in -127..127, xs[r, g] = max_{i in g} |x[r, i]| / 127. Then
+ *     y[r, o] = sum_g xs[r, g] ( scale[o, g] sum_{i in g} q[o, i] xq[r, i]  (+ offset[o, g] sum_{i in g} xq[r, i]) )
+ * with the inner sums exact in int32 and the rest fp32. A scale per group rather than per row: SmolLM2's
+ * activations have a few channels far larger than the rest, and one scale per row (measured) cost int8 a tenth
+ * of its top-1 agreement with bf16 (89.7%; benchmarks/quant_accuracy.py, docs/quantization.md).
  *
  * Why: a decode step streams every weight once, so its time is the weights' bytes: int8 is half of bf16's and
  * int4 a quarter. Quantizing the few activation rows costs rows x k, next to the n x k weights it saves.
@@ -39,10 +42,11 @@ int quant_linear_panel(void) { return QP; }
 /* Whether the AVX512-VNNI kernel is compiled in (the CPU has it: the library is built with -march=native). */
 int quant_vnni(void) { return HAVE_VNNI; }
 
-/* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file). */
-void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, int64_t gs, int8_t *packed,
-                      float *pscale, int32_t *psum) {
-    const int64_t panels = (n + QP - 1) / QP, groups = k / gs;
+/* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file), in the kernel's
+ * groups of kg inputs (kg divides gs). */
+void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, int64_t gs, int64_t kg,
+                      int8_t *packed, float *pscale, int32_t *psum) {
+    const int64_t panels = (n + QP - 1) / QP, groups = k / kg;
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < QP; j++) {
@@ -51,18 +55,18 @@ void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k,
             for (int64_t i = 0; i < k; i++) dst[i / 4 * QP * 4 + i % 4] = o < n ? q[o * k + i] : 0;
             for (int64_t g = 0; g < groups; g++) {
                 int32_t s = 0;
-                for (int64_t i = g * gs; o < n && i < (g + 1) * gs; i++) s += q[o * k + i];
-                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * groups + g] : 0.0f;
+                for (int64_t i = g * kg; o < n && i < (g + 1) * kg; i++) s += q[o * k + i];
+                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * (k / gs) + g * kg / gs] : 0.0f;
                 psum[(p * groups + g) * QP + j] = 128 * s;
             }
         }
 }
 
 /* uint8 [n, k / 2] nibbles (input 2m in the low nibble of byte m), fp32 [n, k / gs] scales and offsets -> the
- * panel layout (see the top of the file). */
+ * panel layout (see the top of the file), in the kernel's groups of kg inputs (kg divides gs). */
 void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset, int64_t n, int64_t k, int64_t gs,
-                      uint8_t *packed, float *pscale, float *poffset) {
-    const int64_t panels = (n + QP - 1) / QP, groups = k / gs;
+                      int64_t kg, uint8_t *packed, float *pscale, float *poffset) {
+    const int64_t panels = (n + QP - 1) / QP, groups = k / kg;
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < QP; j++) {
@@ -76,24 +80,24 @@ void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset,
                     dst[t * QP * 4 + b] = (uint8_t)(vlo | (vhi << 4));
                 }
             for (int64_t g = 0; g < groups; g++) {
-                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * groups + g] : 0.0f;
-                poffset[(p * groups + g) * QP + j] = o < n ? offset[o * groups + g] : 0.0f;
+                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * (k / gs) + g * kg / gs] : 0.0f;
+                poffset[(p * groups + g) * QP + j] = o < n ? offset[o * (k / gs) + g * kg / gs] : 0.0f;
             }
         }
 }
 
 /* Row r of x (fp32 or bf16) -> xq[r] (-127..127, plus `bias`: 128 makes them the unsigned bytes vpdpbusd wants),
- * its scale xs[r] = max |x| / 127 (0 for a zero row), and the per-group sums of xq (without the bias) in
- * xsum[r][g]. rint: round to nearest even, as torch.round (the tests emulate it). */
+ * per group of gs inputs its scale xs[r][g] = max |x| / 127 (0 for a zero group) and the sum of its xq (without
+ * the bias) xsum[r][g]. rint: round to nearest even, as torch.round (the tests emulate it). */
 ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, int bias, uint8_t *xq, float *xs,
                          int32_t *xsum, const int bf) {
     const void *row = at(x, r * k, bf);
-    float m = 0.0f;
-    for (int64_t i = 0; i < k; i++) m = fmaxf(m, fabsf(ld1(row, i, bf)));
-    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    xs[r] = m / 127.0f;
     uint8_t *dst = xq + r * k;
     for (int64_t g = 0; g < k / gs; g++) {
+        float m = 0.0f;
+        for (int64_t i = g * gs; i < (g + 1) * gs; i++) m = fmaxf(m, fabsf(ld1(row, i, bf)));
+        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        xs[r * (k / gs) + g] = m / 127.0f;
         int32_t s = 0;
         for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
             float v = rintf(ld1(row, i, bf) * inv);
@@ -112,12 +116,12 @@ static void quantize_rows(const void *x, int64_t rows, int64_t k, int64_t gs, in
     for (int64_t r = 0; r < rows; r++) BY_DTYPE(bf, quantize_row, x, r, k, gs, bias, xq, xs, xsum);
 }
 
-/* The finished outputs of one row: acc[j] (fp32, the QP outputs from col) times the row's scale, plus the bias,
- * stored in the output dtype; only the first `left` when the panel is the last one. */
-static void store_row(const float *acc, float xs, int64_t left, const void *bias, int64_t col, void *y, int ybf) {
+/* The finished outputs of one row: acc[j] (fp32, the QP outputs from col) plus the bias, stored in the output
+ * dtype; only the first `left` when the panel is the last one. */
+static void store_row(const float *acc, int64_t left, const void *bias, int64_t col, void *y, int ybf) {
     const int64_t m = left < QP ? left : QP;
     for (int64_t j = 0; j < m; j++) {
-        float v = acc[j] * xs;
+        float v = acc[j];
         if (bias != NULL) v += ld1(bias, col + j, ybf);
         st1(y, col + j, v, ybf);
     }
@@ -145,14 +149,15 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_
                 }
             }
             const float *s = pscale + g * QP;
-            for (int j = 0; j < QP; j++) acc[j] += s[j] * (float)isum[j];
+            const float xsg = xs[r * groups + g];
+            for (int j = 0; j < QP; j++) acc[j] += (float)isum[j] * (s[j] * xsg);
             if (bits == 4) {
                 const float *off = (const float *)pextra + g * QP;
-                const float xg = (float)xsum[r * groups + g];
+                const float xg = (float)xsum[r * groups + g] * xsg;
                 for (int j = 0; j < QP; j++) acc[j] += off[j] * xg;
             }
         }
-        store_row(acc, xs[r], n - col, bias, col, at(y, r * n, ybf), ybf);
+        store_row(acc, n - col, bias, col, at(y, r * n, ybf), ybf);
     }
 }
 
@@ -210,16 +215,21 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
             const int32_t *c = (const int32_t *)pextra + g * QP;
             const __m512i c0 = _mm512_loadu_si512(c), c1 = _mm512_loadu_si512(c + 16);
             for (int r = 0; r < R; r++) {
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][0], c0)), s0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][1], c1)), s1, acc[r][1]);
+                const __m512 xsg = _mm512_set1_ps(xs[(r0 + r) * groups + g]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][0], c0)),
+                                            _mm512_mul_ps(s0, xsg), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][1], c1)),
+                                            _mm512_mul_ps(s1, xsg), acc[r][1]);
             }
         } else {
             const float *off = (const float *)pextra + g * QP;
             const __m512 o0 = _mm512_loadu_ps(off), o1 = _mm512_loadu_ps(off + 16);
             for (int r = 0; r < R; r++) {
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), s0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), s1, acc[r][1]);
-                const __m512 xg = _mm512_set1_ps((float)xsum[(r0 + r) * groups + g]);
+                const float xsg1 = xs[(r0 + r) * groups + g];
+                const __m512 xsg = _mm512_set1_ps(xsg1);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), _mm512_mul_ps(s0, xsg), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), _mm512_mul_ps(s1, xsg), acc[r][1]);
+                const __m512 xg = _mm512_set1_ps((float)xsum[(r0 + r) * groups + g] * xsg1);
                 acc[r][0] = _mm512_fmadd_ps(o0, xg, acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(o1, xg, acc[r][1]);
             }
@@ -229,7 +239,7 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
         float out[QP];
         _mm512_storeu_ps(out, acc[r][0]);
         _mm512_storeu_ps(out + 16, acc[r][1]);
-        store_row(out, xs[r0 + r], n - col, bias, col, at(y, (r0 + r) * n, ybf), ybf);
+        store_row(out, n - col, bias, col, at(y, (r0 + r) * n, ybf), ybf);
     }
 }
 
@@ -260,7 +270,7 @@ static void panel_vnni4(int64_t rows, const uint8_t *xq, const int32_t *xsum, co
 #endif
 
 /* y [rows, n] (ybf: bf16, else fp32) = x [rows, k] (xbf: bf16, else fp32; contiguous) times the packed weight
- * (bits 8 or 4, groups of gs inputs; pextra the int8 sums or the int4 offsets) plus bias (NULL or [n], y's dtype).
+ * (bits 8 or 4, packed in the kernel's groups of gs inputs; pextra the int8 sums or the int4 offsets) plus bias (NULL or [n], y's dtype).
  * plain: the C loop even where VNNI is there (tests hold the two to the same sums). Needs k % 4 == 0 and
  * gs % 4 == 0 for int8, k % 8 == 0 and gs % 8 == 0 for int4 (the Python side checks). Returns 1 when the scratch
  * for the quantized rows cannot be allocated, else 0. */
@@ -271,7 +281,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
     const int64_t groups = k / gs, panels = (n + QP - 1) / QP;
     const int64_t panel_bytes = bits == 8 ? k * QP : k / 2 * QP;
     uint8_t *xq = malloc((size_t)(rows * k));
-    float *xs = malloc(sizeof(float) * (size_t)rows);
+    float *xs = malloc(sizeof(float) * (size_t)(rows * groups));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(rows * groups));
     if (xq == NULL || xs == NULL || xsum == NULL) {
         free(xq), free(xs), free(xsum);
