@@ -160,7 +160,7 @@ class EngineArgs:
     # weight-only quantized linears on a CPU (batchrun/model/quant_linear.py, docs/quantization.md); the lm_head,
     # embeddings and norms stay in `dtype`
     quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
-        doc="Weight-only quantized linears, CPU only: `int8` (one scale per output row), `int4` (groups of 128 "
+        doc="Weight-only quantized linears, CPU only: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
             "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger); "
             "the activations are quantized per row on the fly (W8A8). The lm_head, embeddings and norms stay in "
             "`dtype`. `none`: the weights in `dtype`. docs/quantization.md has the accuracy measured per format.")

@@ -214,9 +214,8 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
     else:
         load_weights(m, path, quantization=quantization)
     if quantization is not None:
-        log.info("linears quantized to int%d%s at load: %.1f MiB", quantization.bits,
-                 f" (groups of {quantization.group_size})" if quantization.group_size else "",
-                 quantized_bytes(m) / 2**20)
+        log.info("linears quantized to int%d (groups of %d inputs) at load: %.1f MiB", quantization.bits,
+                 quantization.group_size, quantized_bytes(m) / 2**20)
     m.finish_load()
     m = m.to(dtype).eval().requires_grad_(False)
     m.prepare(max_model_len)

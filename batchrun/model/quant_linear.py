@@ -37,15 +37,17 @@ class QuantSpec:
     """What EngineArgs.quantization asks for: bits 8 (one group per row) or 4 (groups of group_size)."""
 
     bits: int
-    group_size: int | None  # None: one group per output row
+    group_size: int  # inputs per scale (group_for adapts it to a linear whose inputs it does not divide)
 
     @classmethod
     def parse(cls, value: str | None) -> QuantSpec | None:
-        """'none' / None -> None; 'int8', 'int4' (groups of 128), 'int4-g32' (EngineArgs' choices)."""
+        """'none' / None -> None; 'int8' and 'int4' (groups of 128), 'int4-g32' (EngineArgs' choices). int8 takes
+        groups of 128 rather than one scale per row: on SmolLM2 one per row kept 96.9% top-1 agreement with bf16,
+        groups of 128 97.5% (weights alone, 512 positions), for 3% more bytes."""
         if value in (None, "none"):
             return None
         if value == "int8":
-            return cls(8, None)
+            return cls(8, 128)
         if value == "int4":
             return cls(4, 128)
         if value == "int4-g32":
@@ -53,18 +55,17 @@ class QuantSpec:
         raise ValueError(f"quantization must be none, int8, int4 or int4-g32, got {value!r}")
 
     def quantize(self, weight: torch.Tensor) -> quant.QuantizedWeight:
-        if self.bits == 8:
-            return quant.quantize_int8(weight)
-        return quant.quantize_int4(weight, int4_group(weight.shape[1], self.group_size))
+        group = group_for(weight.shape[1], self.group_size)
+        return quant.quantize_int8(weight, group) if self.bits == 8 else quant.quantize_int4(weight, group)
 
 
-def int4_group(in_features: int, wanted: int) -> int:
+def group_for(in_features: int, wanted: int) -> int:
     """The group size for a linear of `in_features` inputs: `wanted` where it divides them, else the largest
     multiple of 8 below it that does (SmolLM2's 576 inputs: 96 for 128), else one group per row."""
     for group in range(wanted, 7, -1):
         if in_features % group == 0 and group % 8 == 0:
             if group != wanted:
-                log.debug("a linear of %d inputs takes int4 groups of %d (not %d)", in_features, group, wanted)
+                log.debug("a linear of %d inputs takes groups of %d (not %d)", in_features, group, wanted)
             return group
     return in_features
 
@@ -81,6 +82,7 @@ class QuantLinear(nn.Module):
         # plain attributes, not buffers: model.to(dtype) must not cast the scales or the integers
         if quant_kernels.available() and quant_kernels.supports(weight):
             self.packed: quant_kernels.PackedQuantWeight | None = quant_kernels.pack(weight)
+            self.plain = quant_kernels.kernel() != "vnni"  # asked once, not per call
             self.weight_ref: quant.QuantizedWeight | None = None
         else:
             log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): %s", *weight.shape,
@@ -95,7 +97,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.packed is not None:
-            out = quant_kernels.linear(flat, self.packed, self.bias)
+            out = quant_kernels.linear(flat, self.packed, self.bias, plain=self.plain)
         else:
             out = F.linear(flat, quant.dequantize(self.weight_ref).to(x.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)

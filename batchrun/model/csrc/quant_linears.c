@@ -30,6 +30,7 @@
 
 #define QP 32    /* outputs per panel */
 #define QROWS 4  /* rows per register tile */
+#define QPREFETCH 6144 /* bytes ahead of the panel's stream that a tile prefetches */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_VNNI 1
@@ -94,15 +95,38 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, int bi
     const void *row = at(x, r * k, bf);
     uint8_t *dst = xq + r * k;
     for (int64_t g = 0; g < k / gs; g++) {
+        const int64_t end = (g + 1) * gs;
+        int64_t i = g * gs;
+        vf mv = vsplat(0.0f);
+        for (; i + VW <= end; i += VW) {
+            const vf v = ldv(row, i, bf);
+            const vf a = vselect(v < 0.0f, -v, v);
+            mv = vselect(a > mv, a, mv);
+        }
         float m = 0.0f;
-        for (int64_t i = g * gs; i < (g + 1) * gs; i++) m = fmaxf(m, fabsf(ld1(row, i, bf)));
+        for (int j = 0; j < VW; j++) m = fmaxf(m, mv[j]);
+        for (; i < end; i++) m = fmaxf(m, fabsf(ld1(row, i, bf)));
         const float inv = m > 0.0f ? 127.0f / m : 0.0f;
         xs[r * (k / gs) + g] = m / 127.0f;
         int32_t s = 0;
-        for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
-            float v = rintf(ld1(row, i, bf) * inv);
+        i = g * gs;
+        /* |x * inv| <= 127 up to rounding: the clamp only catches that rounding */
+        for (; i + VW <= end; i += VW) {
+            const vf v = ldv(row, i, bf) * inv;
+            vi qi;
+            for (int j = 0; j < VW; j++) {
+                const float c = v[j] > 127.0f ? 127.0f : v[j] < -127.0f ? -127.0f : v[j];
+                qi[j] = (int32_t)rintf(c);
+            }
+            for (int j = 0; j < VW; j++) {
+                s += qi[j];
+                dst[i + j] = (uint8_t)(qi[j] + bias);
+            }
+        }
+        for (; i < end; i++) {
+            float v = ld1(row, i, bf) * inv;
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            const int32_t qi = (int32_t)v;
+            const int32_t qi = (int32_t)rintf(v);
             s += qi;
             dst[i] = (uint8_t)(qi + bias);
         }
@@ -178,8 +202,8 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
         if (bits == 8) {
             for (int64_t t = g * gs / 4; t < (g + 1) * gs / 4; t++) {
                 const uint8_t *w = panel + t * 128;
-                _mm_prefetch((const char *)w + 2048, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + 2048 + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
                 const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
                 for (int r = 0; r < R; r++) {
                     int32_t xv;
@@ -192,8 +216,8 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
         } else {
             for (int64_t t = g * gs / 8; t < (g + 1) * gs / 8; t++) {
                 const uint8_t *w = panel + t * 128;
-                _mm_prefetch((const char *)w + 2048, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + 2048 + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
                 const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
                 const __m512i lo0 = _mm512_and_si512(v0, low4), lo1 = _mm512_and_si512(v1, low4);
                 const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
