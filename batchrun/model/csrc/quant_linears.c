@@ -4,9 +4,10 @@
  * inputs (kg divides the weights' group: the packing replicates a larger group's scale): x[r, i] ~ xs[r, g] *
  * xq[r, i], xq in -127..127, xs[r, g] = max_{i in g} |x[r, i]| / 127. Then
  *     y[r, o] = sum_g xs[r, g] ( scale[o, g] sum_{i in g} q[o, i] xq[r, i]  (+ offset[o, g] sum_{i in g} xq[r, i]) )
- * with the inner sums exact in int32 and the rest fp32. A scale per group rather than per row: SmolLM2's
- * activations have a few channels far larger than the rest, and one scale per row (measured) cost int8 a tenth
- * of its top-1 agreement with bf16 (89.7%; benchmarks/quant_accuracy.py, docs/quantization.md).
+ * with the inner sums exact in int32 and the rest fp32. A scale per group (of 32: cpu_kernels/quant.py,
+ * ACTIVATION_GROUP) rather than per row: SmolLM2's activations have a few channels far larger than the rest, and
+ * one scale per row cost int8 a tenth of its top-1 agreement with bf16 (89.7%, where groups of 32 keep 97.7%;
+ * docs/quantization.md).
  *
  * Why: a decode step streams every weight once, so its time is the weights' bytes: int8 is half of bf16's and
  * int4 a quarter. Quantizing the few activation rows costs rows x k, next to the n x k weights it saves.
