@@ -53,6 +53,23 @@ def _reference(path, spec: QuantSpec):
     return hf
 
 
+def test_the_setting_is_checked_before_anything_loads(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from batchrun.cli import main
+    from batchrun.engine_args import EngineArgs, EngineArgsError
+
+    job = tmp_path / "job.yaml"
+    job.write_text("model:\n  path: builtin:tiny-llama\n  quantization: int3\ninput: in.parquet\noutput: out\n")
+    result = CliRunner().invoke(main, ["validate", str(job)])
+    assert result.exit_code == 2 and "model.quantization: must be one of none, int8, int4, int4-g32" in result.output
+    assert "Traceback" not in result.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CPU only for now: refused where CUDA runs it
+    with pytest.raises(EngineArgsError, match="quantization: int8 runs on a CPU only"):
+        EngineArgs("builtin:tiny-llama", quantization="int8").check_environment()
+    EngineArgs("builtin:tiny-llama", quantization="int8", device="cpu").check_environment()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_greedy_through_the_engine_equals_the_quantized_torch_reference(make_ckpt, fmt):
     path = make_ckpt("llama")
