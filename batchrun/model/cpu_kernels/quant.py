@@ -15,9 +15,9 @@ from batchrun.model.quant import QuantizedWeight
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
-    "pack_int8_linear": (None, [_P, _P, _I, _I, _I, _I, _P, _P, _P]),
-    "pack_int4_linear": (None, [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P]),
-    "quant_linear": (ctypes.c_int, [_P, _I, _I, ctypes.c_int, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P,
+    "pack_int8_linear": (None, [_P, _P, _I, _I, _I, _P, _P]),
+    "pack_int4_linear": (None, [_P, _P, _P, _I, _I, _I, _P, _P, _P]),
+    "quant_linear": (ctypes.c_int, [_P, _I, _I, ctypes.c_int, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P,
                                     ctypes.c_int, ctypes.c_int]),
     "quant_linear_panel": (ctypes.c_int, []),
     "quant_vnni": (ctypes.c_int, []),
@@ -49,8 +49,8 @@ ACTIVATION_GROUP = 32
 
 
 def kernel_group(weight: QuantizedWeight) -> int:
-    """The groups the kernel sums in: the weights' group, or where it is larger than ACTIVATION_GROUP (int8's one
-    group per row) the largest divisor of it in whole k-steps up to that."""
+    """The groups the kernel sums in, each with its activation scale: the weights' group, or where it is larger
+    than ACTIVATION_GROUP the largest divisor of it in whole k-steps up to that."""
     step = 4 if weight.bits == 8 else 8
     if weight.group_size <= ACTIVATION_GROUP:
         return weight.group_size
@@ -67,20 +67,21 @@ def supports(weight: QuantizedWeight) -> bool:
 
 @dataclass
 class PackedQuantWeight:
-    """A QuantizedWeight in the kernel's panels: `packed` (the integers), `scale` and `extra` (int8: 128 x each
-    group's sum of q, int32; int4: the offsets, fp32), per panel and kernel group (group_size: kernel_group)."""
+    """A QuantizedWeight in the kernel's panels: `packed` (the integers), `scale` and for int4 `offset` (fp32) per
+    panel and weight group (weight_group inputs); the activations go in groups of group_size (kernel_group)."""
 
     bits: int
     out_features: int
     in_features: int
+    weight_group: int
     group_size: int
     packed: torch.Tensor
     scale: torch.Tensor
-    extra: torch.Tensor
+    offset: torch.Tensor | None
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.extra.nbytes
+        return self.packed.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
 
 
 def pack(weight: QuantizedWeight) -> PackedQuantWeight:
@@ -91,22 +92,21 @@ def pack(weight: QuantizedWeight) -> PackedQuantWeight:
     lib = _library()
     n, k = weight.shape
     panel = lib.quant_linear_panel()
-    group = kernel_group(weight)
-    panels, groups = (n + panel - 1) // panel, k // group
+    panels, groups = (n + panel - 1) // panel, k // weight.group_size
     q = weight.qweight.contiguous()
     scale = weight.scale.to(torch.float32).contiguous()
     packed = torch.empty(panels * panel * k // (1 if weight.bits == 8 else 2), dtype=torch.uint8)
     pscale = torch.empty(panels * groups * panel, dtype=torch.float32)
+    poffset = None
     if weight.bits == 8:
-        extra = torch.empty(panels * groups * panel, dtype=torch.int32)
-        lib.pack_int8_linear(q.data_ptr(), scale.data_ptr(), n, k, weight.group_size, group, packed.data_ptr(),
-                             pscale.data_ptr(), extra.data_ptr())
+        lib.pack_int8_linear(q.data_ptr(), scale.data_ptr(), n, k, weight.group_size, packed.data_ptr(),
+                             pscale.data_ptr())
     else:
         offset = weight.offset.to(torch.float32).contiguous()
-        extra = torch.empty(panels * groups * panel, dtype=torch.float32)
-        lib.pack_int4_linear(q.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, weight.group_size, group,
-                             packed.data_ptr(), pscale.data_ptr(), extra.data_ptr())
-    return PackedQuantWeight(weight.bits, n, k, group, packed, pscale, extra)
+        poffset = torch.empty(panels * groups * panel, dtype=torch.float32)
+        lib.pack_int4_linear(q.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, weight.group_size,
+                             packed.data_ptr(), pscale.data_ptr(), poffset.data_ptr())
+    return PackedQuantWeight(weight.bits, n, k, weight.group_size, kernel_group(weight), packed, pscale, poffset)
 
 
 def linear(x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None = None,
@@ -123,8 +123,8 @@ def linear(x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     if _library().quant_linear(x.data_ptr(), rows, k, int(x.dtype == torch.bfloat16), weight.packed.data_ptr(),
-                               weight.scale.data_ptr(), weight.extra.data_ptr(), weight.out_features,
-                               weight.group_size, weight.bits, None if bias is None else bias.data_ptr(),
+                               weight.scale.data_ptr(), None if weight.offset is None else weight.offset.data_ptr(),
+                               weight.out_features, weight.weight_group, weight.group_size, weight.bits, None if bias is None else bias.data_ptr(),
                                out.data_ptr(), int(out_dtype == torch.bfloat16), int(plain)):
         raise MemoryError("quant_linear: no memory for the quantized rows")
     return out

@@ -1,7 +1,7 @@
 /* Weight-only quantized linears y = x W^T + bias on int8 and int4 weights (batchrun/model/quant.py's layout:
  * w = q * scale[o, g] for 8 bits, w = q * scale[o, g] + offset[o, g] for 4 bits, g = i / group_size, any group
- * size that divides k), with the activations quantized on the fly (W8A8) per row and group of the kernel's `kg`
- * inputs (kg divides the weights' group: the packing replicates a larger group's scale): x[r, i] ~ xs[r, g] *
+ * size that divides k), with the activations quantized on the fly (W8A8) per row and group of the kernel's `gs`
+ * inputs (gs divides the weights' group wgs: a weight group's scale serves wgs / gs of them): x[r, i] ~ xs[r, g] *
  * xq[r, i], xq in -127..127, xs[r, g] = max_{i in g} |x[r, i]| / 127. Then
  *     y[r, o] = sum_g xs[r, g] ( scale[o, g] sum_{i in g} q[o, i] xq[r, i]  (+ offset[o, g] sum_{i in g} xq[r, i]) )
  * with the inner sums exact in int32 and the rest fp32. A scale per group (of 32: cpu_kernels/quant.py,
@@ -13,17 +13,16 @@
  * int4 a quarter. Quantizing the few activation rows costs rows x k, next to the n x k weights it saves.
  *
  * Layout (pack_int8_linear, pack_int4_linear, once at load): panels of QP = 32 outputs (two 16-lane vectors),
- * zero past n. int8: packed[p][i / 4][j][i % 4] (a 4-byte dword per output per 4 inputs: what vpdpbusd multiplies),
- * 128 bytes per 4 inputs of a panel. int4: packed[p][i / 8][j][i % 4], the low nibble input 8t + b, the high nibble
- * input 8t + 4 + b: one 64-byte load gives two k-steps of 16 outputs, split by a mask and a shift. Beside them
- * per panel and group: the QP scales (fp32), and for int8 the QP sums 128 * sum_{i in g} q[o, i] (int32; see
- * below), for int4 the QP offsets (fp32).
+ * zero past n. int8: packed[p][i / 4][j][i % 4] = q + 128 (unsigned; a 4-byte dword per output per 4 inputs: what
+ * vpdpbusd multiplies), 128 bytes per 4 inputs of a panel. int4: packed[p][i / 8][j][i % 4], the low nibble input
+ * 8t + b, the high nibble input 8t + 4 + b: one 64-byte load gives two k-steps of 16 outputs, split by a mask and a
+ * shift. Beside them per panel and weight group: the QP scales (fp32), and for int4 the QP offsets (fp32).
  *
  * On CPUs with AVX512-VNNI (vpdpbusd: unsigned bytes times signed bytes, four products summed into each int32
- * lane): int8 multiplies the activations biased to unsigned (xq + 128) by the signed weights and takes
- * 128 * sum q (the packed per-group sums) back off; int4 multiplies the unsigned nibbles by the signed activations
- * directly. Elsewhere a plain C loop over the same layout computes the same integer sums (the same result up to
- * the order of the fp32 group sums, which is the same too: both go group by group in order).
+ * lane) the weights are the unsigned operand and the activations the signed one: int4's nibbles as they are,
+ * int8's biased by 128, whose 128 * sum xq (the activations' group sums, computed with them) comes back off.
+ * Elsewhere a plain C loop over the same layout computes the same integer sums (and the same fp32 sums: both go
+ * group by group in order).
  *
  * Threads: the panels are split over the OpenMP threads (static schedule), so each weight byte is read once per
  * call by one thread; the rows go in tiles of QROWS, each tile's integer and fp32 sums in registers. */
@@ -44,31 +43,25 @@ int quant_linear_panel(void) { return QP; }
 /* Whether the AVX512-VNNI kernel is compiled in (the CPU has it: the library is built with -march=native). */
 int quant_vnni(void) { return HAVE_VNNI; }
 
-/* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file), in the kernel's
- * groups of kg inputs (kg divides gs). */
-void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, int64_t gs, int64_t kg,
-                      int8_t *packed, float *pscale, int32_t *psum) {
-    const int64_t panels = (n + QP - 1) / QP, groups = k / kg;
+/* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file). */
+void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, int64_t gs, uint8_t *packed,
+                      float *pscale) {
+    const int64_t panels = (n + QP - 1) / QP, groups = k / gs;
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < QP; j++) {
             const int64_t o = p * QP + j;
-            int8_t *dst = packed + p * k * QP + j * 4;
-            for (int64_t i = 0; i < k; i++) dst[i / 4 * QP * 4 + i % 4] = o < n ? q[o * k + i] : 0;
-            for (int64_t g = 0; g < groups; g++) {
-                int32_t s = 0;
-                for (int64_t i = g * kg; o < n && i < (g + 1) * kg; i++) s += q[o * k + i];
-                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * (k / gs) + g * kg / gs] : 0.0f;
-                psum[(p * groups + g) * QP + j] = 128 * s;
-            }
+            uint8_t *dst = packed + p * k * QP + j * 4;
+            for (int64_t i = 0; i < k; i++) dst[i / 4 * QP * 4 + i % 4] = (uint8_t)((o < n ? q[o * k + i] : 0) + 128);
+            for (int64_t g = 0; g < groups; g++) pscale[(p * groups + g) * QP + j] = o < n ? scale[o * groups + g] : 0.0f;
         }
 }
 
 /* uint8 [n, k / 2] nibbles (input 2m in the low nibble of byte m), fp32 [n, k / gs] scales and offsets -> the
- * panel layout (see the top of the file), in the kernel's groups of kg inputs (kg divides gs). */
+ * panel layout (see the top of the file). */
 void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset, int64_t n, int64_t k, int64_t gs,
-                      int64_t kg, uint8_t *packed, float *pscale, float *poffset) {
-    const int64_t panels = (n + QP - 1) / QP, groups = k / kg;
+                      uint8_t *packed, float *pscale, float *poffset) {
+    const int64_t panels = (n + QP - 1) / QP, groups = k / gs;
 #pragma omp parallel for
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < QP; j++) {
@@ -82,16 +75,16 @@ void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset,
                     dst[t * QP * 4 + b] = (uint8_t)(vlo | (vhi << 4));
                 }
             for (int64_t g = 0; g < groups; g++) {
-                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * (k / gs) + g * kg / gs] : 0.0f;
-                poffset[(p * groups + g) * QP + j] = o < n ? offset[o * (k / gs) + g * kg / gs] : 0.0f;
+                pscale[(p * groups + g) * QP + j] = o < n ? scale[o * groups + g] : 0.0f;
+                poffset[(p * groups + g) * QP + j] = o < n ? offset[o * groups + g] : 0.0f;
             }
         }
 }
 
-/* Row r of x (fp32 or bf16) -> xq[r] (-127..127, plus `bias`: 128 makes them the unsigned bytes vpdpbusd wants),
+/* Row r of x (fp32 or bf16) -> xq[r] (-127..127, as int8),
  * per group of gs inputs its scale xs[r][g] = max |x| / 127 (0 for a zero group) and the sum of its xq (without
  * the bias) xsum[r][g]. rint: round to nearest even, as torch.round (the tests emulate it). */
-ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, int bias, uint8_t *xq, float *xs,
+ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_t *xq, float *xs,
                          int32_t *xsum, const int bf) {
     const void *row = at(x, r * k, bf);
     uint8_t *dst = xq + r * k;
@@ -121,7 +114,7 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, int bi
             }
             for (int j = 0; j < VW; j++) {
                 s += qi[j];
-                dst[i + j] = (uint8_t)(qi[j] + bias);
+                dst[i + j] = (uint8_t)(int8_t)qi[j];
             }
         }
         for (; i < end; i++) {
@@ -129,16 +122,16 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, int bi
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
             const int32_t qi = (int32_t)rintf(v);
             s += qi;
-            dst[i] = (uint8_t)(qi + bias);
+            dst[i] = (uint8_t)(int8_t)qi;
         }
         xsum[r * (k / gs) + g] = s;
     }
 }
 
-static void quantize_rows(const void *x, int64_t rows, int64_t k, int64_t gs, int bias, uint8_t *xq, float *xs,
-                          int32_t *xsum, int bf) {
+static void quantize_rows(const void *x, int64_t rows, int64_t k, int64_t gs, uint8_t *xq, float *xs, int32_t *xsum,
+                          int bf) {
 #pragma omp parallel for if (rows * k > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) BY_DTYPE(bf, quantize_row, x, r, k, gs, bias, xq, xs, xsum);
+    for (int64_t r = 0; r < rows; r++) BY_DTYPE(bf, quantize_row, x, r, k, gs, xq, xs, xsum);
 }
 
 /* The finished outputs of one row: acc[j] (fp32, the QP outputs from col) plus the bias, stored in the output
@@ -154,8 +147,8 @@ static void store_row(const float *acc, int64_t left, const void *bias, int64_t 
 
 /* The plain C kernel: rows [r0, r0 + rows) of one panel, x quantized without the bias. */
 static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
-                       int64_t gs, int bits, const uint8_t *panel, const float *pscale, const void *pextra,
-                       const void *bias, int64_t col, int64_t n, void *y, int ybf) {
+                       int64_t gs, int64_t per, int bits, const uint8_t *panel, const float *pscale,
+                       const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
     const int64_t groups = k / gs;
     for (int64_t r = r0; r < r0 + rows; r++) {
         const int8_t *xr = (const int8_t *)xq + r * k;
@@ -165,19 +158,19 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_
             for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
                 const int32_t xv = xr[i];
                 if (bits == 8) {
-                    const int8_t *w = (const int8_t *)panel + i / 4 * QP * 4 + i % 4;
-                    for (int j = 0; j < QP; j++) isum[j] += xv * w[4 * j];
+                    const uint8_t *w = panel + i / 4 * QP * 4 + i % 4;
+                    for (int j = 0; j < QP; j++) isum[j] += xv * ((int32_t)w[4 * j] - 128);
                 } else {
                     const uint8_t *w = panel + i / 8 * QP * 4 + i % 4;
                     const int shift = (i % 8) >= 4 ? 4 : 0;
                     for (int j = 0; j < QP; j++) isum[j] += xv * ((w[4 * j] >> shift) & 15);
                 }
             }
-            const float *s = pscale + g * QP;
+            const float *s = pscale + g / per * QP;
             const float xsg = xs[r * groups + g];
             for (int j = 0; j < QP; j++) acc[j] += (float)isum[j] * (s[j] * xsg);
             if (bits == 4) {
-                const float *off = (const float *)pextra + g * QP;
+                const float *off = poffset + g / per * QP;
                 const float xg = (float)xsum[r * groups + g] * xsg;
                 for (int j = 0; j < QP; j++) acc[j] += off[j] * xg;
             }
@@ -191,8 +184,8 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_
  * biased (xq + 128, unsigned) and the packed sums 128 * sum q come off each group's sum; int4: the nibbles are the
  * unsigned operand, x the signed one, and offset * sum xq is added per group. */
 ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
-                      int64_t gs, const int bits, const uint8_t *panel, const float *pscale, const void *pextra,
-                      const void *bias, int64_t col, int64_t n, void *y, int ybf) {
+                      int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
+                      const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
     const int64_t groups = k / gs;
     const __m512i low4 = _mm512_set1_epi8(15);
     __m512 acc[QROWS][2];
@@ -210,8 +203,8 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
                     int32_t xv;
                     memcpy(&xv, xq + (r0 + r) * k + 4 * t, 4);
                     const __m512i xb = _mm512_set1_epi32(xv);
-                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], xb, w0);
-                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], xb, w1);
+                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], w0, xb);
+                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], w1, xb);
                 }
             }
         } else {
@@ -235,11 +228,11 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
                 }
             }
         }
-        const __m512 s0 = _mm512_loadu_ps(pscale + g * QP), s1 = _mm512_loadu_ps(pscale + g * QP + 16);
+        const float *sg = pscale + g / per * QP;
+        const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
         if (bits == 8) {
-            const int32_t *c = (const int32_t *)pextra + g * QP;
-            const __m512i c0 = _mm512_loadu_si512(c), c1 = _mm512_loadu_si512(c + 16);
             for (int r = 0; r < R; r++) {
+                const __m512i c0 = _mm512_set1_epi32(128 * xsum[(r0 + r) * groups + g]), c1 = c0;
                 const __m512 xsg = _mm512_set1_ps(xs[(r0 + r) * groups + g]);
                 acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][0], c0)),
                                             _mm512_mul_ps(s0, xsg), acc[r][0]);
@@ -247,7 +240,7 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
                                             _mm512_mul_ps(s1, xsg), acc[r][1]);
             }
         } else {
-            const float *off = (const float *)pextra + g * QP;
+            const float *off = poffset + g / per * QP;
             const __m512 o0 = _mm512_loadu_ps(off), o1 = _mm512_loadu_ps(off + 16);
             for (int r = 0; r < R; r++) {
                 const float xsg1 = xs[(r0 + r) * groups + g];
@@ -270,40 +263,41 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
 
 /* One panel's rows in tiles of QROWS, each tile size its own unrolled copy (R a constant). */
 ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
-                       const int bits, const uint8_t *panel, const float *pscale, const void *pextra,
+                       int64_t per, const int bits, const uint8_t *panel, const float *pscale, const float *poffset,
                        const void *bias, int64_t col, int64_t n, void *y, int ybf) {
     int64_t r0 = 0;
     for (; r0 + QROWS <= rows; r0 += QROWS)
-        tile_vnni(QROWS, r0, xq, xsum, xs, k, gs, bits, panel, pscale, pextra, bias, col, n, y, ybf);
+        tile_vnni(QROWS, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf);
     switch (rows - r0) {
-    case 3: tile_vnni(3, r0, xq, xsum, xs, k, gs, bits, panel, pscale, pextra, bias, col, n, y, ybf); break;
-    case 2: tile_vnni(2, r0, xq, xsum, xs, k, gs, bits, panel, pscale, pextra, bias, col, n, y, ybf); break;
-    case 1: tile_vnni(1, r0, xq, xsum, xs, k, gs, bits, panel, pscale, pextra, bias, col, n, y, ybf); break;
+    case 3: tile_vnni(3, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
+    case 2: tile_vnni(2, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
+    case 1: tile_vnni(1, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
     default: break;
     }
 }
 static void panel_vnni8(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
-                        const uint8_t *panel, const float *pscale, const void *pextra, const void *bias, int64_t col,
-                        int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xsum, xs, k, gs, 8, panel, pscale, pextra, bias, col, n, y, ybf);
+                        int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
+                        int64_t col, int64_t n, void *y, int ybf) {
+    panel_vnni(rows, xq, xsum, xs, k, gs, per, 8, panel, pscale, poffset, bias, col, n, y, ybf);
 }
 static void panel_vnni4(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
-                        const uint8_t *panel, const float *pscale, const void *pextra, const void *bias, int64_t col,
-                        int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xsum, xs, k, gs, 4, panel, pscale, pextra, bias, col, n, y, ybf);
+                        int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
+                        int64_t col, int64_t n, void *y, int ybf) {
+    panel_vnni(rows, xq, xsum, xs, k, gs, per, 4, panel, pscale, poffset, bias, col, n, y, ybf);
 }
 #endif
 
 /* y [rows, n] (ybf: bf16, else fp32) = x [rows, k] (xbf: bf16, else fp32; contiguous) times the packed weight
- * (bits 8 or 4, packed in the kernel's groups of gs inputs; pextra the int8 sums or the int4 offsets) plus bias (NULL or [n], y's dtype).
- * plain: the C loop even where VNNI is there (tests hold the two to the same sums). Needs k % 4 == 0 and
- * gs % 4 == 0 for int8, k % 8 == 0 and gs % 8 == 0 for int4 (the Python side checks). Returns 1 when the scratch
- * for the quantized rows cannot be allocated, else 0. */
+ * (bits 8 or 4, scales and int4 offsets per group of wgs inputs) plus bias (NULL or [n], y's dtype), the
+ * activations quantized per group of gs inputs (gs divides wgs). plain: the C loop even where VNNI is there (tests
+ * hold the two to the same sums). Needs k, gs in multiples of 4 for int8, of 8 for int4 (the Python side checks).
+ * Returns 1 when the scratch for the quantized rows cannot be allocated, else 0. */
 int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t *packed, const float *pscale,
-                 const void *pextra, int64_t n, int64_t gs, int bits, const void *bias, void *y, int ybf, int plain) {
+                 const float *poffset, int64_t n, int64_t wgs, int64_t gs, int bits, const void *bias, void *y, int ybf,
+                 int plain) {
     if (rows <= 0) return 0;
     const int vnni = HAVE_VNNI && !plain;
-    const int64_t groups = k / gs, panels = (n + QP - 1) / QP;
+    const int64_t groups = k / gs, wgroups = k / wgs, per = wgs / gs, panels = (n + QP - 1) / QP;
     const int64_t panel_bytes = bits == 8 ? k * QP : k / 2 * QP;
     uint8_t *xq = malloc((size_t)(rows * k));
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups));
@@ -312,23 +306,23 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
         free(xq), free(xs), free(xsum);
         return 1;
     }
-    quantize_rows(x, rows, k, gs, vnni && bits == 8 ? 128 : 0, xq, xs, xsum, xbf);
+    quantize_rows(x, rows, k, gs, xq, xs, xsum, xbf);
 #pragma omp parallel for schedule(static) if (rows * n * k > PAR_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *panel = packed + p * panel_bytes;
-        const float *ps = pscale + p * groups * QP;
-        const void *pe = (const char *)pextra + p * groups * QP * 4;
+        const float *ps = pscale + p * wgroups * QP;
+        const float *po = bits == 4 ? poffset + p * wgroups * QP : NULL;
         const int64_t col = p * QP;
 #if HAVE_VNNI
         if (vnni) {
             if (bits == 8)
-                panel_vnni8(rows, xq, xsum, xs, k, gs, panel, ps, pe, bias, col, n, y, ybf);
+                panel_vnni8(rows, xq, xsum, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             else
-                panel_vnni4(rows, xq, xsum, xs, k, gs, panel, ps, pe, bias, col, n, y, ybf);
+                panel_vnni4(rows, xq, xsum, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             continue;
         }
 #endif
-        tile_plain(rows, 0, xq, xsum, xs, k, gs, bits, panel, ps, pe, bias, col, n, y, ybf);
+        tile_plain(rows, 0, xq, xsum, xs, k, gs, per, bits, panel, ps, po, bias, col, n, y, ybf);
     }
     free(xq), free(xs), free(xsum);
     return 0;
