@@ -116,3 +116,38 @@ def test_top1_agreement_with_bf16_on_the_builtin_model(smollm2_path):
         del llm
     print("top-1 agreement with bf16:", {fmt: f"{score:.2%}" for fmt, score in scores.items()})
     assert all(scores[fmt] >= floor for fmt, floor in FLOORS.items()), (scores, FLOORS)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_tensor_source_may_hand_in_quantized_weights(tiny_llama_path, fmt):
+    """The seam for GGUF: QuantizedWeights for q, k, v (and gate, up) separately become the fused QuantLinear the
+    loader would have made from the full-precision tensors."""
+    from batchrun.model import loader
+    from batchrun.model.registry import model_class
+
+    spec = QuantSpec.parse(fmt)
+
+    def empty_model():
+        config = loader.load_config(tiny_llama_path)
+        with torch.device("meta"):
+            model = model_class(loader.architecture(config))(config).to(torch.float32)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        return model
+
+    def handed_in():
+        for name, read in loader._safetensors(tiny_llama_path):
+            quantized = name.endswith("_proj.weight")
+            yield name, (lambda read=read: spec.quantize(read())) if quantized else read
+
+    from_source, from_tensors = empty_model(), empty_model()
+    loader.load_weights(from_source, tiny_llama_path, handed_in())
+    loader.load_weights(from_tensors, tiny_llama_path, quantization=spec)
+    modules = [(a, b) for a, b in zip(from_source.modules(), from_tensors.modules()) if isinstance(b, QuantLinear)]
+    assert len(modules) == 4 * from_source.config.num_hidden_layers  # q|k|v, o, gate|up, down
+    for a, b in modules:
+        assert isinstance(a, QuantLinear) and torch.equal(a.packed.packed, b.packed.packed)
+        assert torch.equal(a.packed.scale, b.packed.scale)
+    x = torch.randn(3, from_source.config.hidden_size)
+    layer_a, layer_b = from_source.layers[0].mlp.gate_up_proj, from_tensors.layers[0].mlp.gate_up_proj
+    assert torch.equal(layer_a(x), layer_b(x))
