@@ -62,7 +62,7 @@ CASES = [  # (bits, out, in, group)
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bits,n,k,group", CASES)
-@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300])  # 2: the two-row tile with its second sums
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_matches_the_references(kernel, bits, n, k, group, rows, dtype):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k + group + bits)

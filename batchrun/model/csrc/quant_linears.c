@@ -193,8 +193,33 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
     for (int64_t g = 0; g < groups; g++) {
         __m512i is[QROWS][2];
         for (int r = 0; r < R; r++) is[r][0] = is[r][1] = _mm512_setzero_si512();
+        /* one or two rows: a second set of sums (js), so that the chain of dependent vpdpbusd is half as long
+         * (with 2 chains per row their latency, not the weights' stream, set the pace) */
+        __m512i js[2][2];
+        for (int r = 0; r < (R <= 2 ? R : 0); r++) js[r][0] = js[r][1] = _mm512_setzero_si512();
         if (bits == 8) {
-            for (int64_t t = g * gs / 4; t < (g + 1) * gs / 4; t++) {
+            int64_t t = g * gs / 4;
+            const int64_t te = (g + 1) * gs / 4;
+            for (; R <= 2 && t + 1 < te; t += 2) {
+                const uint8_t *w = panel + t * 128;
+                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH + 128, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + QPREFETCH + 192, _MM_HINT_T0);
+                const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+                const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+                for (int r = 0; r < (R <= 2 ? R : 0); r++) {
+                    int32_t xa, xb;
+                    memcpy(&xa, xq + (r0 + r) * k + 4 * t, 4);
+                    memcpy(&xb, xq + (r0 + r) * k + 4 * t + 4, 4);
+                    const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
+                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], w0, ba);
+                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], w1, ba);
+                    js[r][0] = _mm512_dpbusd_epi32(js[r][0], w2, bb);
+                    js[r][1] = _mm512_dpbusd_epi32(js[r][1], w3, bb);
+                }
+            }
+            for (; t < te; t++) {
                 const uint8_t *w = panel + t * 128;
                 _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
                 _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
@@ -223,10 +248,19 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
                     const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
                     is[r][0] = _mm512_dpbusd_epi32(is[r][0], lo0, ba);
                     is[r][1] = _mm512_dpbusd_epi32(is[r][1], lo1, ba);
-                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], hi0, bb);
-                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], hi1, bb);
+                    if (R <= 2) {
+                        js[r % 2][0] = _mm512_dpbusd_epi32(js[r % 2][0], hi0, bb);
+                        js[r % 2][1] = _mm512_dpbusd_epi32(js[r % 2][1], hi1, bb);
+                    } else {
+                        is[r][0] = _mm512_dpbusd_epi32(is[r][0], hi0, bb);
+                        is[r][1] = _mm512_dpbusd_epi32(is[r][1], hi1, bb);
+                    }
                 }
             }
+        }
+        for (int r = 0; r < (R <= 2 ? R : 0); r++) {
+            is[r][0] = _mm512_add_epi32(is[r][0], js[r % 2][0]);
+            is[r][1] = _mm512_add_epi32(is[r][1], js[r % 2][1]);
         }
         const float *sg = pscale + g / per * QP;
         const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
