@@ -145,7 +145,7 @@ static void store_row(const float *acc, int64_t left, const void *bias, int64_t 
     }
 }
 
-/* The plain C kernel: rows [r0, r0 + rows) of one panel, x quantized without the bias. */
+/* The plain C kernel: rows [r0, r0 + rows) of one panel (int8 weights stored q + 128: the 128 comes off each). */
 static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
                        int64_t gs, int64_t per, int bits, const uint8_t *panel, const float *pscale,
                        const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
@@ -180,9 +180,9 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_
 }
 
 #if HAVE_VNNI
-/* AVX512-VNNI: R rows (a constant, 1..QROWS) of one panel; int32 sums per group, fp32 across groups. int8: x is
- * biased (xq + 128, unsigned) and the packed sums 128 * sum q come off each group's sum; int4: the nibbles are the
- * unsigned operand, x the signed one, and offset * sum xq is added per group. */
+/* AVX512-VNNI: R rows (a constant, 1..QROWS) of one panel; int32 sums per activation group, fp32 across groups.
+ * The weights are the unsigned operand, x the signed one: int8's stored q + 128, so 128 * sum xq comes off each
+ * group's sum; int4's nibbles as they are, with offset * sum xq added per group. */
 ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
                       int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
                       const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
