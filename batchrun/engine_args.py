@@ -132,6 +132,9 @@ def _setting(default: Any, kind: str, job_key: str | None, **rule: Any) -> Any:
 # ---------------------------------------------------------------- the settings
 
 
+# model.quantization's values (batchrun/model/quant_linear.py: QuantSpec.parse reads them)
+QUANTIZATIONS = ("none", "int8", "int4", "int4-g32")
+
 # Spellings LLM(dtype=...) also takes (vLLM's); the job file names the canonical ones only.
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
@@ -154,6 +157,13 @@ class EngineArgs:
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
     dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
         doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
+    # weight-only quantized linears on a CPU (batchrun/model/quant_linear.py, docs/quantization.md); the lm_head,
+    # embeddings and norms stay in `dtype`
+    quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
+        doc="Weight-only quantized linears, CPU only: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
+            "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger); "
+            "the activations are quantized per row on the fly (W8A8). The lm_head, embeddings and norms stay in "
+            "`dtype`. `none`: the weights in `dtype`. docs/quantization.md has the accuracy measured per format.")
     device: str = _setting("auto", "device", "model.device",
         doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.
@@ -248,12 +258,16 @@ class EngineArgs:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
         torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
         wants_cuda = self.device.startswith("cuda")
-        may_be_cuda = self.device == "auto" and self.kv_cache_dtype.startswith("fp8")  # fp8 runs on a CPU only
+        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8")  # fp8 KV: CPU only
+                                                 or self.quantization != "none")  # quantized linears: CPU only
         if not wants_cuda and self.attention_backend != "triton" and not may_be_cuda:
             return
         import torch
 
         has_cuda = torch.cuda.is_available()
+        if self.quantization != "none" and (wants_cuda or (self.device == "auto" and has_cuda)):
+            raise EngineArgsError("quantization", f"{self.quantization} runs on a CPU only for now (set "
+                                                  "model.device: cpu, or quantization: none on CUDA)")
         if wants_cuda and not has_cuda:
             raise EngineArgsError("device", f"{self.device} but CUDA is not available on this machine "
                                             "(use auto or cpu)")

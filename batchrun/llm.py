@@ -30,6 +30,7 @@ from batchrun.model.memory import (
     plan_cpu_memory,
     profile_cuda_kv_bytes,
 )
+from batchrun.model.quant_linear import QuantSpec, quantized_params
 from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.model.threads import configure_threads
 from batchrun.outputs import RequestOutput
@@ -104,7 +105,8 @@ class LLM:
         self.kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
         block_size = args.block_size
         memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
-        loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len)
+        loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len,
+                            quantization=QuantSpec.parse(args.quantization))
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
@@ -139,7 +141,7 @@ class LLM:
 
         runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
                              batch_invariant=self.batch_invariant)
-        n_params = sum(p.numel() for p in loaded.model.parameters())
+        n_params = sum(p.numel() for p in loaded.model.parameters()) + quantized_params(loaded.model)
         room = self._few_rows_room(loaded.model, memory)
         if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant, room):
             kernel = "oneDNN"

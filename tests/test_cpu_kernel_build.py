@@ -8,9 +8,10 @@ import shutil
 import pytest
 
 from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import attention, elementwise, linears, sampling
+from batchrun.model.cpu_kernels import attention, elementwise, linears, quant, sampling
 
-FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": sampling, "linears": linears}
+FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": sampling, "linears": linears,
+            "quant_linears": quant}
 
 
 def _exported(c_source: str) -> set[str]:

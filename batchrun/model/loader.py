@@ -23,6 +23,15 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from batchrun.model import gguf
 from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.quant import QuantizedWeight
+from batchrun.model.quant_linear import (
+    QuantSpec,
+    concat_rows,
+    linear_targets,
+    quantize_linear,
+    quantized_bytes,
+    quantized_linear_module,
+)
 from batchrun.model.registry import SUPPORTED_ARCHITECTURES, model_class
 
 log = logging.getLogger(__name__)
@@ -107,11 +116,20 @@ def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
 
 
 def load_weights(model: CausalLM, path: Path,
-                 tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]] | None = None) -> None:
+                 tensors: Iterable[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]] | None = None,
+                 quantization: QuantSpec | None = None) -> None:
     """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
-    and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target)."""
+    and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target).
+
+    Quantized linears (batchrun.model.quant_linear): with `quantization`, each linear of the layers is quantized
+    as soon as its rows are all in, and its full-precision weight released. A source may also hand in a
+    QuantizedWeight for a linear's weight (a GGUF reader): its parts are gathered and the linear becomes
+    quantized_linear_module(weight, bias) when they are all in; its full-precision parameter is never written."""
     params = dict(model.named_parameters())
+    shapes = {n: p.shape for n, p in params.items()}
     rows_filled = dict.fromkeys(params, 0)
+    targets = linear_targets(model)
+    quantized_parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     for name, read in model.checkpoint_tensors(_safetensors(path) if tensors is None else tensors):
         target = model.weight_target(name)
         if target is None:
@@ -120,15 +138,32 @@ def load_weights(model: CausalLM, path: Path,
         if dst not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
         t = read()
-        p = params[dst]
-        if t.shape[1:] != p.shape[1:] or offset + t.shape[0] > p.shape[0]:
+        shape = shapes[dst]
+        if t.shape[1:] != shape[1:] or offset + t.shape[0] > shape[0]:
             raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                                 f"which does not fit {dst} {tuple(p.shape)}")
-        with torch.no_grad():
-            p.data[offset : offset + t.shape[0]].copy_(t)
+                                 f"which does not fit {dst} {tuple(shape)}")
+        if isinstance(t, QuantizedWeight):
+            if dst not in targets:
+                raise ModelLoadError(f"checkpoint tensor {name!r} is quantized, but {dst} is not a quantized linear")
+            quantized_parts.setdefault(dst, []).append((offset, t))
+        else:
+            with torch.no_grad():
+                params[dst].data[offset : offset + t.shape[0]].copy_(t)
         rows_filled[dst] += t.shape[0]
         del t  # before the next one is read
-    missing = [n for n, p in params.items() if rows_filled[n] != p.shape[0]]
+        if dst in targets and rows_filled[dst] == shape[0] and (quantization is not None or dst in quantized_parts):
+            parent, attr = targets[dst]
+            linear = getattr(parent, attr)
+            if dst in quantized_parts:
+                if sum(part.shape[0] for _, part in quantized_parts[dst]) != shape[0]:
+                    raise ModelLoadError(f"{dst} has quantized and plain parts: batchrun takes one or the other")
+                weight = concat_rows([part for _, part in sorted(quantized_parts.pop(dst), key=lambda p: p[0])])
+                setattr(parent, attr, quantized_linear_module(weight, linear.bias))
+            else:
+                setattr(parent, attr, quantize_linear(linear, quantization))
+            del linear
+            params.pop(dst)  # the last references to the full-precision weight: its memory goes now
+    missing = [n for n, shape in shapes.items() if rows_filled[n] != shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
 
@@ -152,7 +187,8 @@ def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None) -> LoadedModel:
+def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+               quantization: QuantSpec | None = None) -> LoadedModel:
     path = resolve_path(model)
     config = load_config(path)
     limit = model_max_len(config)
@@ -169,13 +205,17 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's. transformers
         # returns them all at once; each goes as it is copied into the model, so two copies are never held whole.
         tensors = gguf.gguf_tensors(path, config, dtype)
-        load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)))
+        load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)),
+                     quantization)
         del tensors
         log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
                  "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
                  str(dtype).removeprefix("torch."))
     else:
-        load_weights(m, path)
+        load_weights(m, path, quantization=quantization)
+    if quantization is not None:
+        log.info("linears quantized to int%d (groups of %d inputs) at load: %.1f MiB", quantization.bits,
+                 quantization.group_size, quantized_bytes(m) / 2**20)
     m.finish_load()
     m = m.to(dtype).eval().requires_grad_(False)
     m.prepare(max_model_len)

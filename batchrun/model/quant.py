@@ -7,7 +7,7 @@ consecutive inputs of one output row:
     4 bits:  w[o, i] = q[o, i] * scale[o, g] + offset[o, g]    q: 0..15, two per byte (even i low nibble)
 
 with g = i // group_size. One formula per width covers what batchrun quantizes itself (`quantize_int8`: one
-group per row, symmetric; `quantize_int4`: groups of 32 or 128, symmetric, offset = -8 * scale) and what GGUF
+group per row or groups of a given size, symmetric; `quantize_int4`: groups of 32 or 128, symmetric, offset = -8 * scale) and what GGUF
 files store, exactly: Q8_0 (groups of 32), Q6_K (groups of 16, scale = d * sub-scale), Q4_0 (offset = -8 d),
 Q4_1 (offset = m) and Q4_K (groups of 32, offset = -dmin * sub-min). Kernels repack from here once, at load,
 into whatever their inner loop reads best; `dequantize` and `linear_ref` are the references they are tested
@@ -80,12 +80,19 @@ def linear_ref(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return x.to(torch.float32) @ dequantize(weight).T
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric, one scale per output row (the row's largest magnitude maps to 127)."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric, one scale per group of `group_size` inputs of an output row (None: the whole row), the group's
+    largest magnitude mapping to 127."""
     w = weight.to(torch.float32)
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight(bits=8, qweight=q, scale=scale, offset=None, group_size=w.shape[1])
+    out_features, in_features = w.shape
+    group_size = group_size or in_features
+    if in_features % group_size:
+        raise ValueError(f"{in_features} inputs do not split into groups of {group_size}")
+    groups = w.reshape(out_features, in_features // group_size, group_size)
+    scale = groups.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    q = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(bits=8, qweight=q.reshape(out_features, in_features), scale=scale, offset=None,
+                           group_size=group_size)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
