@@ -133,7 +133,7 @@ def _setting(default: Any, kind: str, job_key: str | None, **rule: Any) -> Any:
 
 
 # model.quantization's values (batchrun/model/quant_linear.py: QuantSpec.parse reads them)
-QUANTIZATIONS = ("none", "int8", "int4", "int4-g32")
+QUANTIZATIONS = ("none", "int8", "int4", "int4-g32", "gguf")
 
 # Spellings LLM(dtype=...) also takes (vLLM's); the job file names the canonical ones only.
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -163,7 +163,9 @@ class EngineArgs:
         doc="Weight-only quantized linears, CPU only: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
             "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger); "
             "the activations are quantized per row on the fly (W8A8). The lm_head, embeddings and norms stay in "
-            "`dtype`. `none`: the weights in `dtype`. docs/quantization.md has the accuracy measured per format.")
+            "`dtype`. `gguf`: a `.gguf` model's Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K linears as the file stores them (on the "
+            "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
+            "file). `none`: the weights in `dtype`. docs/quantization.md has the accuracy measured per format.")
     device: str = _setting("auto", "device", "model.device",
         doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.

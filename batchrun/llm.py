@@ -89,6 +89,7 @@ class LLM:
         args.check_environment()
         source = locate_model(args.model)  # the checks `batchrun validate` makes, before anything loads
         source.check_max_model_len(args.max_model_len)
+        source.check_quantization(args.quantization)
         self.args = args
         num_kv_blocks = args.num_kv_blocks
         kv_bytes = args.kv_cache_bytes
@@ -106,7 +107,8 @@ class LLM:
         block_size = args.block_size
         memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
         loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len,
-                            quantization=QuantSpec.parse(args.quantization))
+                            quantization=QuantSpec.parse(args.quantization),
+                            gguf_as_stored=args.quantization == "gguf")
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config

@@ -72,6 +72,7 @@ def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
         args.check_environment()
         source = locate_model(args.model)
         source.check_max_model_len(args.max_model_len)
+        source.check_quantization(args.quantization)
     except EngineArgsError as e:
         raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
     except ModelLoadError as e:

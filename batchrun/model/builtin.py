@@ -233,6 +233,12 @@ def check_builtin(name: str) -> None:
         spec.check(name)
 
 
+def packaged_gguf(name: str) -> PackagedGGUF | None:
+    """The packaged GGUF file built-in `name` is made from, if it is (its linears can run as stored)."""
+    spec = _spec(name)
+    return spec if isinstance(spec, PackagedGGUF) else None
+
+
 def builtin_path(name: str) -> Path:
     """The folder of built-in model `name`, made on first use (atomically: a temp folder, then rename)."""
     spec = _spec(name)

@@ -47,13 +47,16 @@ class LoadedModel:
     path: Path
 
 
-def resolve_path(model: str) -> Path:
+def resolve_path(model: str, gguf_file: bool = False) -> Path:
     """A local checkpoint folder, a `.gguf` file (or a folder holding one), or `builtin:NAME` (made on
-    first use in the cache folder). A GGUF checkpoint resolves to its file."""
+    first use in the cache folder). A GGUF checkpoint resolves to its file; with `gguf_file`, a built-in made
+    from a packaged GGUF file too (its quantized linears are then read as stored)."""
     if model.startswith("builtin:"):
-        from batchrun.model.builtin import builtin_path
+        from batchrun.model.builtin import builtin_path, packaged_gguf
 
-        return builtin_path(model.split(":", 1)[1])
+        name = model.split(":", 1)[1]
+        packaged = packaged_gguf(name) if gguf_file else None
+        return packaged.locate(name) if packaged is not None else builtin_path(name)
     path = Path(model).expanduser()
     file = gguf.find_gguf(path)
     if file is not None:
@@ -113,6 +116,11 @@ def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
             names = list(f.keys())
         for name in names:
             yield name, functools.partial(_read_tensor, file, name)
+
+
+def _given(value):
+    """A tensor source's reader for a value already read (gguf.iter_quantized yields values)."""
+    return value
 
 
 def load_weights(model: CausalLM, path: Path,
@@ -188,8 +196,12 @@ def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               quantization: QuantSpec | None = None) -> LoadedModel:
-    path = resolve_path(model)
+               quantization: QuantSpec | None = None, gguf_as_stored: bool = False) -> LoadedModel:
+    """gguf_as_stored: a GGUF file's Q8_0 / Q6_K / Q4_0 / Q4_1 / Q4_K linears become quantized linears on the
+    file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor."""
+    path = resolve_path(model, gguf_file=gguf_as_stored)
+    if gguf_as_stored and not is_gguf(path):
+        raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
     config = load_config(path)
     limit = model_max_len(config)
     if max_model_len is None:
@@ -201,7 +213,11 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         m = model_class(architecture(config))(config).to(dtype)  # in the job's dtype from the start: no fp32 copy
     m = m.to_empty(device=device)  # unwritten pages are not resident: each fills as its tensors are copied in
     m.tie_weights()
-    if is_gguf(path):
+    if gguf_as_stored:
+        stored = gguf.iter_quantized(path, dtype, config)
+        load_weights(m, path, ((name, functools.partial(_given, value)) for name, value in stored))
+        log.info("GGUF %s: its quantized linears run as stored: %.1f MiB", path.name, quantized_bytes(m) / 2**20)
+    elif is_gguf(path):
         # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's. transformers
         # returns them all at once; each goes as it is copied into the model, so two copies are never held whole.
         tensors = gguf.gguf_tensors(path, config, dtype)

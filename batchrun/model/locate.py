@@ -45,6 +45,18 @@ class ModelSource:
         if max_model_len is not None and limit is not None and max_model_len > limit:
             raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
 
+    def check_quantization(self, quantization: str) -> None:
+        """`gguf` (the file's quantized linears as stored) needs a GGUF file, or a built-in made from one."""
+        if quantization != "gguf" or self.kind == "gguf":
+            return
+        if self.kind == "builtin":
+            from batchrun.model.builtin import packaged_gguf
+
+            if packaged_gguf(self.spec.removeprefix("builtin:")) is not None:
+                return
+        raise EngineArgsError("quantization", f"gguf keeps a GGUF file's quantized linears as stored, and "
+                                              f"{self.spec} is not a .gguf file (use int8, int4 or none)")
+
     @property
     def load_spec(self) -> str:
         """The string the loader takes: `builtin:NAME`, or the local path."""

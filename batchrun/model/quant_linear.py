@@ -44,7 +44,7 @@ class QuantSpec:
         """'none' / None -> None; 'int8' and 'int4' (groups of 128), 'int4-g32' (EngineArgs' choices). int8 takes
         groups of 128 rather than one scale per row: on SmolLM2 one per row kept 96.9% top-1 agreement with bf16,
         groups of 128 97.5% (weights alone, 512 positions), for 3% more bytes."""
-        if value in (None, "none"):
+        if value in (None, "none", "gguf"):  # gguf: the file's own quantized weights (loader.load_model)
             return None
         if value == "int8":
             return cls(8, 128)
