@@ -172,7 +172,8 @@ def test_openvino_without_its_venv_is_a_failed_row_not_a_crash(monkeypatch):
     setup = openvino_env.OpenvinoSetup(threads=2)
     row = setup.run(lambda *a, **k: pytest.fail("no worker may start"), "x", {"model_path": "/nowhere"}, "float32",
                     1 << 20, kv_cache_precision="u8")
-    assert "no network" in row["error"] and row["config"] == {"dtype": "float32", "kv_cache_precision": "u8"}
+    assert "no network" in row["error"] and row["config"] == {"dtype": "float32", "kv_cache_precision": "u8",
+                                                                "weight_format": "fp32"}
 
 
 def test_failed_export_is_a_failed_row(tmp_path, monkeypatch):
