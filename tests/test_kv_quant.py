@@ -21,8 +21,8 @@ from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model import cpu_kernels
-from batchrun.model.attention import TorchBackend
-from batchrun.model.kv_quant import dequantize, quantize_rows, scales, store_kv_int8_torch
+from batchrun.model.attention import TorchBackend, store_kv_torch
+from batchrun.model.kv_quant import dequantize, quantize_rows, scales
 from batchrun.model.runner import ModelRunner, cache_shape
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
@@ -64,7 +64,7 @@ def test_the_c_store_writes_the_torch_stores_bytes(dtype):
     slots = torch.tensor([3, 17, -1, 0, 8, 9, 30, 31, 12])
     ours, ref = int8_pool(4, 8, 2, 48), int8_pool(4, 8, 2, 48)
     cpu_attention.store_kv_int8(k, v, ours, slots)
-    store_kv_int8_torch(k, v, ref, slots, has_padding=True)
+    store_kv_torch(k, v, ref, slots, has_padding=True)
     assert torch.equal(ours, ref)
     assert ours.view(2, 32, 2, 52)[:, [3, 17, 0, 8, 9, 30, 31, 12]].abs().sum(-1).gt(0).all()
 
@@ -322,7 +322,7 @@ def test_the_triton_store_writes_the_torch_stores_bytes(dtype):
     slots = torch.tensor([3, 17, -1, 0, 8, 9, 30, 31, 12, 5, 6], device=DEVICE)
     ours, ref = int8_pool(4, 8, 3, 48).to(DEVICE), int8_pool(4, 8, 3, 48).to(DEVICE)
     store_kv(k, v, ours, slots)
-    store_kv_int8_torch(k, v, ref, slots, has_padding=True)
+    store_kv_torch(k, v, ref, slots, has_padding=True)
     assert torch.equal(ours, ref)
 
 

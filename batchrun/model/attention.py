@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.model.cpu_kernels import attention as cpu_attention
-from batchrun.model.kv_quant import dequantize, is_fp8, is_quantized, store_kv_fp8_torch, store_kv_int8_torch
+from batchrun.model.kv_quant import as_bytes, dequantize, encode_rows, is_fp8, is_quantized
 
 
 @dataclass
@@ -103,14 +103,15 @@ class AttentionBackend(ABC):
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    has_padding: bool = False) -> None:
-    """Scatter the step's K/V into their slots (padding slots, -1, are dropped)."""
+    """Scatter the step's K/V into their slots (padding slots, -1, are dropped), in the pool's format
+    (kv_quant.encode_rows: the values cast, int8 rows with their scale, or fp8 bytes)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat = as_bytes(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
     if has_padding:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, encode_rows(k, kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, encode_rows(v, kv_cache.dtype))
 
 
 class TorchBackend(AttentionBackend):
@@ -147,7 +148,7 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
         quantized, fp8 = is_quantized(kv_cache), is_fp8(kv_cache)
         if fp8:
-            store_kv_fp8_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
             if self.cpu_kernels:  # every row on the fp8 kernel
                 row_seq, row_len = meta.query_rows
                 return cpu_attention.paged_attention_fp8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
@@ -160,9 +161,7 @@ class TorchBackend(AttentionBackend):
                                                       window=window, softcap=softcap)
         if self.cpu_kernels:
             return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
-        if quantized:
-            store_kv_int8_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
-        elif not fp8:
+        if not fp8:  # stored above
             store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:

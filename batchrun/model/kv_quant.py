@@ -1,4 +1,5 @@
-"""The quantized KV cache (`kv_cache_dtype: int8`): its format, and the torch reference of its store and load.
+"""The quantized KV cache (`kv_cache_dtype: int8`): its format, and the torch reference of its encoding and load
+(attention.store_kv_torch scatters what encode_rows gives into any pool).
 
 Format: the pool keeps its layout, [num_layers, 2, num_blocks, block_size, num_kv_heads, row], in int8, where
 each (slot, kv head) row is head_dim int8 values followed by the 4 bytes of their float32 scale (row = head_dim +
@@ -46,17 +47,14 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-top, top).to(dtype)
 
 
-def store_kv_fp8_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       has_padding: bool = False) -> None:
-    """Cast the step's K/V to the fp8 pool's dtype and scatter them into their slots (-1 dropped)."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    if has_padding:
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    # index_copy_ has no fp8 kernel on a CPU: the bytes go through as uint8
-    flat[0].view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(k, kv_cache.dtype).view(torch.uint8))
-    flat[1].view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(v, kv_cache.dtype).view(torch.uint8))
+def encode_rows(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows [..., D] as a pool of `pool_dtype` stores them: int8 rows with their scale (quantize_rows),
+    fp8 values as their bytes (uint8: torch has no index_copy_ for fp8 on a CPU), or the values cast."""
+    if pool_dtype == torch.int8:
+        return quantize_rows(x)
+    if pool_dtype in FP8:
+        return to_fp8(x, pool_dtype).view(torch.uint8)
+    return x.to(pool_dtype)
 
 
 def row_width(head_dim: int, kv_dtype: torch.dtype | None) -> int:
@@ -80,16 +78,3 @@ def scales(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(packed: torch.Tensor) -> torch.Tensor:
     """int8 rows [..., D + 4] -> float32 [..., D] (value x scale)."""
     return packed[..., :-SCALE_BYTES].float() * scales(packed)
-
-
-def store_kv_int8_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        has_padding: bool = False) -> None:
-    """Quantize the step's K/V and scatter them into their slots of one layer's int8 pool (padding slots, -1,
-    are dropped)."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    if has_padding:
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    flat[0].index_copy_(0, slot_mapping, quantize_rows(k))
-    flat[1].index_copy_(0, slot_mapping, quantize_rows(v))

@@ -73,11 +73,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
                         k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(), k.element_size())
 
 
-def paged_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
-                         row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
-    """paged_attention's contract over an int8 pool (batchrun.model.kv_quant's format): kv_cache int8
-    [2, NB, BS, Hkv, D + 4]; q and out fp32 or bf16. Batch invariant."""
+def _paged_attention_8bit(kernel, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          row_seq: torch.Tensor, row_len: torch.Tensor, scale: float, out: torch.Tensor | None,
+                          window: int, softcap: float, *format_args) -> torch.Tensor:
+    """The call both 8-bit pools share: the kernel of the pool's format, its extra arguments last."""
     n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -86,12 +85,20 @@ def paged_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if out is None:
         out = torch.empty(n, hq, d, dtype=q.dtype)
     k_ptr = kv_cache.data_ptr()
-    v_ptr = k_ptr + kv_cache.stride(0)
-    if _library().paged_attention_int8(q.data_ptr(), q.stride(0), k_ptr, v_ptr, bt.data_ptr(), bt.stride(0),
-                                       row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs,
-                                       scale, dtype_flag(q), window, softcap):
+    if kernel(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv_cache.stride(0), bt.data_ptr(), bt.stride(0),
+              row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale, dtype_flag(q), window,
+              softcap, *format_args):
         raise MemoryError("paged attention: no memory for the score buffers")
     return out
+
+
+def paged_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                         row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention's contract over an int8 pool (batchrun.model.kv_quant's format): kv_cache int8
+    [2, NB, BS, Hkv, D + 4]; q and out fp32 or bf16. Batch invariant."""
+    return _paged_attention_8bit(_library().paged_attention_int8, q, kv_cache, block_tables, row_seq, row_len, scale,
+                                 out, window, softcap)
 
 
 def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -116,17 +123,5 @@ def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                         softcap: float = 0.0) -> torch.Tensor:
     """paged_attention's contract over an fp8 pool (float8_e4m3fn or float8_e5m2, [2, NB, BS, Hkv, D]); q and out
     fp32 or bf16. Batch invariant."""
-    n, hq, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    bt = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-    if out is None:
-        out = torch.empty(n, hq, d, dtype=q.dtype)
-    k_ptr = kv_cache.data_ptr()
-    if _library().paged_attention_fp8(q.data_ptr(), q.stride(0), k_ptr, k_ptr + kv_cache.stride(0), bt.data_ptr(),
-                                      bt.stride(0), row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), n, hq, hkv,
-                                      d, bs, scale, dtype_flag(q), window, softcap,
-                                      fp8_values(kv_cache.dtype).data_ptr()):
-        raise MemoryError("paged attention: no memory for the score buffers")
-    return out
+    return _paged_attention_8bit(_library().paged_attention_fp8, q, kv_cache, block_tables, row_seq, row_len, scale,
+                                 out, window, softcap, fp8_values(kv_cache.dtype).data_ptr())
