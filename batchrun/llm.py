@@ -24,7 +24,7 @@ from batchrun.model.locate import locate_model
 from batchrun.model.memory import (
     MemoryPlan,
     available_memory,
-    checkpoint_elements,
+    checkpoint_weight_bytes,
     held_weight_bytes,
     kv_bytes_per_token,
     plan_cpu_memory,
@@ -181,7 +181,9 @@ class LLM:
             kv_bytes = args.num_kv_blocks * args.block_size * per_token
         max_len = args.max_model_len or model_max_len(config)
         packs_tied = self.dtype == torch.bfloat16 or self.batch_invariant
-        weights = held_weight_bytes(checkpoint_elements(path), element_size, config, packs_tied)
+        held = checkpoint_weight_bytes(path, element_size, QuantSpec.parse(args.quantization),
+                                       gguf_as_stored=args.quantization == "gguf")
+        weights = held_weight_bytes(held, element_size, config, packs_tied)
         memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
                                  max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
                                  swap=args.swap_space_bytes, available=available_memory(), model=args.model)

@@ -8,6 +8,12 @@ the engine chose (from _metrics.json) and the bound the issue sets: peak RSS <= 
 
     python -m benchmarks.large_model --dir /tmp/llama8b            # the 8B shape: 15 GiB of disk, ~18 GiB of RAM
     python -m benchmarks.large_model --shape small --dir /tmp/lm    # the same steps on a 0.3 GiB model
+    python -m benchmarks.large_model --dir /tmp/llama8b --vllm     # and the same prompts through vLLM's CPU build
+
+With --vllm, the job's prompts also go through vLLM's CPU build (its own venv, benchmarks/vllm_env.py; greedy, the
+same tokens each, EOS ignored) in a child process, after batchrun's job; both sides report load and generation
+separately: `generate_tokens_per_s` counts generation alone (batchrun: LLM.generate in a child process like
+vLLM's, so that the two are measured alike), `generated_tokens_per_s` batchrun's whole `batchrun run`.
 
 The checkpoint is kept in --dir and reused by later runs (delete the folder to make it afresh). Run the 8B shape
 on a machine nothing else is using: its memory is the point.
@@ -143,11 +149,56 @@ main(sys.argv[2:], prog_name="batchrun")
 """
 
 
+# argv: engine ("batchrun" or "vllm"), the model, the prompts' parquet file, max tokens, the JSON of extra engine
+# arguments (batchrun's LLM: quantization, ...). Load, then generate, each timed; peak RSS (VmHWM) at the end.
+GENERATE_SCRIPT = """
+import json, sys, time
+import pyarrow.parquet as pq
+engine, model, prompts_file, max_tokens, extra = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+prompts = pq.read_table(prompts_file).column("prompt").to_pylist()
+start = time.monotonic()
+if engine == "vllm":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model, dtype="bfloat16", seed=0, kv_cache_memory_bytes=2 * 2**30, max_model_len=4096)
+    kwargs = {}
+else:
+    from batchrun import LLM, SamplingParams
+    llm = LLM(model, dtype="bfloat16", **json.loads(extra))
+    kwargs = {"use_tqdm": False}
+load = time.monotonic() - start
+start = time.monotonic()
+outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), **kwargs)
+wall = time.monotonic() - start
+tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+hwm = next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+print(json.dumps({"load_s": round(load, 1), "generate_s": round(wall, 1), "generated_tokens": tokens,
+                  "generate_tokens_per_s": round(tokens / wall, 2), "peak_rss_gib": round(int(hwm) / 2**20, 2)}))
+"""
+
+
+def generate(engine: str, model: Path, work: Path, max_tokens: int, extra: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """The job's prompts through `engine`'s Python API in a child process (vLLM: in its venv, with its
+    recommended CPU environment): load and generation timed apart, and the peak RSS."""
+    if engine == "vllm":
+        from benchmarks import vllm_env
+
+        py = vllm_env.ensure_venv()
+        command, env = [str(py)], vllm_env.environment(py, len(os.sched_getaffinity(0)))
+    else:
+        command, env = [sys.executable], dict(os.environ)
+    proc = subprocess.run([*command, "-c", GENERATE_SCRIPT, engine, str(model), str(work / "prompts.parquet"),
+                           str(max_tokens), json.dumps(extra or {})], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        return {"exit_code": proc.returncode, "stderr_tail": proc.stderr.splitlines()[-3:]}
+    return {"exit_code": 0, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the job in a child process; its exit code, wall time, tokens/s, peak RSS and the bound."""
     from batchrun.engine_args import EngineArgs
     from batchrun.model.loader import weight_files
-    from batchrun.model.memory import checkpoint_elements
+    from batchrun.model.memory import checkpoint_weight_bytes
 
     job = write_job(work, model, requests, max_tokens)
     peak_file = work / "peak_rss"
@@ -160,7 +211,7 @@ def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, 
         stderr = err.read()
     wall = time.monotonic() - start
     peak = int(peak_file.read_text()) if peak_file.is_file() else 0
-    weights = 2 * checkpoint_elements(model)
+    weights = checkpoint_weight_bytes(model, 2)
     metrics_file = work / "out" / "_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     engine = metrics.get("engine", {})
@@ -183,9 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where the checkpoint and the job go")
     ap.add_argument("--requests", type=int, default=16, help="prompts in the job (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens each (default %(default)s)")
+    ap.add_argument("--vllm", action="store_true", help="the same prompts through vLLM's CPU build too")
+    ap.add_argument("--quantization", default=None,
+                    help="also generate with batchrun's model.quantization set to this (int8, int4, ...)")
     args = ap.parse_args(argv)
     model = write_checkpoint(args.dir / f"{args.shape}-bf16", SHAPES[args.shape])
     report = {"shape": args.shape, **run(model, args.dir / "job", args.requests, args.max_tokens)}
+    if args.vllm or args.quantization:
+        report["generate"] = {"batchrun": generate("batchrun", model, args.dir / "job", args.max_tokens)}
+        if args.quantization:
+            report["generate"][f"batchrun {args.quantization}"] = generate(
+                "batchrun", model, args.dir / "job", args.max_tokens, {"quantization": args.quantization})
+        if args.vllm:
+            report["generate"]["vllm"] = generate("vllm", model, args.dir / "job", args.max_tokens)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

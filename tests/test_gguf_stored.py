@@ -90,7 +90,9 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
     Q8_0 embedding (an embedding, not a linear: dequantized)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from batchrun.model.cpu_kernels.quant import packed_nbytes
     from batchrun.model.gguf import gguf_config, read_quantized
+    from batchrun.model.memory import checkpoint_weight_bytes
     from batchrun.model.quant import QuantizedWeight
 
     rng = np.random.default_rng(0)
@@ -122,6 +124,10 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
     # the permutation is not the identity: reading q's rows in file order would differ
     q_file = gguf.quants.dequantize(tensors["blk.0.attn_q.weight"][1], GGMLType.Q8_0)
     assert not np.array_equal(q_file, theirs["model.layers.0.self_attn.q_proj.weight"].numpy())
+    # the memory plan, from the tensor table alone, counts what the load holds: the stored linears packed
+    held = sum(packed_nbytes(v.bits, *v.shape, v.group_size) if isinstance(v, QuantizedWeight) else v.numel() * 4
+               for v in ours.values())
+    assert checkpoint_weight_bytes(tmp_path / "tiny.gguf", 4, gguf_as_stored=True) == held
     said = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert said == ["tiny.gguf: 1 Q5_0 linear weights dequantized to float32 (batchrun's quantized kernels take "
                     "Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K as stored)"]

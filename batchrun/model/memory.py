@@ -12,14 +12,17 @@ or less where a cgroup limit (a container, a Slurm job) leaves less. docs/memory
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from batchrun.model.cpu_kernels.quant import packed_nbytes
 from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.kv_quant import row_width
+from batchrun.model.quant_linear import QuantSpec, is_quantized_linear_weight
 
 log = logging.getLogger(__name__)
 
@@ -149,26 +152,43 @@ def cpu_default_bytes(total: int | None = None) -> int:
 # ---------------------------------------------------------------- what a model takes
 
 
-def checkpoint_elements(path: Path) -> int:
-    """How many weight elements a checkpoint holds, from the safetensors headers or the GGUF tensor table:
-    nothing is read but the headers."""
+# A GGUF type used as stored (gguf_blocks.STORED_TYPES) -> (bits, inputs per scale) of its QuantizedWeight.
+_GGUF_STORED = {"Q8_0": (8, 32), "Q6_K": (8, 16), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32)}
+
+
+def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSpec | None = None,
+                            gguf_as_stored: bool = False) -> int:
+    """The checkpoint's weights as the engine will hold them, from the safetensors headers or the GGUF tensor
+    table (nothing else is read): every tensor in the model's dtype (element_size), except the linears that
+    `quantization` replaces (quant_linear.is_quantized_linear_weight), counted as packed, and with gguf_as_stored
+    the layers' linears the file stores in a type the kernels take as it is. Never less than what the load
+    holds: a fused q|k|v is counted part by part, each padded to whole panels."""
     from batchrun.model.loader import is_gguf, weight_files
 
     if is_gguf(path):
         from gguf import GGUFReader
 
-        return sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+        total = 0
+        for t in GGUFReader(path).tensors:
+            stored = _GGUF_STORED.get(t.tensor_type.name) if gguf_as_stored else None
+            if stored and len(t.shape) == 2 and t.name.startswith("blk.") and "gate_inp" not in t.name:
+                bits, group = stored
+                total += packed_nbytes(bits, int(t.shape[1]), int(t.shape[0]), group)
+            else:
+                total += int(t.n_elements) * element_size
+        return total
     from safetensors import safe_open
 
-    count = 0
+    total = 0
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                n = 1
-                for d in f.get_slice(name).get_shape():
-                    n *= d
-                count += n
-    return count
+                shape = tuple(f.get_slice(name).get_shape())
+                if quantization is not None and is_quantized_linear_weight(name, shape):
+                    total += quantization.held_bytes(shape[0], shape[1])
+                else:
+                    total += math.prod(shape) * element_size
+    return total
 
 
 def kv_bytes_per_token(config, element_size: int, kv_dtype: torch.dtype | None = None) -> int:
@@ -226,11 +246,11 @@ def plan_cpu_memory(*, weights: int, bytes_per_token: int, block_size: int, max_
     return MemoryPlan(weights, kv // (bytes_per_token * block_size) * bytes_per_token * block_size, swap, available)
 
 
-def held_weight_bytes(elements: int, element_size: int, config, packs_tied_lm_head: bool) -> int:
-    """The weights as the engine holds them: every checkpoint element in the model's dtype, plus the packed copy of
+def held_weight_bytes(checkpoint_bytes: int, element_size: int, config, packs_tied_lm_head: bool) -> int:
+    """The weights as the engine holds them: the checkpoint's (checkpoint_weight_bytes), plus the packed copy of
     a tied lm_head (its plain weight stays, as the embedding's) where cpu_linear makes one."""
     tied = bool(getattr(config, "tie_word_embeddings", False)) and packs_tied_lm_head
-    return (elements + (config.vocab_size * config.hidden_size if tied else 0)) * element_size
+    return checkpoint_bytes + (config.vocab_size * config.hidden_size * element_size if tied else 0)
 
 
 # ---------------------------------------------------------------- CUDA

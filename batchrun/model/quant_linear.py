@@ -54,6 +54,11 @@ class QuantSpec:
             return cls(4, 32)
         raise ValueError(f"quantization must be none, int8, int4 or int4-g32, got {value!r}")
 
+    def held_bytes(self, out_features: int, in_features: int) -> int:
+        """The bytes a linear of this shape takes once quantized to this spec (the memory plan's count)."""
+        return quant_kernels.packed_nbytes(self.bits, out_features, in_features,
+                                           group_for(in_features, self.group_size))
+
     def quantize(self, weight: torch.Tensor) -> quant.QuantizedWeight:
         group = group_for(weight.shape[1], self.group_size)
         return quant.quantize_int8(weight, group) if self.bits == 8 else quant.quantize_int4(weight, group)
@@ -129,6 +134,15 @@ def concat_rows(parts: list[quant.QuantizedWeight]) -> quant.QuantizedWeight:
     offset = None if first.offset is None else torch.cat([p.offset for p in parts])
     return quant.QuantizedWeight(first.bits, torch.cat([p.qweight for p in parts]),
                                  torch.cat([p.scale for p in parts]), offset, first.group_size)
+
+
+def is_quantized_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint tensor is the weight of a linear that quantization replaces, from its name and shape
+    alone (the memory plan runs before the model exists): 2-D, `<module>.weight`, the module not KEPT and not an
+    embedding. A linear this misses is counted at full size: the plan errs on the safe side."""
+    parts = name.split(".")
+    return (len(shape) == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] not in KEPT
+            and "embed" not in parts[-2] and parts[-2] not in ("wte", "wpe"))
 
 
 def linear_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

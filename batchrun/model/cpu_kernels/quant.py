@@ -65,6 +65,18 @@ def supports(weight: QuantizedWeight) -> bool:
     return weight.shape[1] % step == 0 and weight.group_size % step == 0
 
 
+# Outputs per panel of the packed layout: csrc/quant_linears.c's QP (pack checks that they agree).
+PANEL = 32
+
+
+def packed_nbytes(bits: int, out_features: int, in_features: int, group_size: int) -> int:
+    """What pack() holds for a weight of this shape: the integers, and an fp32 scale (int4: and offset) per
+    weight group, the outputs padded to whole panels. The memory plan counts quantized linears with it before
+    anything loads."""
+    rows = -(-out_features // PANEL) * PANEL
+    return rows * in_features * bits // 8 + rows * (in_features // group_size) * 4 * (1 if bits == 8 else 2)
+
+
 @dataclass
 class PackedQuantWeight:
     """A QuantizedWeight in the kernel's panels: `packed` (the integers), `scale` and for int4 `offset` (fp32) per
@@ -92,6 +104,7 @@ def pack(weight: QuantizedWeight) -> PackedQuantWeight:
     lib = _library()
     n, k = weight.shape
     panel = lib.quant_linear_panel()
+    assert panel == PANEL, f"the library's panels hold {panel} outputs, PANEL says {PANEL}"
     panels, groups = (n + panel - 1) // panel, k // weight.group_size
     q = weight.qweight.contiguous()
     scale = weight.scale.to(torch.float32).contiguous()
