@@ -180,3 +180,30 @@ def test_only_a_processor_that_reorders_rows_is_applied_to_stored_rows():
     assert _row_order(llama, "blk.0.attn_k.weight", 8, {}).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     assert _row_order(llama, "blk.0.attn_q.weight", 8, {}).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
     assert _row_order(llama, "blk.0.attn_v.weight", 8, {}).tolist() == list(range(8))
+
+
+def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
+    """llama.cpp files store output.weight quantized (Q6_K in Q4_K_M files): the engine keeps the lm_head in the
+    model's dtype (quant_linear.KEPT), so it comes dequantized, and the memory plan counts it so."""
+    from batchrun.model.cpu_kernels.quant import packed_nbytes
+    from batchrun.model.gguf import read_quantized
+    from batchrun.model.memory import checkpoint_weight_bytes
+    from batchrun.model.quant import QuantizedWeight
+
+    rng = np.random.default_rng(1)
+    hidden, inter = 256, 512
+    layout = {"blk.0.attn_q.weight": ("Q8_0", hidden, hidden), "blk.0.attn_k.weight": ("Q8_0", 128, hidden),
+              "blk.0.attn_v.weight": ("Q8_0", 128, hidden), "blk.0.attn_output.weight": ("Q8_0", hidden, hidden),
+              "blk.0.ffn_gate.weight": ("Q4_0", inter, hidden), "blk.0.ffn_up.weight": ("Q4_0", inter, hidden),
+              "blk.0.ffn_down.weight": ("Q4_0", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden),
+              "output.weight": ("Q6_K", 8, hidden)}
+    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
+    write_file(tmp_path / "untied.gguf", tensors)
+    ours = read_quantized(tmp_path / "untied.gguf", torch.float32)
+    assert isinstance(ours["lm_head.weight"], torch.Tensor) and ours["lm_head.weight"].shape == (8, hidden)
+    assert sum(isinstance(v, QuantizedWeight) for v in ours.values()) == 7
+    held = sum(packed_nbytes(v.bits, *v.shape, v.group_size) if isinstance(v, QuantizedWeight) else v.numel() * 4
+               for v in ours.values())
+    assert checkpoint_weight_bytes(tmp_path / "untied.gguf", 4, gguf_as_stored=True) == held

@@ -145,8 +145,8 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     """The file's tensors under their Hugging Face names, one at a time (the file is memory-mapped, so at most
     one tensor's worth of memory is new at any point beyond what the caller keeps).
 
-    The weight of an nn.Linear stored as Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K comes as a QuantizedWeight; every
-    other tensor (norms, embeddings, F32/F16/BF16, the other quantized types) as transformers dequantizes it,
+    The weight of an nn.Linear stored as Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K comes as a QuantizedWeight (not the
+    lm_head's or a router's: quant_linear.KEPT); every other tensor (norms, embeddings, F32/F16/BF16, the other quantized types) as transformers dequantizes it,
     cast to `dtype` (float32 when None). `config`: the file's (gguf_config), when the caller has it already.
     A tied lm_head is not in the file and not yielded. transformers' own name map and tensor processor are reused: a
     processor that only reorders rows (Llama's un-permutation of attn_q / attn_k) is applied to the rows of
@@ -160,6 +160,7 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
     from batchrun.model.gguf_blocks import STORED_TYPES, quantized_weight
+    from batchrun.model.quant_linear import KEPT
 
     dtype = dtype or torch.float32
     config = config or gguf_config(file)
@@ -172,7 +173,10 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     name_map = _gguf_to_hf_names(skeleton, processor)
-    linears = {f"{name}.weight" for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)}
+    # the linears that become quantized ones: not the lm_head or routers (quant_linear.KEPT), which llama.cpp files
+    # store quantized too (output.weight in Q6_K or Q8_0) and the engine keeps in the model's dtype
+    linears = {f"{name}.weight" for name, module in skeleton.named_modules()
+               if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT}
     collected: dict[str, dict] = {"tensors": {}}  # what a processor stores itself (stacked MoE experts)
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:

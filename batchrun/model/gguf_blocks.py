@@ -27,6 +27,8 @@ import torch
 from batchrun.model.quant import QuantizedWeight
 
 STORED_TYPES = ("Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K")
+# The QuantizedWeight each stored type becomes: (bits, inputs per scale); the memory plan counts with it.
+STORED_LAYOUT = {"Q8_0": (8, 32), "Q6_K": (8, 16), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32)}
 _BLOCK = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 
 

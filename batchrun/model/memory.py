@@ -152,10 +152,6 @@ def cpu_default_bytes(total: int | None = None) -> int:
 # ---------------------------------------------------------------- what a model takes
 
 
-# A GGUF type used as stored (gguf_blocks.STORED_TYPES) -> (bits, inputs per scale) of its QuantizedWeight.
-_GGUF_STORED = {"Q8_0": (8, 32), "Q6_K": (8, 16), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32)}
-
-
 def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSpec | None = None,
                             gguf_as_stored: bool = False) -> int:
     """The checkpoint's weights as the engine will hold them, from the safetensors headers or the GGUF tensor
@@ -168,9 +164,12 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
     if is_gguf(path):
         from gguf import GGUFReader
 
+        from batchrun.model.gguf_blocks import STORED_LAYOUT
+
         total = 0
         for t in GGUFReader(path).tensors:
-            stored = _GGUF_STORED.get(t.tensor_type.name) if gguf_as_stored else None
+            stored = STORED_LAYOUT.get(t.tensor_type.name) if gguf_as_stored else None
+            # a layer's linear (blk.N.*), not its router (ffn_gate_inp): gguf.iter_quantized's choice, by name
             if stored and len(t.shape) == 2 and t.name.startswith("blk.") and "gate_inp" not in t.name:
                 bits, group = stored
                 total += packed_nbytes(bits, int(t.shape[1]), int(t.shape[0]), group)
