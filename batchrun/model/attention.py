@@ -146,23 +146,19 @@ class TorchBackend(AttentionBackend):
         self.amx_lanes = 1 if batch_invariant else cpu_attention.AMX_PREFILL_LANES
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
-        quantized, fp8 = is_quantized(kv_cache), is_fp8(kv_cache)
-        if fp8:
-            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
-            if self.cpu_kernels:  # every row on the fp8 kernel
-                row_seq, row_len = meta.query_rows
+        if self.cpu_kernels and (is_quantized(kv_cache) or is_fp8(kv_cache)):
+            # every row on the 8-bit pool's kernel (sdpa_prefill would need the pool dequantized first)
+            row_seq, row_len = meta.query_rows
+            if is_fp8(kv_cache):  # no C store for fp8: torch casts the bytes in
+                store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
                 return cpu_attention.paged_attention_fp8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
                                                          window=window, softcap=softcap)
-        if self.cpu_kernels and quantized:
-            # every row on the int8 kernel (sdpa_prefill would need the pool dequantized first)
             cpu_attention.store_kv_int8(k, v, kv_cache, meta.slot_mapping)
-            row_seq, row_len = meta.query_rows
             return cpu_attention.paged_attention_int8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
                                                       window=window, softcap=softcap)
         if self.cpu_kernels:
             return self._forward_cpu_kernels(q, k, v, kv_cache, meta, scale, window, softcap)
-        if not fp8:  # stored above
-            store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+        store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale, window, softcap)

@@ -146,8 +146,8 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     one tensor's worth of memory is new at any point beyond what the caller keeps).
 
     The weight of an nn.Linear stored as Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K comes as a QuantizedWeight (not the
-    lm_head's or a router's: quant_linear.KEPT); every other tensor (norms, embeddings, F32/F16/BF16, the other quantized types) as transformers dequantizes it,
-    cast to `dtype` (float32 when None). `config`: the file's (gguf_config), when the caller has it already.
+    lm_head's or a router's: quant_linear.KEPT); every other tensor (norms, embeddings, F32/F16/BF16, the other
+    quantized types) as transformers dequantizes it, cast to `dtype` (float32 when None). `config`: the file's (gguf_config), when the caller has it already.
     A tied lm_head is not in the file and not yielded. transformers' own name map and tensor processor are reused: a
     processor that only reorders rows (Llama's un-permutation of attn_q / attn_k) is applied to the rows of
     the QuantizedWeight (a group never straddles rows), found by running it on the row numbers; any other
