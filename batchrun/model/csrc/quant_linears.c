@@ -31,6 +31,7 @@
 #define QP 32    /* outputs per panel */
 #define QROWS 4  /* rows per register tile */
 #define QPREFETCH 6144 /* bytes ahead of the panel's stream that a tile prefetches */
+#define QBLOCK 64 /* rows that take a panel's weight groups together (a multiple of QROWS) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_VNNI 1
@@ -97,14 +98,31 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             const vf a = vselect(v < 0.0f, -v, v);
             mv = vselect(a > mv, a, mv);
         }
+#if defined(__AVX512F__) && VW == 16
+        float m = _mm512_reduce_max_ps((__m512)mv);
+#else
         float m = 0.0f;
         for (int j = 0; j < VW; j++) m = fmaxf(m, mv[j]);
+#endif
         for (; i < end; i++) m = fmaxf(m, fabsf(ld1(row, i, bf)));
         const float inv = m > 0.0f ? 127.0f / m : 0.0f;
         xs[r * (k / gs) + g] = m / 127.0f;
         int32_t s = 0;
         i = g * gs;
         /* |x * inv| <= 127 up to rounding: the clamp only catches that rounding */
+#if defined(__AVX512F__) && VW == 16
+        /* in vector registers: the conversion rounds to nearest even (the default MXCSR mode, as rintf); the
+         * element loop below does not vectorize, and at 16 rows it cost more than the multiplication itself */
+        __m512i sv = _mm512_setzero_si512();
+        for (; i + VW <= end; i += VW) {
+            const vf v = ldv(row, i, bf) * inv;
+            const __m512 c = _mm512_min_ps(_mm512_max_ps((__m512)v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+            const __m512i qi = _mm512_cvtps_epi32(c);
+            sv = _mm512_add_epi32(sv, qi);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(qi));
+        }
+        s += _mm512_reduce_add_epi32(sv);
+#endif
         for (; i + VW <= end; i += VW) {
             const vf v = ldv(row, i, bf) * inv;
             vi qi;
@@ -145,34 +163,46 @@ static void store_row(const float *acc, int64_t left, const void *bias, int64_t 
     }
 }
 
+/* The fp32 side, the same in every kernel (so that a row's outputs depend on nothing beside it): per weight group
+ * wg, part[o] = sum_{g in wg} xs[r, g] * isum[o, g] over its activation groups in order, then
+ *     int8: acc[o] += scale[o, wg] * (part[o] - 128 * xw[r, wg])
+ *     int4: acc[o] += scale[o, wg] * part[o] + offset[o, wg] * xw[r, wg]
+ * with xw[r, wg] = sum_{g in wg} xs[r, g] * xsum[r, g] (weight_group_sums): int8's bias of 128 and int4's offset
+ * both multiply the activations' own sums, so they come in once per weight group rather than once per
+ * activation group, and a group of 32 activations costs a conversion and one multiply-add per 16 outputs. */
+
 /* The plain C kernel: rows [r0, r0 + rows) of one panel (int8 weights stored q + 128: the 128 comes off each). */
-static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
+static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float *xw, const float *xs, int64_t k,
                        int64_t gs, int64_t per, int bits, const uint8_t *panel, const float *pscale,
                        const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
-    const int64_t groups = k / gs;
+    const int64_t groups = k / gs, wgroups = groups / per;
     for (int64_t r = r0; r < r0 + rows; r++) {
         const int8_t *xr = (const int8_t *)xq + r * k;
         float acc[QP] = {0};
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t isum[QP] = {0};
-            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
-                const int32_t xv = xr[i];
-                if (bits == 8) {
-                    const uint8_t *w = panel + i / 4 * QP * 4 + i % 4;
-                    for (int j = 0; j < QP; j++) isum[j] += xv * ((int32_t)w[4 * j] - 128);
-                } else {
-                    const uint8_t *w = panel + i / 8 * QP * 4 + i % 4;
-                    const int shift = (i % 8) >= 4 ? 4 : 0;
-                    for (int j = 0; j < QP; j++) isum[j] += xv * ((w[4 * j] >> shift) & 15);
+        for (int64_t wg = 0; wg < wgroups; wg++) {
+            float part[QP] = {0};
+            for (int64_t g = wg * per; g < (wg + 1) * per; g++) {
+                int32_t isum[QP] = {0};
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                    const int32_t xv = xr[i];
+                    if (bits == 8) {
+                        const uint8_t *w = panel + i / 4 * QP * 4 + i % 4;
+                        for (int j = 0; j < QP; j++) isum[j] += xv * (int32_t)w[4 * j];
+                    } else {
+                        const uint8_t *w = panel + i / 8 * QP * 4 + i % 4;
+                        const int shift = (i % 8) >= 4 ? 4 : 0;
+                        for (int j = 0; j < QP; j++) isum[j] += xv * ((w[4 * j] >> shift) & 15);
+                    }
                 }
+                const float xsg = xs[r * groups + g];
+                for (int j = 0; j < QP; j++) part[j] = fmaf((float)isum[j], xsg, part[j]);
             }
-            const float *s = pscale + g / per * QP;
-            const float xsg = xs[r * groups + g];
-            for (int j = 0; j < QP; j++) acc[j] += (float)isum[j] * (s[j] * xsg);
-            if (bits == 4) {
-                const float *off = poffset + g / per * QP;
-                const float xg = (float)xsum[r * groups + g] * xsg;
-                for (int j = 0; j < QP; j++) acc[j] += off[j] * xg;
+            const float *s = pscale + wg * QP, xwg = xw[r * wgroups + wg];
+            if (bits == 8) {
+                for (int j = 0; j < QP; j++) acc[j] = fmaf(s[j], part[j] - 128.0f * xwg, acc[j]);
+            } else {
+                const float *off = poffset + wg * QP;
+                for (int j = 0; j < QP; j++) acc[j] = fmaf(off[j], xwg, fmaf(s[j], part[j], acc[j]));
             }
         }
         store_row(acc, n - col, bias, col, at(y, r * n, ybf), ybf);
@@ -180,17 +210,34 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const int32_
 }
 
 #if HAVE_VNNI
-/* AVX512-VNNI: R rows (a constant, 1..QROWS) of one panel; int32 sums per activation group, fp32 across groups.
- * The weights are the unsigned operand, x the signed one: int8's stored q + 128, so 128 * sum xq comes off each
- * group's sum; int4's nibbles as they are, with offset * sum xq added per group. */
-ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k,
-                      int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
-                      const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
-    const int64_t groups = k / gs;
+/* acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane, in place. As inline assembly because
+ * GCC's code for the intrinsic copied every accumulator and reloaded the weights several times per step (its
+ * register allocation around the tied operand), which made the int8 loop load-bound. */
+#define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+/* GCC (13) spilled the unpacked int4 weights of the 4-row tile to the stack on every step, with half the vector
+ * registers free, after moving loop invariants out of the group loop; without that pass the loops keep everything
+ * in registers (int4 at 64 rows: about 10% faster). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_LOOP_MOTION __attribute__((optimize("no-tree-loop-im")))
+#else
+#define NO_LOOP_MOTION
+#endif
+
+/* AVX512-VNNI: weight group wg of one panel for R rows (a constant, 1..QROWS) from r0: int32 sums per activation
+ * group, their fp32 part, folded into the rows' sums in acc (QP floats per row, from row r0). The weights are the
+ * unsigned operand, x the signed one. The tile also prefetches its share of the panel's stream ahead: from `fetch`,
+ * a line for every `fetch_every` bytes of weights it reads, at the start of each activation group (panel_vnni). */
+ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, const float *xw, const float *xs,
+                      int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
+                      const float *poffset, float *acc, float *part, const char *fetch, int64_t fetch_every) {
+    const int64_t groups = k / gs, wgroups = groups / per;
     const __m512i low4 = _mm512_set1_epi8(15);
-    __m512 acc[QROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
+    int64_t credit = 0;
+    memset(part, 0, sizeof(float) * (size_t)(R * QP));
+    for (int64_t g = wg * per; g < (wg + 1) * per; g++) {
+        /* here, before the group's sums are live: in its inner loop the prefetch's bookkeeping made GCC spill */
+        for (credit += gs * QP * bits / 8; credit >= fetch_every; fetch += 64, credit -= fetch_every)
+            _mm_prefetch(fetch, _MM_HINT_T0);
         __m512i is[QROWS][2];
         for (int r = 0; r < R; r++) is[r][0] = is[r][1] = _mm512_setzero_si512();
         /* one or two rows: a second set of sums (js), so that the chain of dependent vpdpbusd is half as long
@@ -200,43 +247,40 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
         if (bits == 8) {
             int64_t t = g * gs / 4;
             const int64_t te = (g + 1) * gs / 4;
-            for (; R <= 2 && t + 1 < te; t += 2) {
+            for (; t + 1 < te; t += 2) {  /* two k-steps at a time, as int4's byte holds two */
                 const uint8_t *w = panel + t * 128;
-                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + QPREFETCH + 128, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + QPREFETCH + 192, _MM_HINT_T0);
                 const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
                 const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
-                for (int r = 0; r < (R <= 2 ? R : 0); r++) {
+                for (int r = 0; r < R; r++) {
                     int32_t xa, xb;
                     memcpy(&xa, xq + (r0 + r) * k + 4 * t, 4);
                     memcpy(&xb, xq + (r0 + r) * k + 4 * t + 4, 4);
                     const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
-                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], w0, ba);
-                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], w1, ba);
-                    js[r][0] = _mm512_dpbusd_epi32(js[r][0], w2, bb);
-                    js[r][1] = _mm512_dpbusd_epi32(js[r][1], w3, bb);
+                    DPBUSD(is[r][0], w0, ba);
+                    DPBUSD(is[r][1], w1, ba);
+                    if (R <= 2) {
+                        DPBUSD(js[r % 2][0], w2, bb);
+                        DPBUSD(js[r % 2][1], w3, bb);
+                    } else {
+                        DPBUSD(is[r][0], w2, bb);
+                        DPBUSD(is[r][1], w3, bb);
+                    }
                 }
             }
             for (; t < te; t++) {
                 const uint8_t *w = panel + t * 128;
-                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
                 const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
                 for (int r = 0; r < R; r++) {
                     int32_t xv;
                     memcpy(&xv, xq + (r0 + r) * k + 4 * t, 4);
                     const __m512i xb = _mm512_set1_epi32(xv);
-                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], w0, xb);
-                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], w1, xb);
+                    DPBUSD(is[r][0], w0, xb);
+                    DPBUSD(is[r][1], w1, xb);
                 }
             }
         } else {
             for (int64_t t = g * gs / 8; t < (g + 1) * gs / 8; t++) {
                 const uint8_t *w = panel + t * 128;
-                _mm_prefetch((const char *)w + QPREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)w + QPREFETCH + 64, _MM_HINT_T0);
                 const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
                 const __m512i lo0 = _mm512_and_si512(v0, low4), lo1 = _mm512_and_si512(v1, low4);
                 const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
@@ -246,14 +290,14 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
                     memcpy(&xa, xq + (r0 + r) * k + 8 * t, 4);
                     memcpy(&xb, xq + (r0 + r) * k + 8 * t + 4, 4);
                     const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
-                    is[r][0] = _mm512_dpbusd_epi32(is[r][0], lo0, ba);
-                    is[r][1] = _mm512_dpbusd_epi32(is[r][1], lo1, ba);
+                    DPBUSD(is[r][0], lo0, ba);
+                    DPBUSD(is[r][1], lo1, ba);
                     if (R <= 2) {
-                        js[r % 2][0] = _mm512_dpbusd_epi32(js[r % 2][0], hi0, bb);
-                        js[r % 2][1] = _mm512_dpbusd_epi32(js[r % 2][1], hi1, bb);
+                        DPBUSD(js[r % 2][0], hi0, bb);
+                        DPBUSD(js[r % 2][1], hi1, bb);
                     } else {
-                        is[r][0] = _mm512_dpbusd_epi32(is[r][0], hi0, bb);
-                        is[r][1] = _mm512_dpbusd_epi32(is[r][1], hi1, bb);
+                        DPBUSD(is[r][0], hi0, bb);
+                        DPBUSD(is[r][1], hi1, bb);
                     }
                 }
             }
@@ -262,64 +306,90 @@ ALWAYS void tile_vnni(const int R, int64_t r0, const uint8_t *xq, const int32_t 
             is[r][0] = _mm512_add_epi32(is[r][0], js[r % 2][0]);
             is[r][1] = _mm512_add_epi32(is[r][1], js[r % 2][1]);
         }
-        const float *sg = pscale + g / per * QP;
-        const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
-        if (bits == 8) {
-            for (int r = 0; r < R; r++) {
-                const __m512i c0 = _mm512_set1_epi32(128 * xsum[(r0 + r) * groups + g]), c1 = c0;
-                const __m512 xsg = _mm512_set1_ps(xs[(r0 + r) * groups + g]);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][0], c0)),
-                                            _mm512_mul_ps(s0, xsg), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][1], c1)),
-                                            _mm512_mul_ps(s1, xsg), acc[r][1]);
-            }
-        } else {
-            const float *off = poffset + g / per * QP;
-            const __m512 o0 = _mm512_loadu_ps(off), o1 = _mm512_loadu_ps(off + 16);
-            for (int r = 0; r < R; r++) {
-                const float xsg1 = xs[(r0 + r) * groups + g];
-                const __m512 xsg = _mm512_set1_ps(xsg1);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), _mm512_mul_ps(s0, xsg), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), _mm512_mul_ps(s1, xsg), acc[r][1]);
-                const __m512 xg = _mm512_set1_ps((float)xsum[(r0 + r) * groups + g] * xsg1);
-                acc[r][0] = _mm512_fmadd_ps(o0, xg, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(o1, xg, acc[r][1]);
-            }
+        for (int r = 0; r < R; r++) {
+            const __m512 xsg = _mm512_set1_ps(xs[(r0 + r) * groups + g]);
+            float *pr = part + r * QP;
+            _mm512_storeu_ps(pr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), xsg, _mm512_loadu_ps(pr)));
+            _mm512_storeu_ps(pr + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), xsg, _mm512_loadu_ps(pr + 16)));
         }
     }
-    for (int r = 0; r < R; r++) {
-        float out[QP];
-        _mm512_storeu_ps(out, acc[r][0]);
-        _mm512_storeu_ps(out + 16, acc[r][1]);
-        store_row(out, n - col, bias, col, at(y, (r0 + r) * n, ybf), ybf);
+    const float *sg = pscale + wg * QP;
+    const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+    if (bits == 8) {
+        for (int r = 0; r < R; r++) {
+            float *a = acc + r * QP;
+            const float *pr = part + r * QP;
+            const __m512 c = _mm512_set1_ps(128.0f * xw[(r0 + r) * wgroups + wg]);
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_sub_ps(_mm512_loadu_ps(pr), c), _mm512_loadu_ps(a)));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_sub_ps(_mm512_loadu_ps(pr + 16), c),
+                                                     _mm512_loadu_ps(a + 16)));
+        }
+    } else {
+        const float *off = poffset + wg * QP;
+        const __m512 o0 = _mm512_loadu_ps(off), o1 = _mm512_loadu_ps(off + 16);
+        for (int r = 0; r < R; r++) {
+            float *a = acc + r * QP;
+            const float *pr = part + r * QP;
+            const __m512 c = _mm512_set1_ps(xw[(r0 + r) * wgroups + wg]);
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(o0, c, _mm512_fmadd_ps(s0, _mm512_loadu_ps(pr), _mm512_loadu_ps(a))));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(o1, c, _mm512_fmadd_ps(s1, _mm512_loadu_ps(pr + 16),
+                                                                              _mm512_loadu_ps(a + 16))));
+        }
     }
 }
 
-/* One panel's rows in tiles of QROWS, each tile size its own unrolled copy (R a constant). */
-ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
+/* One panel: rows in blocks of QBLOCK, and within a block weight group by weight group, every tile of QROWS rows
+ * (each tile size its own unrolled copy, R a constant) taking the group while it is in cache: the panel streams
+ * from memory once per block rather than once per tile. The stream's prefetch (QPREFETCH bytes ahead) is shared
+ * out over the block's tiles, each fetching its slice of a group ahead as it goes, so that the memory stream goes
+ * on at an even pace while every tile computes, rather than in bursts while the first one does. */
+ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
                        int64_t per, const int bits, const uint8_t *panel, const float *pscale, const float *poffset,
                        const void *bias, int64_t col, int64_t n, void *y, int ybf) {
-    int64_t r0 = 0;
-    for (; r0 + QROWS <= rows; r0 += QROWS)
-        tile_vnni(QROWS, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf);
-    switch (rows - r0) {
-    case 3: tile_vnni(3, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
-    case 2: tile_vnni(2, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
-    case 1: tile_vnni(1, r0, xq, xsum, xs, k, gs, per, bits, panel, pscale, poffset, bias, col, n, y, ybf); break;
-    default: break;
+    const int64_t wgroups = k / gs / per, group_bytes = gs * per * QP * bits / 8;
+    float acc[QBLOCK * QP], part[QROWS * QP];
+    for (int64_t b0 = 0; b0 < rows; b0 += QBLOCK) {
+        const int64_t brows = rows - b0 < QBLOCK ? rows - b0 : QBLOCK, tiles = (brows + QROWS - 1) / QROWS;
+        memset(acc, 0, sizeof(float) * (size_t)(brows * QP));
+        for (int64_t wg = 0; wg < wgroups; wg++) {
+            const char *ahead = (const char *)panel + wg * group_bytes + QPREFETCH;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r = t * QROWS;
+                const char *fetch = ahead + t * group_bytes / tiles / 64 * 64;
+                switch (brows - r < QROWS ? brows - r : QROWS) {
+                case 4: tile_vnni(4, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
+                case 3: tile_vnni(3, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
+                case 2: tile_vnni(2, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
+                default: tile_vnni(1, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
+                }
+            }
+        }
+        for (int64_t r = 0; r < brows; r++) store_row(acc + r * QP, n - col, bias, col, at(y, (b0 + r) * n, ybf), ybf);
     }
 }
-static void panel_vnni8(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
+static void panel_vnni8(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
                         int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
                         int64_t col, int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xsum, xs, k, gs, per, 8, panel, pscale, poffset, bias, col, n, y, ybf);
+    panel_vnni(rows, xq, xw, xs, k, gs, per, 8, panel, pscale, poffset, bias, col, n, y, ybf);
 }
-static void panel_vnni4(int64_t rows, const uint8_t *xq, const int32_t *xsum, const float *xs, int64_t k, int64_t gs,
+NO_LOOP_MOTION static void panel_vnni4(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
                         int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
                         int64_t col, int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xsum, xs, k, gs, per, 4, panel, pscale, poffset, bias, col, n, y, ybf);
+    panel_vnni(rows, xq, xw, xs, k, gs, per, 4, panel, pscale, poffset, bias, col, n, y, ybf);
 }
 #endif
+
+/* xw[r, wg] = sum over the activation groups g of weight group wg of xs[r, g] * xsum[r, g], in order: what int8's
+ * bias of 128 and int4's offsets multiply (the fp32 side above). */
+static void weight_group_sums(int64_t rows, int64_t groups, int64_t per, const float *xs, const int32_t *xsum,
+                              float *xw) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t wg = 0; wg < groups / per; wg++) {
+            float s = 0.0f;
+            for (int64_t g = wg * per; g < (wg + 1) * per; g++) s = fmaf(xs[r * groups + g], (float)xsum[r * groups + g], s);
+            xw[r * (groups / per) + wg] = s;
+        }
+}
 
 /* y [rows, n] (ybf: bf16, else fp32) = x [rows, k] (xbf: bf16, else fp32; contiguous) times the packed weight
  * (bits 8 or 4, scales and int4 offsets per group of wgs inputs) plus bias (NULL or [n], y's dtype), the
@@ -336,11 +406,13 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
     uint8_t *xq = malloc((size_t)(rows * k));
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(rows * groups));
-    if (xq == NULL || xs == NULL || xsum == NULL) {
-        free(xq), free(xs), free(xsum);
+    float *xw = malloc(sizeof(float) * (size_t)(rows * wgroups));
+    if (xq == NULL || xs == NULL || xsum == NULL || xw == NULL) {
+        free(xq), free(xs), free(xsum), free(xw);
         return 1;
     }
     quantize_rows(x, rows, k, gs, xq, xs, xsum, xbf);
+    weight_group_sums(rows, groups, per, xs, xsum, xw);
 #pragma omp parallel for schedule(static) if (rows * n * k > PAR_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *panel = packed + p * panel_bytes;
@@ -350,14 +422,14 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
 #if HAVE_VNNI
         if (vnni) {
             if (bits == 8)
-                panel_vnni8(rows, xq, xsum, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_vnni8(rows, xq, xw, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             else
-                panel_vnni4(rows, xq, xsum, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_vnni4(rows, xq, xw, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             continue;
         }
 #endif
-        tile_plain(rows, 0, xq, xsum, xs, k, gs, per, bits, panel, ps, po, bias, col, n, y, ybf);
+        tile_plain(rows, 0, xq, xw, xs, k, gs, per, bits, panel, ps, po, bias, col, n, y, ybf);
     }
-    free(xq), free(xs), free(xsum);
+    free(xq), free(xs), free(xsum), free(xw);
     return 0;
 }
