@@ -165,7 +165,8 @@ class EngineArgs:
             "the activations are quantized per row on the fly (W8A8). The lm_head, embeddings and norms stay in "
             "`dtype`. `gguf`: a `.gguf` model's Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K linears as the file stores them (on the "
             "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
-            "file). `none`: the weights in `dtype`. docs/quantization.md has the accuracy measured per format.")
+            "file). `none`: the weights in `dtype`, or a checkpoint quantized already (compressed-tensors int8 / int4) "
+            "as it is stored. docs/quantization.md has the accuracy measured per format.")
     device: str = _setting("auto", "device", "model.device",
         doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors, or a
-GGUF file dequantized through transformers (batchrun.model.gguf).
+"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors (a
+compressed-tensors checkpoint's quantized linears as stored: batchrun.model.compressed_tensors), or a GGUF file
+dequantized through transformers (batchrun.model.gguf).
 
 The model is made in its dtype with its weights unallocated, and each checkpoint tensor is copied into its place
 as it is read, so a load holds the model once plus one tensor (issue 33). safetensors maps a file whole and its
@@ -20,10 +21,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from batchrun.model import gguf
+from batchrun.model import compressed_tensors, gguf
 from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.quant import QuantizedWeight
+from batchrun.model.quant import QuantizedWeight, dequantize
 from batchrun.model.quant_linear import (
     QuantSpec,
     concat_rows,
@@ -86,6 +87,14 @@ def load_config(path: Path) -> PretrainedConfig:
     return config
 
 
+def stored_scheme(path: Path) -> compressed_tensors.StoredScheme | None:
+    """The quantization a checkpoint folder's config.json declares (compressed-tensors), None for a full-precision
+    checkpoint or a GGUF file."""
+    if is_gguf(path):
+        return None
+    return compressed_tensors.stored_scheme(json.loads((path / "config.json").read_text()), str(path))
+
+
 def model_max_len(config: PretrainedConfig) -> int:
     """Longest context the model takes: its max_position_embeddings (sliding windows are implemented in every
     attention backend, so a windowed model is not capped at its window)."""
@@ -131,8 +140,10 @@ def load_weights(model: CausalLM, path: Path,
 
     Quantized linears (batchrun.model.quant_linear): with `quantization`, each linear of the layers is quantized
     as soon as its rows are all in, and its full-precision weight released. A source may also hand in a
-    QuantizedWeight for a linear's weight (a GGUF reader): its parts are gathered and the linear becomes
-    quantized_linear_module(weight, bias) when they are all in; its full-precision parameter is never written."""
+    QuantizedWeight for a linear's weight (a GGUF or compressed-tensors reader): its parts are gathered and the
+    linear becomes quantized_linear_module(weight, bias) when they are all in; its full-precision parameter is
+    never written. A QuantizedWeight for a module that stays in the model's dtype (lm_head, routers) is
+    dequantized into it."""
     params = dict(model.named_parameters())
     shapes = {n: p.shape for n, p in params.items()}
     rows_filled = dict.fromkeys(params, 0)
@@ -150,9 +161,10 @@ def load_weights(model: CausalLM, path: Path,
         if t.shape[1:] != shape[1:] or offset + t.shape[0] > shape[0]:
             raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
                                  f"which does not fit {dst} {tuple(shape)}")
+        if isinstance(t, QuantizedWeight) and dst not in targets:
+            # a module the engine keeps in the model's dtype (a quantized lm_head or router): dequantized once
+            t = dequantize(t).to(params[dst].dtype)
         if isinstance(t, QuantizedWeight):
-            if dst not in targets:
-                raise ModelLoadError(f"checkpoint tensor {name!r} is quantized, but {dst} is not a quantized linear")
             quantized_parts.setdefault(dst, []).append((offset, t))
         else:
             with torch.no_grad():
@@ -227,6 +239,12 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
                  "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
                  str(dtype).removeprefix("torch."))
+    elif (stored := stored_scheme(path)) is not None:
+        if quantization is not None:
+            raise ModelLoadError(f"{path} is quantized already ({stored.describe()}): leave quantization at none")
+        load_weights(m, path, compressed_tensors.stored_tensors(path, weight_files(path)))
+        log.info("%s: its quantized linears run as stored (%s): %.1f MiB", path.name, stored.describe(),
+                 quantized_bytes(m) / 2**20)
     else:
         load_weights(m, path, quantization=quantization)
     if quantization is not None:

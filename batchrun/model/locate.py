@@ -7,7 +7,8 @@ one line before the model code runs. Accepted:
 
 - `builtin:NAME`: a built-in model (batchrun.model.builtin; made on first load, not here);
 - a local Hugging Face checkpoint folder: a config.json that is a JSON object naming a supported
-  architecture, and safetensors weights (model.safetensors, or an index whose shards are all there);
+  architecture (and, if it is quantized, in a scheme batchrun runs: batchrun.model.compressed_tensors), and
+  safetensors weights (model.safetensors, or an index whose shards are all there);
 - a `.gguf` file, or a folder holding exactly one (without a config.json);
 - a Hub id (`org/name`) already in the local Hugging Face cache, resolved offline with huggingface_hub to
   its snapshot folder, which is then checked as a local folder. Nothing is ever downloaded.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.engine_args import EngineArgsError
+from batchrun.model.compressed_tensors import StoredScheme, stored_scheme
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.gguf import find_gguf, require_gguf_package
 from batchrun.model.registry import SUPPORTED_ARCHITECTURES
@@ -38,6 +40,7 @@ class ModelSource:
     path: Path | None  # the folder or .gguf file; None for a built-in (made on first load)
     hub_id: str | None = None  # set when `spec` was a Hub id found in the local cache
     max_position_embeddings: int | None = None  # from config.json, when there is one
+    stored_quantization: StoredScheme | None = None  # a quantized checkpoint's scheme, from config.json
 
     def check_max_model_len(self, max_model_len: int | None) -> None:
         """A max_model_len past the model's positions is refused before loading."""
@@ -46,7 +49,12 @@ class ModelSource:
             raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
 
     def check_quantization(self, quantization: str) -> None:
-        """`gguf` (the file's quantized linears as stored) needs a GGUF file, or a built-in made from one."""
+        """`gguf` (the file's quantized linears as stored) needs a GGUF file, or a built-in made from one; a
+        checkpoint quantized already runs as stored, so it takes quantization none only."""
+        if self.stored_quantization is not None and quantization != "none":
+            raise EngineArgsError("quantization", f"{quantization}, but {self.spec} is quantized already "
+                                                  f"({self.stored_quantization.describe()}): leave it at none to "
+                                                  "run the checkpoint as stored")
         if quantization != "gguf" or self.kind == "gguf":
             return
         if self.kind == "builtin":
@@ -107,10 +115,13 @@ def _local(spec: str, path: Path) -> ModelSource:
     config = path / "config.json"
     if not config.is_file():
         raise ModelLoadError(f"{spec} has no config.json (not a Hugging Face checkpoint folder) and no .gguf file")
-    positions = _check_config(spec, config).get("max_position_embeddings")
+    values = _check_config(spec, config)
+    positions = values.get("max_position_embeddings")
+    stored = stored_scheme(values, spec)
     _check_weights(spec, path)
     return ModelSource(spec, "checkpoint", path,
-                       max_position_embeddings=positions if isinstance(positions, int) else None)
+                       max_position_embeddings=positions if isinstance(positions, int) else None,
+                       stored_quantization=stored)
 
 
 def _read_json(spec: str, file: Path) -> object:

@@ -156,8 +156,9 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
                             gguf_as_stored: bool = False) -> int:
     """The checkpoint's weights as the engine will hold them, from the safetensors headers or the GGUF tensor
     table (nothing else is read): every tensor in the model's dtype (element_size), except the linears that
-    `quantization` replaces (quant_linear.is_quantized_linear_weight), counted as packed, and with gguf_as_stored
-    the layers' linears the file stores in a type the kernels take as it is. Never less than what the load
+    `quantization` replaces (quant_linear.is_quantized_linear_weight), counted as packed, with gguf_as_stored
+    the layers' linears the file stores in a type the kernels take as it is, and a compressed-tensors
+    checkpoint's quantized linears packed as the loader holds them. Never less than what the load
     holds: a fused q|k|v is counted part by part, each padded to whole panels."""
     from batchrun.model.loader import is_gguf, weight_files
 
@@ -178,12 +179,27 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
         return total
     from safetensors import safe_open
 
+    from batchrun.model.compressed_tensors import held_bytes
+    from batchrun.model.loader import stored_scheme
+
+    stored = stored_scheme(path) is not None  # a compressed-tensors checkpoint: its quantized linears as stored
     total = 0
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            names = set(f.keys())
+            for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                if quantization is not None and is_quantized_linear_weight(name, shape):
+                scale = name.rpartition(".")[0] + ".weight_scale"
+                packed = held_bytes(name, shape, tuple(f.get_slice(scale).get_shape())) \
+                    if stored and scale in names else None
+                if packed is not None:
+                    # a module the engine keeps in the model's dtype (a quantized lm_head) is dequantized at load
+                    kept = not is_quantized_linear_weight(scale.removesuffix("_scale"), (1, 1))
+                    values = shape[0] * shape[1] * (8 if name.endswith("_packed") else 1)
+                    total += values * element_size if kept else packed
+                elif stored and name.rpartition(".")[2] in ("weight_scale", "weight_shape"):
+                    continue  # inside the packed count
+                elif quantization is not None and is_quantized_linear_weight(name, shape):
                     total += quantization.held_bytes(shape[0], shape[1])
                 else:
                     total += math.prod(shape) * element_size

@@ -229,11 +229,12 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
  * a line for every `fetch_every` bytes of weights it reads, at the start of each activation group (panel_vnni). */
 ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, const float *xw, const float *xs,
                       int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
-                      const float *poffset, float *acc, float *part, const char *fetch, int64_t fetch_every) {
+                      const float *poffset, float *acc, const char *fetch, int64_t fetch_every) {
     const int64_t groups = k / gs, wgroups = groups / per;
     const __m512i low4 = _mm512_set1_epi8(15);
     int64_t credit = 0;
-    memset(part, 0, sizeof(float) * (size_t)(R * QP));
+    __m512 part[QROWS][2];
+    for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
     for (int64_t g = wg * per; g < (wg + 1) * per; g++) {
         /* here, before the group's sums are live: in its inner loop the prefetch's bookkeeping made GCC spill */
         for (credit += gs * QP * bits / 8; credit >= fetch_every; fetch += 64, credit -= fetch_every)
@@ -308,9 +309,8 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
         }
         for (int r = 0; r < R; r++) {
             const __m512 xsg = _mm512_set1_ps(xs[(r0 + r) * groups + g]);
-            float *pr = part + r * QP;
-            _mm512_storeu_ps(pr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), xsg, _mm512_loadu_ps(pr)));
-            _mm512_storeu_ps(pr + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), xsg, _mm512_loadu_ps(pr + 16)));
+            part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), xsg, part[r][0]);
+            part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), xsg, part[r][1]);
         }
     }
     const float *sg = pscale + wg * QP;
@@ -318,22 +318,18 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
     if (bits == 8) {
         for (int r = 0; r < R; r++) {
             float *a = acc + r * QP;
-            const float *pr = part + r * QP;
             const __m512 c = _mm512_set1_ps(128.0f * xw[(r0 + r) * wgroups + wg]);
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_sub_ps(_mm512_loadu_ps(pr), c), _mm512_loadu_ps(a)));
-            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_sub_ps(_mm512_loadu_ps(pr + 16), c),
-                                                     _mm512_loadu_ps(a + 16)));
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_sub_ps(part[r][0], c), _mm512_loadu_ps(a)));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_sub_ps(part[r][1], c), _mm512_loadu_ps(a + 16)));
         }
     } else {
         const float *off = poffset + wg * QP;
         const __m512 o0 = _mm512_loadu_ps(off), o1 = _mm512_loadu_ps(off + 16);
         for (int r = 0; r < R; r++) {
             float *a = acc + r * QP;
-            const float *pr = part + r * QP;
             const __m512 c = _mm512_set1_ps(xw[(r0 + r) * wgroups + wg]);
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(o0, c, _mm512_fmadd_ps(s0, _mm512_loadu_ps(pr), _mm512_loadu_ps(a))));
-            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(o1, c, _mm512_fmadd_ps(s1, _mm512_loadu_ps(pr + 16),
-                                                                              _mm512_loadu_ps(a + 16))));
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(o0, c, _mm512_fmadd_ps(s0, part[r][0], _mm512_loadu_ps(a))));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(o1, c, _mm512_fmadd_ps(s1, part[r][1], _mm512_loadu_ps(a + 16))));
         }
     }
 }
@@ -347,7 +343,7 @@ ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const f
                        int64_t per, const int bits, const uint8_t *panel, const float *pscale, const float *poffset,
                        const void *bias, int64_t col, int64_t n, void *y, int ybf) {
     const int64_t wgroups = k / gs / per, group_bytes = gs * per * QP * bits / 8;
-    float acc[QBLOCK * QP], part[QROWS * QP];
+    float acc[QBLOCK * QP];
     for (int64_t b0 = 0; b0 < rows; b0 += QBLOCK) {
         const int64_t brows = rows - b0 < QBLOCK ? rows - b0 : QBLOCK, tiles = (brows + QROWS - 1) / QROWS;
         memset(acc, 0, sizeof(float) * (size_t)(brows * QP));
@@ -357,10 +353,10 @@ ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const f
                 const int64_t r = t * QROWS;
                 const char *fetch = ahead + t * group_bytes / tiles / 64 * 64;
                 switch (brows - r < QROWS ? brows - r : QROWS) {
-                case 4: tile_vnni(4, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
-                case 3: tile_vnni(3, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
-                case 2: tile_vnni(2, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
-                default: tile_vnni(1, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, part, fetch, 64 * tiles); break;
+                case 4: tile_vnni(4, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                case 3: tile_vnni(3, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                case 2: tile_vnni(2, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                default: tile_vnni(1, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
                 }
             }
         }
