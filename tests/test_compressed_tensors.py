@@ -48,7 +48,7 @@ def stored(plain, tmp_path_factory):
 def test_the_reader_gives_the_stored_integers_and_scales(stored, fmt):
     path = stored[fmt]
     (file,) = weight_files(path)
-    read = dict(compressed_tensors.stored_tensors(path, [file]))
+    read = dict(compressed_tensors.stored_tensors([file]))
     with safe_open(str(file), "pt") as f:
         names = set(f.keys())
         quantized = [n for n in names if compressed_tensors.linear_stem(n, names)]

@@ -118,7 +118,7 @@ def linear_stem(name: str, names: set[str]) -> str | None:
     return None
 
 
-def stored_tensors(path: Path, files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
+def stored_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
     """(name, read it) for the checkpoint's tensors as the loader takes them: a quantized linear once, as
     `X.weight`, read into a QuantizedWeight; every other tensor as it is."""
     from safetensors import safe_open

@@ -242,7 +242,7 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
     elif (stored := stored_scheme(path)) is not None:
         if quantization is not None:
             raise ModelLoadError(f"{path} is quantized already ({stored.describe()}): leave quantization at none")
-        load_weights(m, path, compressed_tensors.stored_tensors(path, weight_files(path)))
+        load_weights(m, path, compressed_tensors.stored_tensors(weight_files(path)))
         log.info("%s: its quantized linears run as stored (%s): %.1f MiB", path.name, stored.describe(),
                  quantized_bytes(m) / 2**20)
     else:
