@@ -223,6 +223,28 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
 #define NO_LOOP_MOTION
 #endif
 
+/* Two k-steps of 32 outputs for the tile's R rows, from input `at`: the first step's weights (a0, a1) times each
+ * row's 4 activation bytes from `at`, the second's (b0, b1) times the next 4. Its sums go to a second set (js) for
+ * one or two rows, so that the chains of dependent vpdpbusd are half as long (with 2 chains per row their latency,
+ * not the weights' stream, set the pace). A macro, so that int8 and int4 share it and the compiler sees every
+ * accumulator in one function. */
+#define TWO_STEPS(at, a0, a1, b0, b1)                                             \
+    for (int r = 0; r < R; r++) {                                                \
+        int32_t xa, xb;                                                          \
+        memcpy(&xa, xq + (r0 + r) * k + (at), 4);                                \
+        memcpy(&xb, xq + (r0 + r) * k + (at) + 4, 4);                            \
+        const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);    \
+        DPBUSD(is[r][0], a0, ba);                                                \
+        DPBUSD(is[r][1], a1, ba);                                                \
+        if (R <= 2) {                                                            \
+            DPBUSD(js[r % 2][0], b0, bb);                                        \
+            DPBUSD(js[r % 2][1], b1, bb);                                        \
+        } else {                                                                 \
+            DPBUSD(is[r][0], b0, bb);                                            \
+            DPBUSD(is[r][1], b1, bb);                                            \
+        }                                                                        \
+    }
+
 /* AVX512-VNNI: weight group wg of one panel for R rows (a constant, 1..QROWS) from r0: int32 sums per activation
  * group, their fp32 part, folded into the rows' sums in acc (QP floats per row, from row r0). The weights are the
  * unsigned operand, x the signed one. The tile also prefetches its share of the panel's stream ahead: from `fetch`,
@@ -241,9 +263,7 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
             _mm_prefetch(fetch, _MM_HINT_T0);
         __m512i is[QROWS][2];
         for (int r = 0; r < R; r++) is[r][0] = is[r][1] = _mm512_setzero_si512();
-        /* one or two rows: a second set of sums (js), so that the chain of dependent vpdpbusd is half as long
-         * (with 2 chains per row their latency, not the weights' stream, set the pace) */
-        __m512i js[2][2];
+        __m512i js[2][2]; /* one or two rows: the second k-step's sums (TWO_STEPS) */
         for (int r = 0; r < (R <= 2 ? R : 0); r++) js[r][0] = js[r][1] = _mm512_setzero_si512();
         if (bits == 8) {
             int64_t t = g * gs / 4;
@@ -252,21 +272,7 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
                 const uint8_t *w = panel + t * 128;
                 const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
                 const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
-                for (int r = 0; r < R; r++) {
-                    int32_t xa, xb;
-                    memcpy(&xa, xq + (r0 + r) * k + 4 * t, 4);
-                    memcpy(&xb, xq + (r0 + r) * k + 4 * t + 4, 4);
-                    const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
-                    DPBUSD(is[r][0], w0, ba);
-                    DPBUSD(is[r][1], w1, ba);
-                    if (R <= 2) {
-                        DPBUSD(js[r % 2][0], w2, bb);
-                        DPBUSD(js[r % 2][1], w3, bb);
-                    } else {
-                        DPBUSD(is[r][0], w2, bb);
-                        DPBUSD(is[r][1], w3, bb);
-                    }
-                }
+                TWO_STEPS(4 * t, w0, w1, w2, w3);
             }
             for (; t < te; t++) {
                 const uint8_t *w = panel + t * 128;
@@ -286,21 +292,7 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
                 const __m512i lo0 = _mm512_and_si512(v0, low4), lo1 = _mm512_and_si512(v1, low4);
                 const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
                 const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
-                for (int r = 0; r < R; r++) {
-                    int32_t xa, xb;
-                    memcpy(&xa, xq + (r0 + r) * k + 8 * t, 4);
-                    memcpy(&xb, xq + (r0 + r) * k + 8 * t + 4, 4);
-                    const __m512i ba = _mm512_set1_epi32(xa), bb = _mm512_set1_epi32(xb);
-                    DPBUSD(is[r][0], lo0, ba);
-                    DPBUSD(is[r][1], lo1, ba);
-                    if (R <= 2) {
-                        DPBUSD(js[r % 2][0], hi0, bb);
-                        DPBUSD(js[r % 2][1], hi1, bb);
-                    } else {
-                        DPBUSD(is[r][0], hi0, bb);
-                        DPBUSD(is[r][1], hi1, bb);
-                    }
-                }
+                TWO_STEPS(8 * t, lo0, lo1, hi0, hi1);
             }
         }
         for (int r = 0; r < (R <= 2 ? R : 0); r++) {
