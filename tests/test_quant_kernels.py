@@ -103,13 +103,15 @@ def test_weights_the_kernel_cannot_take_are_refused():
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bits,n,k,group", [(8, 67, 256, 128), (4, 67, 256, 128), (4, 40, 96, 32)])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel, bits, n, k, group):
-    """Batch invariance: a row alone, and in each slot of 1-, 2-, 3- and 4-row tiles of a larger call, gives the
-    same bits (integer sums exact, fp32 steps per row in one order whatever the tile)."""
+    """Batch invariance: a row alone, and in each slot of 1-, 2-, 3- and 4-row tiles of a larger call, in the
+    first or a later block of 64 rows, gives the same bits (integer sums exact, fp32 steps per row in one order
+    whatever the tile or block)."""
     gen = torch.Generator().manual_seed(bits + n + k)
     packed = qk.pack(_make(bits, n, k, group, gen))
-    x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
-    alone = torch.cat([qk.linear(x[i : i + 1], packed, None, plain=kernel == "plain") for i in range(11)])
-    for rows in (2, 3, 5, 11):
+    total = 150
+    x = torch.randn(total, k, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([qk.linear(x[i : i + 1], packed, None, plain=kernel == "plain") for i in range(total)])
+    for rows in (2, 3, 5, 11, 70, 150):
         together = torch.cat([qk.linear(x[i : i + rows], packed, None, plain=kernel == "plain")
-                              for i in range(0, 11, rows)])
+                              for i in range(0, total, rows)])
         assert torch.equal(together, alone), rows

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch loads only when the weights are read (checking a job 
 FORMAT_BITS = {"int-quantized": 8, "pack-quantized": 4}
 # the tensors of a quantized linear beside its integers (read with them), and static activation scales (batchrun
 # quantizes activations per row and group at run time, so a calibrated input scale has no use here)
-_SIDE_TENSORS = ("weight_scale", "weight_shape", "input_scale", "input_zero_point")
+SIDE_TENSORS = ("weight_scale", "weight_shape", "input_scale", "input_zero_point")
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def stored_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.
         stem = linear_stem(name, names)
         if stem is not None:
             yield stem + "weight", functools.partial(_read_linear, where, stem)
-        elif name.rpartition(".")[2] not in _SIDE_TENSORS:
+        elif name.rpartition(".")[2] not in SIDE_TENSORS:
             yield name, functools.partial(_read, file, name)
 
 
@@ -190,16 +190,16 @@ def _bytes_big_endian(packed: torch.Tensor) -> torch.Tensor:
         torch.uint8)
 
 
-def held_bytes(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...] | None) -> int | None:
-    """The bytes the engine holds for checkpoint tensor `name` of a compressed checkpoint when it is a quantized
-    linear's integers (its scales' shape beside it), packed for the kernels; None for any other tensor."""
+def held_bytes(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], element_size: int) -> int:
+    """The bytes the engine holds for quantized linear `name` (its integers, as linear_stem finds them; its
+    scales' shape beside it): packed for the kernels, or in the model's dtype (element_size) for a module the
+    engine keeps unquantized (a quantized lm_head: dequantized at load)."""
     from batchrun.model.cpu_kernels.quant import packed_nbytes
+    from batchrun.model.quant_linear import is_quantized_linear_weight
 
-    if scale_shape is None or len(shape) != 2:
-        return None
-    leaf = name.rpartition(".")[2]
-    if leaf not in ("weight", "weight_packed"):
-        return None
-    out_features, in_features = shape[0], shape[1] * (8 if leaf == "weight_packed" else 1)
-    groups = max(1, int(scale_shape[-1]) if len(scale_shape) == 2 else 1)
-    return packed_nbytes(4 if leaf == "weight_packed" else 8, out_features, in_features, in_features // groups)
+    bits = 4 if name.endswith(".weight_packed") else 8
+    out_features, in_features = shape[0], shape[1] * (8 if bits == 4 else 1)
+    if not is_quantized_linear_weight(name.rpartition(".")[0] + ".weight", (out_features, in_features)):
+        return out_features * in_features * element_size
+    groups = int(scale_shape[-1]) if len(scale_shape) == 2 else 1
+    return packed_nbytes(bits, out_features, in_features, in_features // max(1, groups))

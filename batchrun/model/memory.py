@@ -179,7 +179,7 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
         return total
     from safetensors import safe_open
 
-    from batchrun.model.compressed_tensors import held_bytes
+    from batchrun.model import compressed_tensors
     from batchrun.model.loader import stored_scheme
 
     stored = stored_scheme(path) is not None  # a compressed-tensors checkpoint: its quantized linears as stored
@@ -189,16 +189,12 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
             names = set(f.keys())
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                scale = name.rpartition(".")[0] + ".weight_scale"
-                packed = held_bytes(name, shape, tuple(f.get_slice(scale).get_shape())) \
-                    if stored and scale in names else None
-                if packed is not None:
-                    # a module the engine keeps in the model's dtype (a quantized lm_head) is dequantized at load
-                    kept = not is_quantized_linear_weight(scale.removesuffix("_scale"), (1, 1))
-                    values = shape[0] * shape[1] * (8 if name.endswith("_packed") else 1)
-                    total += values * element_size if kept else packed
-                elif stored and name.rpartition(".")[2] in ("weight_scale", "weight_shape"):
-                    continue  # inside the packed count
+                stem = compressed_tensors.linear_stem(name, names) if stored else None
+                if stem is not None and stem + "weight_scale" in names:
+                    scale_shape = tuple(f.get_slice(stem + "weight_scale").get_shape())
+                    total += compressed_tensors.held_bytes(name, shape, scale_shape, element_size)
+                elif stored and name.rpartition(".")[2] in compressed_tensors.SIDE_TENSORS:
+                    continue  # inside the linear's count, or not held (static activation scales)
                 elif quantization is not None and is_quantized_linear_weight(name, shape):
                     total += quantization.held_bytes(shape[0], shape[1])
                 else:
