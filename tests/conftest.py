@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,8 +12,11 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # LLM() sizes torch's threads itself (batchrun/model/threads.py); OMP_NUM_THREADS keeps it at the tests' count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-# Built-in models are made into a cache folder of the test session, not the user's.
-os.environ.setdefault("BATCHRUN_CACHE", tempfile.mkdtemp(prefix="batchrun-test-cache-"))
+# Built-in models are made into a cache folder of the test session, not the user's, and it goes when the session
+# ends: each holds ~560 MB (the built-in real model converted), and hundreds of runs left behind filled a disk.
+if "BATCHRUN_CACHE" not in os.environ:
+    os.environ["BATCHRUN_CACHE"] = tempfile.mkdtemp(prefix="batchrun-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["BATCHRUN_CACHE"], ignore_errors=True)
 
 # Tiny checkpoints of each supported architecture: GQA and not, tied and untied, a head_dim that is not a
 # power of two. init_std 0.05 keeps logits peaked enough that greedy parity is not decided by rounding.

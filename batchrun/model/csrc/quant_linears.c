@@ -205,7 +205,7 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
                 for (int j = 0; j < QP; j++) acc[j] = fmaf(off[j], xwg, fmaf(s[j], part[j], acc[j]));
             }
         }
-        store_row(acc, n - col, bias, col, at(y, r * n, ybf), ybf);
+        store_row(acc, n - col, bias, col, (void *)at(y, r * n, ybf), ybf);
     }
 }
 
@@ -214,6 +214,9 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
  * GCC's code for the intrinsic copied every accumulator and reloaded the weights several times per step (its
  * register allocation around the tied operand), which made the int8 loop load-bound. */
 #define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+/* The four weight vectors of a two-k-step in registers once loaded: GCC otherwise reloaded them from L1 for every
+ * row of the tile (11 loads of 64 bytes for 4, seen in `gcc -S`), which bound the int8 loop on loads at many rows. */
+#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
 /* GCC (13) spilled the unpacked int4 weights of the 4-row tile to the stack on every step, with half the vector
  * registers free, after moving loop invariants out of the group loop; without that pass the loops keep everything
  * in registers (int4 at 64 rows: about 10% faster). */
@@ -270,8 +273,9 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
             const int64_t te = (g + 1) * gs / 4;
             for (; t + 1 < te; t += 2) {  /* two k-steps at a time, as int4's byte holds two */
                 const uint8_t *w = panel + t * 128;
-                const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-                const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+                __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+                __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+                IN_REGISTERS(w0, w1, w2, w3);
                 TWO_STEPS(4 * t, w0, w1, w2, w3);
             }
             for (; t < te; t++) {
@@ -352,7 +356,7 @@ ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const f
                 }
             }
         }
-        for (int64_t r = 0; r < brows; r++) store_row(acc + r * QP, n - col, bias, col, at(y, (b0 + r) * n, ybf), ybf);
+        for (int64_t r = 0; r < brows; r++) store_row(acc + r * QP, n - col, bias, col, (void *)at(y, (b0 + r) * n, ybf), ybf);
     }
 }
 static void panel_vnni8(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
