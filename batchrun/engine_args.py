@@ -162,11 +162,20 @@ class EngineArgs:
     quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
         doc="Weight-only quantized linears, CPU only: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
             "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger); "
-            "the activations are quantized per row on the fly (W8A8). The lm_head, embeddings and norms stay in "
-            "`dtype`. `gguf`: a `.gguf` model's Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K linears as the file stores them (on the "
+            "the activations are quantized per row on the fly (W8A8). The lm_head (unless `quantize_lm_head`), "
+            "embeddings and norms stay in `dtype`. `gguf`: a `.gguf` model's Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K linears as the file stores them (on the "
             "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
             "file). `none`: the weights in `dtype`, or a checkpoint quantized already (compressed-tensors int8 / int4) "
             "as it is stored. docs/quantization.md has the accuracy measured per format.")
+    # the lm_head in int8 on a CPU (batchrun/model/quant_linear.py: int8_lm_head); each row's top logits then
+    # recomputed from the plain weights, so greedy tokens hold unless the true argmax falls out of the int8 top 8
+    quantize_lm_head: bool = _setting(False, "bool", "model.quantize_lm_head",
+        doc="The lm_head in int8 too (CPU only; with any `quantization`): a decode step of Llama-3.2-1B reads a sixth "
+            "fewer bytes with int8 layers, a quarter fewer with int4 (the lm_head is then its largest matrix). Each "
+            "row's 8 largest logits are recomputed from the plain weights (the embedding's, when tied), so a greedy "
+            "token changes only where the model's own first choice is not among the int8 logits' 8 largest; sampling "
+            "sees the int8 logits of the rest. Memory: the int8 copy beside the plain weight, which stays for that "
+            "(in a bf16 model it replaces the packed copy of a tied lm_head). docs/quantization.md.")
     device: str = _setting("auto", "device", "model.device",
         doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.
@@ -261,14 +270,17 @@ class EngineArgs:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
         torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
         wants_cuda = self.device.startswith("cuda")
-        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8")  # fp8 KV: CPU only
-                                                 or self.quantization != "none")  # quantized linears: CPU only
+        quantized = self.quantization != "none" or self.quantize_lm_head  # quantized linears: CPU only
+        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8") or quantized)  # fp8 KV too
         if not wants_cuda and self.attention_backend != "triton" and not may_be_cuda:
             return
         import torch
 
         has_cuda = torch.cuda.is_available()
-        if self.quantization != "none" and (wants_cuda or (self.device == "auto" and has_cuda)):
+        if quantized and (wants_cuda or (self.device == "auto" and has_cuda)):
+            if self.quantization == "none":
+                raise EngineArgsError("quantize_lm_head", "runs on a CPU only for now (set model.device: cpu, or "
+                                                          "quantize_lm_head: false on CUDA)")
             raise EngineArgsError("quantization", f"{self.quantization} runs on a CPU only for now (set "
                                                   "model.device: cpu, or quantization: none on CUDA)")
         if wants_cuda and not has_cuda:

@@ -30,7 +30,7 @@ from batchrun.model.memory import (
     plan_cpu_memory,
     profile_cuda_kv_bytes,
 )
-from batchrun.model.quant_linear import QuantSpec, quantized_params
+from batchrun.model.quant_linear import LM_HEAD_SPEC, QuantSpec, quantized_params
 from batchrun.model.runner import ModelRunner, cache_shape
 from batchrun.model.threads import configure_threads
 from batchrun.outputs import RequestOutput
@@ -111,7 +111,7 @@ class LLM:
         memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
         loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len,
                             quantization=QuantSpec.parse(args.quantization),
-                            gguf_as_stored=args.quantization == "gguf")
+                            gguf_as_stored=args.quantization == "gguf", quantize_lm_head=args.quantize_lm_head)
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
@@ -183,10 +183,13 @@ class LLM:
         if args.num_kv_blocks is not None:
             kv_bytes = args.num_kv_blocks * args.block_size * per_token
         max_len = args.max_model_len or model_max_len(config)
-        packs_tied = self.dtype == torch.bfloat16 or self.batch_invariant
+        # a tied lm_head's packed copy (none when it goes to int8: the int8 copy instead, quant_linear.LM_HEAD_SPEC)
+        packs_tied = (self.dtype == torch.bfloat16 or self.batch_invariant) and not args.quantize_lm_head
         held = checkpoint_weight_bytes(path, element_size, QuantSpec.parse(args.quantization),
                                        gguf_as_stored=args.quantization == "gguf")
         weights = held_weight_bytes(held, element_size, config, packs_tied)
+        if args.quantize_lm_head:
+            weights += LM_HEAD_SPEC.held_bytes(config.vocab_size, config.hidden_size)
         memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
                                  max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
                                  swap=args.swap_space_bytes, available=available_memory(), model=args.model)

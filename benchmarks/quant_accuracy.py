@@ -1,7 +1,7 @@
 """Accuracy of the quantized linears: `python -m benchmarks.quant_accuracy [--model M] [--formats ...]`.
 
-For each format (none = the model in bf16, int8, int4, int4-g32: EngineArgs.quantization), on the same model in
-bf16 activations:
+For each format (none = the model in bf16, int8, int4, int4-g32: EngineArgs.quantization; a `+head` suffix, e.g.
+int8+head, adds EngineArgs.quantize_lm_head), on the same model in bf16 activations:
   - top-1 agreement with the bf16 model: the bf16 model's greedy replies to chat questions (plain prompts where
     the tokenizer has no chat template), fed back one token per decode step through the quantized model
     (teacher forcing), and the share of positions where its argmax is the bf16 model's token;
@@ -83,15 +83,18 @@ def perplexity(llm: LLM, text: str) -> float:
     return math.exp(-sum(logprobs[0]) / len(logprobs[0]))
 
 
-def make_llm(model: str, quantization: str, threads: int | None) -> LLM:
+def make_llm(model: str, fmt: str, threads: int | None) -> LLM:
+    """fmt: a quantization value, with `+head` for the lm_head in int8 too (EngineArgs.quantize_lm_head)."""
+    quantization, _, head = fmt.partition("+")
     return LLM(model, dtype="bfloat16", device="cpu", kv_cache_memory="256MiB", block_size=BLOCK,
-               quantization=quantization, num_threads=threads)
+               quantization=quantization, quantize_lm_head=head == "head", num_threads=threads)
 
 
 def main() -> None:
     ap = parser(__doc__, model="builtin:smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
-    ap.add_argument("--formats", default="none,int8,int4,int4-g32", help="comma-separated (default %(default)s)")
+    ap.add_argument("--formats", default="none,int8,int4,int4-g32",
+                    help="comma-separated; FORMAT+head: the lm_head in int8 too (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="reply tokens per question (default %(default)s)")
     args = ap.parse_args()
     text = TEXT.read_text()

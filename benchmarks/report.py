@@ -122,9 +122,10 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
             shape = m["shape"]
             streamed = m["flops"]["body_params"] + m["flops"]["lm_head_params"]  # the matrices a step reads whole
             dtype_bytes = 2 if m.get("dtype") == "bfloat16" else 4
-            # quantized rows: the decoder's linears in the row's format, the lm_head in the dtype (batchrun keeps it)
+            # quantized rows: the decoder's linears in the row's format, the lm_head in the dtype or int8
+            # (quantize_lm_head)
             weight_bytes = (m["flops"]["body_params"] * (m.get("weight_bytes_per_param") or dtype_bytes)
-                            + m["flops"]["lm_head_params"] * dtype_bytes)
+                            + m["flops"]["lm_head_params"] * (m.get("lm_head_bytes_per_param") or dtype_bytes))
             derived["roofline"] = roofline(dec, weight_bytes, _kv_bytes_per_token(shape), streamed,
                                            4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
                                            bandwidth or 0.0, peak_flops)

@@ -97,6 +97,7 @@ class Plan:
     baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
     baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
     weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
+    lm_head_bytes_per_param: float = 0.0  # the same for batchrun's lm_head (0: the dtype's; int8: quantize_lm_head)
 
 
 # vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
@@ -149,32 +150,38 @@ PLANS: dict[str, Plan] = {
     "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
     # The same row quantized (issue 33), each beside its peers on the same format; asked for by name
     # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
-    # int8 weights: batchrun's symmetric per-output-channel int8 (W8A8 where VNNI / AMX run it); OpenVINO's
+    # int8 weights: batchrun's symmetric int8 in groups of 128 (W8A8 where VNNI runs it), lm_head int8 as OpenVINO's
+    # exports keep it (quantize_lm_head); OpenVINO's
     # --weight-format int8 --sym (per channel); vLLM's CPU W8A8 int8 (compressed-tensors, benchmarks.vllm_checkpoint).
     "llama1b-int8": Plan("llama1b-int8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
-                                                                     "quantization": "int8"},
+                                                                     "quantization": "int8", "quantize_lm_head": True},
                          fmt="int8 weights", openvino_weights="int8-sym", vllm_checkpoint="w8a8-int8",
                          vllm_kwargs={"quantization": "compressed-tensors"},
-                         baseline="llama1b-bf16", baseline_target=1.7, weight_bytes_per_param=1.0,
-                         note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, per output "
-                              "channel; the lm_head stays bf16). OpenVINO GenAI: the IR exported with --weight-format "
-                              "int8 --sym (per channel, the tied embedding and lm_head int8 too). vLLM CPU: W8A8 int8 (compressed-tensors: weights per "
-                              "channel, activations per token at run time), written by benchmarks.vllm_checkpoint."),
+                         baseline="llama1b-bf16", baseline_target=1.7, weight_bytes_per_param=1.0 + 4 / 128,
+                         lm_head_bytes_per_param=1.0 + 4 / 128,
+                         note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, a scale per 128 "
+                              "inputs of a row) and quantize_lm_head (the lm_head int8 too, each row's top 8 logits "
+                              "recomputed from the bf16 embedding). OpenVINO GenAI: the IR exported with "
+                              "--weight-format int8 --sym (per channel, the tied embedding and lm_head int8 too). vLLM "
+                              "CPU: W8A8 int8 (compressed-tensors: weights per channel, activations per token at run "
+                              "time; its lm_head bf16), written by benchmarks.vllm_checkpoint."),
     # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
     # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them); vLLM's CPU
     # W4A16 (compressed-tensors int4 symmetric in groups of 128, bf16 activations).
     "llama1b-int4": Plan("llama1b-int4", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
-                                                                     "quantization": "int4"},
+                                                                     "quantization": "int4", "quantize_lm_head": True},
                          fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_checkpoint="w4a16-g128",
                          vllm_kwargs={"quantization": "compressed-tensors"},
-                         baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 2 / 128,
+                         baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 8 / 128,
+                         lm_head_bytes_per_param=1.0 + 4 / 128,
                          note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4 "
-                              "(symmetric; the lm_head stays bf16). OpenVINO "
+                              "(a scale and an offset per 128 inputs) and quantize_lm_head (the lm_head int8, each "
+                              "row's top 8 logits recomputed from the bf16 embedding). OpenVINO "
                               "GenAI: the IR exported with --weight-format int4 --sym --group-size 128 --ratio 1.0 "
                               "--backup-precision int8_sym (every decoder linear int4 symmetric in groups of 128, the "
                               "embedding and tied lm_head int8 symmetric per channel). vLLM CPU: W4A16 "
-                              "(compressed-tensors, int4 symmetric in groups of 128, bf16 scales and activations), "
-                              "written by benchmarks.vllm_checkpoint."),
+                              "(compressed-tensors, int4 symmetric in groups of 128, bf16 scales and activations; its "
+                              "lm_head bf16), written by benchmarks.vllm_checkpoint."),
     # int8 KV cache, bf16 weights: batchrun's int8 (a scale per token and head); OpenVINO's u8 (its CPU default:
     # keys by channel, values by token, with zero points); vLLM's fp8 (e4m3, the CPU attention backend's).
     "llama1b-kv8": Plan("llama1b-kv8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
@@ -390,7 +397,7 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
          "contiguous": contiguous_preallocation(kv_bytes, shape, max_model_len, wl), "runs": runs,
          "llm_kwargs": br_kwargs, "note": plan.note, "plan": {"workload": plan.workload, "decoding": wl.decoding.label},
          "format": plan.fmt, "baseline": plan.baseline, "baseline_target": plan.baseline_target,
-         "weight_bytes_per_param": plan.weight_bytes_per_param}
+         "weight_bytes_per_param": plan.weight_bytes_per_param, "lm_head_bytes_per_param": plan.lm_head_bytes_per_param}
     todo = [s for s in scenarios if s in plan.scenarios]
     if todo:
         m["scenarios"] = run_scenarios(plan, runner, todo, wl, shape, vocab, llm_kwargs)

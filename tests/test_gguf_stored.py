@@ -207,3 +207,47 @@ def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
     held = sum(packed_nbytes(v.bits, *v.shape, v.group_size) if isinstance(v, QuantizedWeight) else v.numel() * 4
                for v in ours.values())
     assert checkpoint_weight_bytes(tmp_path / "untied.gguf", 4, gguf_as_stored=True) == held
+
+
+def test_a_fused_linear_whose_parts_differ_in_type_runs_as_stored(tmp_path):
+    """llama.cpp's Q4_K_M files keep v in Q6_K beside q and k in Q4_K (here gate|up mixes the two as well):
+    the fused q|k|v and gate|up run as one kernel call per type (quant_linear.MixedQuantLinear), each part on the
+    file's own integers, their rows where the plain fused weight has them."""
+    from batchrun.model.gguf import gguf_config, iter_quantized, read_quantized
+    from batchrun.model.loader import architecture, load_weights
+    from batchrun.model.quant_linear import MixedQuantLinear, QuantLinear
+    from batchrun.model.registry import model_class
+
+    rng = np.random.default_rng(2)
+    hidden, inter = 256, 512
+    layout = {"blk.0.attn_q.weight": ("Q4_K", hidden, hidden), "blk.0.attn_k.weight": ("Q4_K", 128, hidden),
+              "blk.0.attn_v.weight": ("Q6_K", 128, hidden), "blk.0.attn_output.weight": ("Q4_K", hidden, hidden),
+              "blk.0.ffn_gate.weight": ("Q4_K", inter, hidden), "blk.0.ffn_up.weight": ("Q6_K", inter, hidden),
+              "blk.0.ffn_down.weight": ("Q6_K", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden)}
+    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
+    write_file(tmp_path / "mixed.gguf", tensors)
+    file = tmp_path / "mixed.gguf"
+    config = gguf_config(file)
+    with torch.device("meta"):  # as loader.load_model makes it (whose GGUF tokenizer this tiny file lacks)
+        model = model_class(architecture(config))(config).to(torch.float32)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    load_weights(model, file, ((name, lambda value=value: value)
+                               for name, value in iter_quantized(file, torch.float32, config)))
+    plain = read_quantized(tmp_path / "mixed.gguf", torch.float32)
+    layer = model.layers[0]
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
+    for module, parts, bits in ((layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj",
+                                                              "self_attn.v_proj"), [4, 8]),
+                                (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj"), [4, 8])):
+        assert isinstance(module, MixedQuantLinear) and [p.bits for p in module.parts] == bits
+        assert all(isinstance(p, QuantLinear) and p.packed is not None for p in module.parts)
+        weight = torch.cat([dequantize(plain[f"model.layers.0.{p}.weight"]) for p in parts])
+        got, want = module(x), x @ weight.T
+        assert got.shape == want.shape
+        # the activations' int8 rounding apart (per group of 32), each row is the plain weight's
+        assert (got - want).norm(dim=0).max() <= 0.02 * want.norm(dim=0).max()
+        assert (got - want).norm() <= 0.01 * want.norm()
+    assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.bits == 8

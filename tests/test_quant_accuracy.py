@@ -106,7 +106,8 @@ def test_greedy_through_the_engine_equals_the_quantized_torch_reference(make_ckp
 # plain round-to-nearest in groups of 128 (96 for SmolLM2's 576 inputs); this floor only catches a regression.
 # gguf: the Q4_1 file's own weights as stored (the bf16 reference is those weights dequantized), so only the
 # activations' int8 quantization separates the two.
-FLOORS = {"int8": 0.97, "int4": 0.60, "gguf": 0.97}
+# int8+head: int8 layers and lm_head (EngineArgs.quantize_lm_head), each row's top 8 logits recomputed exactly.
+FLOORS = {"int8": 0.97, "int4": 0.60, "gguf": 0.97, "int8+head": 0.97}
 
 
 @pytest.mark.slow
@@ -118,7 +119,9 @@ def test_top1_agreement_with_bf16_on_the_builtin_model(smollm2_path):
     scores = {}
     for fmt in FLOORS:
         model = "builtin:smollm2-135m-instruct" if fmt == "gguf" else str(smollm2_path)  # gguf: its Q4_1 file
-        llm = LLM(model, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", quantization=fmt)
+        quantization, _, head = fmt.partition("+")
+        llm = LLM(model, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", quantization=quantization,
+                  quantize_lm_head=head == "head")
         top1, _ = teacher_forced(llm, prompts, replies)
         scores[fmt] = agreement(top1, replies)
         del llm

@@ -27,7 +27,7 @@ from batchrun.model.errors import ModelLoadError
 from batchrun.model.quant import QuantizedWeight, dequantize
 from batchrun.model.quant_linear import (
     QuantSpec,
-    concat_rows,
+    int8_lm_head,
     linear_targets,
     quantize_linear,
     quantized_bytes,
@@ -141,7 +141,7 @@ def load_weights(model: CausalLM, path: Path,
     Quantized linears (batchrun.model.quant_linear): with `quantization`, each linear of the layers is quantized
     as soon as its rows are all in, and its full-precision weight released. A source may also hand in a
     QuantizedWeight for a linear's weight (a GGUF or compressed-tensors reader): its parts are gathered and the
-    linear becomes quantized_linear_module(weight, bias) when they are all in; its full-precision parameter is
+    linear becomes quantized_linear_module(parts, bias) when they are all in; its full-precision parameter is
     never written. A QuantizedWeight for a module that stays in the model's dtype (lm_head, routers) is
     dequantized into it."""
     params = dict(model.named_parameters())
@@ -177,8 +177,9 @@ def load_weights(model: CausalLM, path: Path,
             if dst in quantized_parts:
                 if sum(part.shape[0] for _, part in quantized_parts[dst]) != shape[0]:
                     raise ModelLoadError(f"{dst} has quantized and plain parts: batchrun takes one or the other")
-                weight = concat_rows([part for _, part in sorted(quantized_parts.pop(dst), key=lambda p: p[0])])
-                setattr(parent, attr, quantized_linear_module(weight, linear.bias))
+                parts = [part for _, part in sorted(quantized_parts.pop(dst), key=lambda p: p[0])]
+                setattr(parent, attr, quantized_linear_module(parts, linear.bias))
+                del parts
             else:
                 setattr(parent, attr, quantize_linear(linear, quantization))
             del linear
@@ -208,9 +209,11 @@ def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               quantization: QuantSpec | None = None, gguf_as_stored: bool = False) -> LoadedModel:
+               quantization: QuantSpec | None = None, gguf_as_stored: bool = False,
+               quantize_lm_head: bool = False) -> LoadedModel:
     """gguf_as_stored: a GGUF file's Q8_0 / Q6_K / Q4_0 / Q4_1 / Q4_K linears become quantized linears on the
-    file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor."""
+    file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor. quantize_lm_head: the
+    lm_head in int8 (quant_linear.int8_lm_head), once the weights are in the model's dtype."""
     path = resolve_path(model, gguf_file=gguf_as_stored)
     if gguf_as_stored and not is_gguf(path):
         raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
@@ -252,5 +255,8 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
                  quantization.group_size, quantized_bytes(m) / 2**20)
     m.finish_load()
     m = m.to(dtype).eval().requires_grad_(False)
+    if quantize_lm_head:
+        log.info("lm_head quantized to int8 at load: %.1f MiB (its top logits recomputed from the plain weights)",
+                 int8_lm_head(m) / 2**20)
     m.prepare(max_model_len)
     return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

@@ -2,14 +2,16 @@
 
 Which linears: those of the layers, q|k|v and o, gate|up and down, the experts' too (`_proj` modules). The
 lm_head stays in the model's dtype (its logits set the greedy tokens; the embedding it is often tied to stays
-too), and so do MoE routers (a few outputs, and a flipped route changes a whole expert's output).
+too) unless EngineArgs.quantize_lm_head asks for int8 (int8_lm_head, with the top logits recomputed), and
+so do MoE routers (a few outputs, and a flipped route changes a whole expert's output).
 
 The two ways a quantized linear arrives, both at load (loader.load_weights):
 - from a checkpoint tensor in the model's dtype: quantize_linear, once the linear's rows are all in (q, k and v
   fill one fused module), so that the full-precision weight goes before the next linear is read: the load holds
   the quantized model plus one linear in full precision, never the whole model twice;
-- as a QuantizedWeight the tensor source hands in (a GGUF reader): quantized_linear_module(weight, bias), with
-  the parts of a fused module concatenated first (concat_rows).
+- as a QuantizedWeight the tensor source hands in (a GGUF reader): quantized_linear_module(parts, bias), with
+  the parts of a fused module concatenated first (concat_rows), or one module per format where they differ
+  (MixedQuantLinear).
 QuantLinear runs batchrun's C kernels (cpu_kernels/quant.py) on the weight repacked once; where they are not
 built, or do not take the shape (inputs or groups not whole k-steps), it multiplies by the dequantized weight
 (slow, exact to the layout; logged once)."""
@@ -84,6 +86,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
         self.bias = bias
+        self.refine_weight: torch.Tensor | None = None  # an untied lm_head's plain weight (quantize_lm_head)
         # plain attributes, not buffers: model.to(dtype) must not cast the scales or the integers
         if quant_kernels.available() and quant_kernels.supports(weight):
             self.packed: quant_kernels.PackedQuantWeight | None = quant_kernels.pack(weight)
@@ -112,9 +115,79 @@ class QuantLinear(nn.Module):
                f"group_size={self.group_size}"
 
 
-def quantized_linear_module(weight: quant.QuantizedWeight, bias: nn.Parameter | None) -> nn.Module:
-    """The seam for loaders that hold quantized weights already (GGUF): the module a linear becomes."""
-    return QuantLinear(weight, bias)
+# quantize_lm_head's format: int8 whatever the layers' (OpenVINO's int4 exports keep it in int8 too): the logits
+# rank the whole vocabulary, where int4's coarser steps would move more of the top candidates past the refined 8
+LM_HEAD_SPEC = QuantSpec(8, 128)
+
+
+def int8_lm_head(model: nn.Module) -> int:
+    """EngineArgs.quantize_lm_head: model.lm_head -> its int8 QuantLinear; returns the bytes it holds.
+
+    At decode the lm_head is the largest matrix a quantized model reads (Llama-3.2-1B: 0.5 GB of bf16 beside
+    1.0 GB of int8 layers). Its logits are approximate, so the model's compute_logits recomputes each row's top
+    candidates from the plain weights (refine_top_logits): the embedding's when tied, which stays anyway; an
+    untied lm_head's plain weight is kept for that on the module (`refine_weight`: only the top rows of it are
+    read per step)."""
+    linear = model.lm_head
+    weight = linear.weight.detach()
+    head = QuantLinear(_quantize_by_rows(weight, LM_HEAD_SPEC), linear.bias)
+    if not model.config.tie_word_embeddings:
+        head.refine_weight = weight
+    model.lm_head = head
+    return head.nbytes
+
+
+class MixedQuantLinear(nn.Module):
+    """A fused linear (q|k|v, gate|up) whose parts a file stores in different formats (llama.cpp's Q4_K_M keeps
+    v in Q6_K beside q and k in Q4_K): one QuantLinear per run of parts in one format, their outputs side by side,
+    then the bias. One copy of the outputs per call, where a single format would round the file's integers again."""
+
+    def __init__(self, parts: list[QuantLinear], bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = bias  # the whole module's, added after the parts (a loader may still fill it)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _quantize_by_rows(weight: torch.Tensor, spec: QuantSpec, rows: int = 4096) -> quant.QuantizedWeight:
+    """spec.quantize(weight) (int8), `rows` rows at a time into the result: quantizing works in fp32 with a few
+    temporaries of the input's size, which for a 128k-row lm_head were GBs (Llama-3.2-1B's peak RSS went from 2.6
+    to 5.1 GiB when it was quantized whole)."""
+    group = group_for(weight.shape[1], spec.group_size)
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], weight.shape[1] // group, dtype=torch.float32)
+    for start in range(0, weight.shape[0], rows):
+        part = spec.quantize(weight[start : start + rows])
+        q[start : start + rows], scale[start : start + rows] = part.qweight, part.scale
+    return quant.QuantizedWeight(8, q, scale, None, group)
+
+
+def quantized_linear_module(parts: list[quant.QuantizedWeight], bias: nn.Parameter | None) -> nn.Module:
+    """The seam for loaders that hold quantized weights already (GGUF, compressed-tensors): the module a linear
+    becomes from its parts' weights in row order (one part for an unfused linear). One QuantLinear where they share
+    a format (concat_rows), else a MixedQuantLinear of one per run of parts in one format."""
+    runs: list[list[quant.QuantizedWeight]] = []
+    for part in parts:
+        if runs and _format(runs[-1][0]) == _format(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if len(runs) == 1:
+        return QuantLinear(concat_rows(parts), bias)
+    log.debug("a fused linear of %d parts in %d formats: one kernel call per format", len(parts), len(runs))
+    return MixedQuantLinear([QuantLinear(concat_rows(run), None) for run in runs], bias)
+
+
+def _format(weight: quant.QuantizedWeight) -> tuple:
+    return weight.bits, weight.group_size, weight.offset is None, weight.shape[1]
 
 
 def quantize_linear(linear: nn.Linear, spec: QuantSpec) -> nn.Module:

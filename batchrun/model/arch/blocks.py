@@ -27,6 +27,7 @@ from batchrun.model.context import ForwardContext
 from batchrun.model.cpu_kernels import elementwise
 from batchrun.model.cpu_kernels import sampling as cpu_sampling
 from batchrun.model.ops import Rotary, TorchOps
+from batchrun.model.quant_linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -379,9 +380,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     @property
     def lm_weight(self) -> torch.Tensor | None:
         """The lm_head's plain weight: the embedding's when tied (a oneDNN lm_head keeps only its reordered
-        copy, cpu_linear.py), else the module's own if it still has one."""
+        copy, cpu_linear.py), else the module's own if it still has one (an int8 lm_head keeps it aside)."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head.refine_weight
         return getattr(self.lm_head, "weight", None)
 
     @property
@@ -439,14 +442,15 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32; from a bf16 model with its top candidates recomputed in fp32 (refine_top_logits). Then
-        the family's logit scaling and soft-capping, which keep the order of the logits."""
+        """Logits in fp32; from a bf16 model or an int8 lm_head (quantize_lm_head) with their top candidates
+        recomputed in fp32 from the plain weights (refine_top_logits). Then the family's logit scaling and
+        soft-capping, which keep the order of the logits."""
         logits = self.lm_head(hidden)
         weight = self.lm_weight
-        if logits.dtype != torch.bfloat16 or weight is None:
+        if weight is None or (logits.dtype != torch.bfloat16 and not isinstance(self.lm_head, QuantLinear)):
             logits = logits.float()
         else:
-            if logits.device.type == "cpu" and cpu_kernels.available():
+            if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and cpu_kernels.available():
                 logits, top = cpu_sampling.logits_top(logits, REFINE_TOP)  # the widening pass finds the top too
             else:
                 logits = logits.float()
