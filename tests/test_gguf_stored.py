@@ -63,6 +63,17 @@ def write_file(path, tensors: dict[str, tuple[str, np.ndarray]], arch: str = "ll
     writer.close()
 
 
+def write_layer(path, layout: dict[str, tuple[str, int, int]], rng: np.random.Generator,
+                hidden: int = 256) -> dict[str, tuple[str, np.ndarray]]:
+    """write_file of one layer: each tensor of `layout` (name -> (type, rows, inputs)) as block_bytes, and its
+    F32 norms; returns the tensors written."""
+    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
+    write_file(path, tensors)
+    return tensors
+
+
 @pytest.mark.parametrize("kind", STORED_TYPES)
 def test_each_type_dequantizes_as_the_gguf_package_does(kind, tmp_path):
     rng = np.random.default_rng(len(kind) + ord(kind[1]))
@@ -101,10 +112,7 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
               "blk.0.attn_v.weight": ("Q6_K", 128, hidden), "blk.0.attn_output.weight": ("Q4_0", hidden, hidden),
               "blk.0.ffn_gate.weight": ("Q4_1", inter, hidden), "blk.0.ffn_up.weight": ("Q4_K", inter, hidden),
               "blk.0.ffn_down.weight": ("Q5_0", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden)}
-    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
-    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
-    write_file(tmp_path / "tiny.gguf", tensors)
+    tensors = write_layer(tmp_path / "tiny.gguf", layout, rng)
 
     with caplog.at_level(logging.INFO, logger="batchrun"):
         ours = read_quantized(tmp_path / "tiny.gguf", torch.float32)
@@ -197,10 +205,7 @@ def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
               "blk.0.ffn_gate.weight": ("Q4_0", inter, hidden), "blk.0.ffn_up.weight": ("Q4_0", inter, hidden),
               "blk.0.ffn_down.weight": ("Q4_0", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden),
               "output.weight": ("Q6_K", 8, hidden)}
-    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
-    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
-    write_file(tmp_path / "untied.gguf", tensors)
+    write_layer(tmp_path / "untied.gguf", layout, rng)
     ours = read_quantized(tmp_path / "untied.gguf", torch.float32)
     assert isinstance(ours["lm_head.weight"], torch.Tensor) and ours["lm_head.weight"].shape == (8, hidden)
     assert sum(isinstance(v, QuantizedWeight) for v in ours.values()) == 7
@@ -224,10 +229,7 @@ def test_a_fused_linear_whose_parts_differ_in_type_runs_as_stored(tmp_path):
               "blk.0.attn_v.weight": ("Q6_K", 128, hidden), "blk.0.attn_output.weight": ("Q4_K", hidden, hidden),
               "blk.0.ffn_gate.weight": ("Q4_K", inter, hidden), "blk.0.ffn_up.weight": ("Q6_K", inter, hidden),
               "blk.0.ffn_down.weight": ("Q6_K", hidden, inter), "token_embd.weight": ("Q8_0", 8, hidden)}
-    tensors = {name: (kind, block_bytes(kind, rows, cols, rng)) for name, (kind, rows, cols) in layout.items()}
-    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        tensors[name] = ("F32", rng.standard_normal(hidden).astype(np.float32))
-    write_file(tmp_path / "mixed.gguf", tensors)
+    write_layer(tmp_path / "mixed.gguf", layout, rng)
     file = tmp_path / "mixed.gguf"
     config = gguf_config(file)
     with torch.device("meta"):  # as loader.load_model makes it (whose GGUF tokenizer this tiny file lacks)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -115,8 +116,9 @@ class QuantLinear(nn.Module):
                f"group_size={self.group_size}"
 
 
-# quantize_lm_head's format: int8 whatever the layers' (OpenVINO's int4 exports keep it in int8 too): the logits
-# rank the whole vocabulary, where int4's coarser steps would move more of the top candidates past the refined 8
+# quantize_lm_head's format (int8, _int8_by_rows) whatever the layers' (OpenVINO's int4 exports keep it in int8
+# too): the logits rank the whole vocabulary, where int4's coarser steps would move more of the top candidates
+# past the refined 8
 LM_HEAD_SPEC = QuantSpec(8, 128)
 
 
@@ -130,7 +132,7 @@ def int8_lm_head(model: nn.Module) -> int:
     read per step)."""
     linear = model.lm_head
     weight = linear.weight.detach()
-    head = QuantLinear(_quantize_by_rows(weight, LM_HEAD_SPEC), linear.bias)
+    head = QuantLinear(_int8_by_rows(weight, group_for(weight.shape[1], LM_HEAD_SPEC.group_size)), linear.bias)
     if not model.config.tie_word_embeddings:
         head.refine_weight = weight
     model.lm_head = head
@@ -157,29 +159,23 @@ class MixedQuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def _quantize_by_rows(weight: torch.Tensor, spec: QuantSpec, rows: int = 4096) -> quant.QuantizedWeight:
-    """spec.quantize(weight) (int8), `rows` rows at a time into the result: quantizing works in fp32 with a few
-    temporaries of the input's size, which for a 128k-row lm_head were GBs (Llama-3.2-1B's peak RSS went from 2.6
-    to 5.1 GiB when it was quantized whole)."""
-    group = group_for(weight.shape[1], spec.group_size)
+def _int8_by_rows(weight: torch.Tensor, group_size: int, rows: int = 4096) -> quant.QuantizedWeight:
+    """quant.quantize_int8(weight, group_size), `rows` rows at a time into the result: quantizing works in fp32
+    with a few temporaries of the input's size, which for a 128k-row lm_head were GBs (Llama-3.2-1B's peak RSS
+    went from 2.6 to 5.1 GiB when it was quantized whole)."""
     q = torch.empty(weight.shape, dtype=torch.int8)
-    scale = torch.empty(weight.shape[0], weight.shape[1] // group, dtype=torch.float32)
+    scale = torch.empty(weight.shape[0], weight.shape[1] // group_size, dtype=torch.float32)
     for start in range(0, weight.shape[0], rows):
-        part = spec.quantize(weight[start : start + rows])
+        part = quant.quantize_int8(weight[start : start + rows], group_size)
         q[start : start + rows], scale[start : start + rows] = part.qweight, part.scale
-    return quant.QuantizedWeight(8, q, scale, None, group)
+    return quant.QuantizedWeight(8, q, scale, None, group_size)
 
 
 def quantized_linear_module(parts: list[quant.QuantizedWeight], bias: nn.Parameter | None) -> nn.Module:
     """The seam for loaders that hold quantized weights already (GGUF, compressed-tensors): the module a linear
     becomes from its parts' weights in row order (one part for an unfused linear). One QuantLinear where they share
     a format (concat_rows), else a MixedQuantLinear of one per run of parts in one format."""
-    runs: list[list[quant.QuantizedWeight]] = []
-    for part in parts:
-        if runs and _format(runs[-1][0]) == _format(part):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
+    runs = [list(run) for _, run in groupby(parts, key=_format)]
     if len(runs) == 1:
         return QuantLinear(concat_rows(parts), bias)
     log.debug("a fused linear of %d parts in %d formats: one kernel call per format", len(parts), len(runs))
