@@ -157,12 +157,13 @@ class EngineArgs:
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
     dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
         doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
-    # weight-only quantized linears on a CPU (batchrun/model/quant_linear.py, docs/quantization.md); the lm_head,
-    # embeddings and norms stay in `dtype`
+    # weight-only quantized linears (batchrun/model/quant_linear.py, docs/quantization.md): C kernels on a CPU,
+    # Triton on CUDA; the lm_head, embeddings and norms stay in `dtype`
     quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
-        doc="Weight-only quantized linears, CPU only: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
-            "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger); "
-            "the activations are quantized per row on the fly (W8A8). The lm_head (unless `quantize_lm_head`), "
+        doc="Weight-only quantized linears: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
+            "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger). "
+            "On a CPU the activations are quantized per row on the fly (W8A8); on CUDA a Triton kernel dequantizes "
+            "the weights in its inner loop (weight-only). The lm_head (unless `quantize_lm_head`), "
             "embeddings and norms stay in `dtype`. `gguf`: a `.gguf` model's Q8_0, Q6_K, Q4_0, Q4_1 and Q4_K linears as the file stores them (on the "
             "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
             "file). `none`: the weights in `dtype`, or a checkpoint quantized already (compressed-tensors int8 / int4) "
@@ -270,19 +271,16 @@ class EngineArgs:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
         torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
         wants_cuda = self.device.startswith("cuda")
-        quantized = self.quantization != "none" or self.quantize_lm_head  # quantized linears: CPU only
-        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8") or quantized)  # fp8 KV too
+        # CPU only: an int8 lm_head, an fp8 KV cache
+        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8") or self.quantize_lm_head)
         if not wants_cuda and self.attention_backend != "triton" and not may_be_cuda:
             return
         import torch
 
         has_cuda = torch.cuda.is_available()
-        if quantized and (wants_cuda or (self.device == "auto" and has_cuda)):
-            if self.quantization == "none":
-                raise EngineArgsError("quantize_lm_head", "runs on a CPU only for now (set model.device: cpu, or "
-                                                          "quantize_lm_head: false on CUDA)")
-            raise EngineArgsError("quantization", f"{self.quantization} runs on a CPU only for now (set "
-                                                  "model.device: cpu, or quantization: none on CUDA)")
+        if self.quantize_lm_head and (wants_cuda or (self.device == "auto" and has_cuda)):
+            raise EngineArgsError("quantize_lm_head", "runs on a CPU only for now (set model.device: cpu, or "
+                                                      "quantize_lm_head: false on CUDA)")
         if wants_cuda and not has_cuda:
             raise EngineArgsError("device", f"{self.device} but CUDA is not available on this machine "
                                             "(use auto or cpu)")

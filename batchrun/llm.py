@@ -95,9 +95,6 @@ class LLM:
         kv_bytes = args.kv_cache_bytes
         swap_bytes = args.swap_space_bytes
         self.device = _resolve_device(args.device)
-        if source.stored_quantization is not None and self.device.type != "cpu":
-            raise EngineArgsError("model", f"{args.model} is quantized ({source.stored_quantization.describe()}), "
-                                           "which runs on a CPU only for now (set model.device: cpu)")
         configure_threads(args.num_threads)  # before the weights load: reordering them runs on these threads
         self.seed = args.seed
         self._requests = 0

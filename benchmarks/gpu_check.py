@@ -4,7 +4,8 @@
 2. decode-attention bandwidth: bytes of K/V read per second, and as a share of the GPU's peak, for batch
    64-256 and contexts 512-8192, at the default tiles and a few alternatives (for tuning);
 3. end to end: a ~1B-parameter random Llama in bf16 on a ShareGPT-like workload, generated tokens per
-   second for batchrun with and without CUDA graphs, next to transformers' static-batched `generate` and
+   second for batchrun with and without CUDA graphs, and with int8 / int4 weights (the Triton quantized matmul
+   in the model), next to transformers' static-batched `generate` and
    transformers' continuous batching, on the same prompts and output lengths (EOS ignored everywhere);
 4. the Triton quantized matmul (int8 / int4 weights, GGUF's group sizes) on Llama-3-8B's MLP shapes: weight
    bytes read per second and its time beside torch's bf16 matmul of the same shape, 1 to 256 rows.
@@ -78,7 +79,7 @@ def run_guarded(report: Report, name: str, fn: Callable[[], object]) -> object |
 
 def kernel_tests(dry_run: bool) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-           "tests/test_quant_matmul.py"]
+           "tests/test_quant_matmul.py", "tests/test_quant_accuracy.py::test_quantized_linears_on_cuda_equal_the_weight_only_reference"]
     if dry_run:  # the full file runs in `make test`; here only prove the subprocess plumbing
         cmd += ["-k", "store_kv or copy_blocks or round_trip"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -196,7 +197,7 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool) -> dict:
+def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool, quantization: str = "none") -> dict:
     from batchrun import LLM, SamplingParams
 
     def params(n: int) -> SamplingParams:
@@ -204,7 +205,7 @@ def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool) -
 
     t0 = time.perf_counter()
     llm = LLM(str(path), dtype="bfloat16", device=device, enforce_eager=enforce_eager,
-              gpu_memory_utilization=0.5, seed=0)
+              gpu_memory_utilization=0.5, seed=0, quantization=quantization)
     startup_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": p} for p in work.prompts[:4]], [params(8)] * 4, use_tqdm=False)
     sync()
@@ -312,6 +313,8 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
     runs: list[tuple[str, Callable[[], dict]]] = [
         ("batchrun (CUDA graphs)", lambda: run_batchrun(path, work, device, enforce_eager=False)),
         ("batchrun (eager)", lambda: run_batchrun(path, work, device, enforce_eager=True)),
+        ("batchrun, int8 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int8")),
+        ("batchrun, int4 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int4")),
         (f"HF generate, static batches of {args.static_batch_size}",
          lambda: run_hf_static(path, work, device, args.static_batch_size)),
         ("HF continuous batching", lambda: run_hf_continuous(path, work, device)),
@@ -327,8 +330,8 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
         results[name] = report.sections[f"e2e: {name}"]
         free_device_memory()  # each run's model and caches are gone once its function returned
     section("end to end: generated tokens per second")
-    hf_static = results[runs[2][0]].get("seconds")
-    hf_cb = results[runs[3][0]].get("seconds")
+    hf_static = results[runs[4][0]].get("seconds")
+    hf_cb = results[runs[5][0]].get("seconds")
     print(f"{'system':<40} {'gen tok/s':>10} {'seconds':>8} {'x static':>9} {'x HF CB':>8}")
     for name, r in results.items():
         if "seconds" not in r:

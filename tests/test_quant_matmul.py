@@ -103,6 +103,31 @@ def test_tiles_and_refusals():
     assert quantized_linear(torch.zeros(0, 32, device=DEVICE), weight).shape == (0, 8)
 
 
+def test_a_models_quantized_linears_on_the_triton_kernel(monkeypatch):
+    """QuantLinear's "triton" kernel (what it takes on CUDA; here interpreted where there is none): the bias added
+    in the activations' dtype, a fused linear of two formats (MixedQuantLinear), and groups the kernel does not
+    take (not a multiple of 16) left to the dequantized torch path."""
+    from torch import nn
+
+    from batchrun.model.quant_linear import MixedQuantLinear, QuantLinear, quantized_linear_module
+
+    monkeypatch.setattr(QuantLinear, "default_kernel", None)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    bias = nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(8)).to(DEVICE), requires_grad=False)
+    parts = [random_weight(4, 24, 64, 32, seed=9), random_weight(8, 16, 64, 16, seed=10)]
+    if not HAS_CUDA:
+        monkeypatch.setattr(QuantLinear, "default_kernel", "triton")
+    module = quantized_linear_module([p.to(torch.device("cpu")) for p in parts], bias, DEVICE)
+    assert isinstance(module, MixedQuantLinear) and [p.kernel for p in module.parts] == ["triton", "triton"]
+    assert all(p.weight_ref.qweight.device.type == DEVICE.type for p in module.parts)
+    want = torch.cat([linear_ref(x, p) for p in parts], dim=-1) + bias
+    assert (module(x) - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    odd = quantize_int8(torch.randn(8, 48, generator=torch.Generator().manual_seed(11)), 24)
+    linear = QuantLinear(odd, None, DEVICE)
+    assert linear.kernel == "torch"
+    assert torch.allclose(linear(x[:, :48].contiguous()), linear_ref(x[:, :48], odd.to(DEVICE)), atol=1e-5)
+
+
 @needs_cuda
 @pytest.mark.parametrize("bits,group_size", [(8, 32), (8, 16), (8, 4096), (4, 32), (4, 128)])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])

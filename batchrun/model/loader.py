@@ -134,7 +134,7 @@ def _given(value):
 
 def load_weights(model: CausalLM, path: Path,
                  tensors: Iterable[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]] | None = None,
-                 quantization: QuantSpec | None = None) -> None:
+                 quantization: QuantSpec | None = None, device: torch.device | str = "cpu") -> None:
     """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
     and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target).
 
@@ -143,7 +143,8 @@ def load_weights(model: CausalLM, path: Path,
     QuantizedWeight for a linear's weight (a GGUF or compressed-tensors reader): its parts are gathered and the
     linear becomes quantized_linear_module(parts, bias) when they are all in; its full-precision parameter is
     never written. A QuantizedWeight for a module that stays in the model's dtype (lm_head, routers) is
-    dequantized into it."""
+    dequantized into it. `device`: where the quantized linears run (their kernel follows: QuantLinear), which
+    may differ from where the model is built (load_model builds a quantized CUDA model on the CPU)."""
     params = dict(model.named_parameters())
     shapes = {n: p.shape for n, p in params.items()}
     rows_filled = dict.fromkeys(params, 0)
@@ -178,10 +179,10 @@ def load_weights(model: CausalLM, path: Path,
                 if sum(part.shape[0] for _, part in quantized_parts[dst]) != shape[0]:
                     raise ModelLoadError(f"{dst} has quantized and plain parts: batchrun takes one or the other")
                 parts = [part for _, part in sorted(quantized_parts.pop(dst), key=lambda p: p[0])]
-                setattr(parent, attr, quantized_linear_module(parts, linear.bias))
+                setattr(parent, attr, quantized_linear_module(parts, linear.bias, device))
                 del parts
             else:
-                setattr(parent, attr, quantize_linear(linear, quantization))
+                setattr(parent, attr, quantize_linear(linear, quantization, device))
             del linear
             params.pop(dst)  # the last references to the full-precision weight: its memory goes now
     missing = [n for n, shape in shapes.items() if rows_filled[n] != shape[0]]
@@ -224,37 +225,44 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
     elif max_model_len > limit:
         raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
     tokenizer = load_tokenizer(path)
+    stored = None if gguf_as_stored or is_gguf(path) else stored_scheme(path)
+    quantized = quantization is not None or gguf_as_stored or stored is not None
+    # A quantized model bound for a GPU is built in host memory and moved once its linears are quantized: built on
+    # the GPU, every linear would take its full-precision size there first (host pages of an empty tensor are not
+    # resident until written; a GPU allocation is).
+    build_device = torch.device("cpu") if quantized and device.type != "cpu" else device
     with torch.device("meta"):
         m = model_class(architecture(config))(config).to(dtype)  # in the job's dtype from the start: no fp32 copy
-    m = m.to_empty(device=device)  # unwritten pages are not resident: each fills as its tensors are copied in
+    m = m.to_empty(device=build_device)  # unwritten pages are not resident: each fills as its tensors are copied in
     m.tie_weights()
     if gguf_as_stored:
-        stored = gguf.iter_quantized(path, dtype, config)
-        load_weights(m, path, ((name, functools.partial(_given, value)) for name, value in stored))
+        stored_tensors = gguf.iter_quantized(path, dtype, config)
+        load_weights(m, path, ((name, functools.partial(_given, value)) for name, value in stored_tensors),
+                     device=device)
         log.info("GGUF %s: its quantized linears run as stored: %.1f MiB", path.name, quantized_bytes(m) / 2**20)
     elif is_gguf(path):
         # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's. transformers
         # returns them all at once; each goes as it is copied into the model, so two copies are never held whole.
         tensors = gguf.gguf_tensors(path, config, dtype)
         load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)),
-                     quantization)
+                     quantization, device)
         del tensors
         log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
                  "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
                  str(dtype).removeprefix("torch."))
-    elif (stored := stored_scheme(path)) is not None:
+    elif stored is not None:
         if quantization is not None:
             raise ModelLoadError(f"{path} is quantized already ({stored.describe()}): leave quantization at none")
-        load_weights(m, path, compressed_tensors.stored_tensors(weight_files(path)))
+        load_weights(m, path, compressed_tensors.stored_tensors(weight_files(path)), device=device)
         log.info("%s: its quantized linears run as stored (%s): %.1f MiB", path.name, stored.describe(),
                  quantized_bytes(m) / 2**20)
     else:
-        load_weights(m, path, quantization=quantization)
+        load_weights(m, path, quantization=quantization, device=device)
     if quantization is not None:
         log.info("linears quantized to int%d (groups of %d inputs) at load: %.1f MiB", quantization.bits,
                  quantization.group_size, quantized_bytes(m) / 2**20)
     m.finish_load()
-    m = m.to(dtype).eval().requires_grad_(False)
+    m = m.to(device=device, dtype=dtype).eval().requires_grad_(False)  # (QuantLinears are on `device` already)
     if quantize_lm_head:
         log.info("lm_head quantized to int8 at load: %.1f MiB (its top logits recomputed from the plain weights)",
                  int8_lm_head(m) / 2**20)

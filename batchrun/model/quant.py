@@ -52,6 +52,11 @@ class QuantizedWeight:
         extra = self.offset.nbytes if self.offset is not None else 0
         return self.qweight.nbytes + self.scale.nbytes + extra
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same weight with its tensors on `device`."""
+        offset = self.offset.to(device) if self.offset is not None else None
+        return QuantizedWeight(self.bits, self.qweight.to(device), self.scale.to(device), offset, self.group_size)
+
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in // 2] -> uint8 [out, in] of 0..15 (even inputs from the low nibbles)."""

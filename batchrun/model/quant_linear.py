@@ -79,25 +79,49 @@ def group_for(in_features: int, wanted: int) -> int:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b on a quantized W (packed once for the C kernels), in the activations' dtype. The bias keeps
-    the model's dtype (a Parameter, so that a loader fills it and .to() casts it)."""
+    """y = x W^T + b on a quantized W, in the activations' dtype, by one of three kernels (`kernel`):
+    - "c": batchrun's C kernels on the weight packed once (cpu_kernels/quant.py; a CPU);
+    - "triton": the Triton matmul on the weight as stored, dequantized in its inner loop (batchrun.kernels'
+      quantized_linear; on CUDA, where the weight is moved at construction; on a CPU under TRITON_INTERPRET=1 in
+      tests);
+    - "torch": F.linear on the weight dequantized per call (slow, exact to the layout; logged once), where the C
+      kernels are not built or do not take the shape.
+    The bias keeps the model's dtype (a Parameter, so that a loader fills it and .to() casts and moves it)."""
 
-    def __init__(self, weight: quant.QuantizedWeight, bias: nn.Parameter | None) -> None:
+    # when set, the kernel every QuantLinear takes whatever its device (tests run "triton" on a CPU under
+    # TRITON_INTERPRET=1, and "torch" as the reference of a whole model)
+    default_kernel: str | None = None
+
+    def __init__(self, weight: quant.QuantizedWeight, bias: nn.Parameter | None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
         self.bias = bias
         self.refine_weight: torch.Tensor | None = None  # an untied lm_head's plain weight (quantize_lm_head)
+        device = torch.device(device)
         # plain attributes, not buffers: model.to(dtype) must not cast the scales or the integers
-        if quant_kernels.available() and quant_kernels.supports(weight):
-            self.packed: quant_kernels.PackedQuantWeight | None = quant_kernels.pack(weight)
-            self.plain = quant_kernels.kernel() != "vnni"  # asked once, not per call
-            self.weight_ref: quant.QuantizedWeight | None = None
-        else:
+        self.packed: quant_kernels.PackedQuantWeight | None = None
+        self.weight_ref: quant.QuantizedWeight | None = None
+        self.kernel = self.default_kernel or ("triton" if device.type != "cpu" else "c")
+        if self.kernel == "c" and not (quant_kernels.available() and quant_kernels.supports(weight)):
             log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): %s", *weight.shape,
                         weight.bits, "the C kernels are not built" if not quant_kernels.available()
                         else f"the kernels take inputs and groups in multiples of {4 if weight.bits == 8 else 8}")
-            self.packed, self.weight_ref = None, weight
+            self.kernel = "torch"
+        if self.kernel == "triton" and weight.group_size % 16:
+            log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): the Triton kernel takes "
+                        "groups of a multiple of 16 inputs, not %d", *weight.shape, weight.bits, weight.group_size)
+            self.kernel = "torch"
+        if self.kernel == "c":
+            self.packed = quant_kernels.pack(weight)
+            self.plain = quant_kernels.kernel() != "vnni"  # asked once, not per call
+        else:
+            self.weight_ref = weight.to(device)
+        if self.kernel == "triton":
+            from batchrun.kernels import quantized_linear  # Triton imported only where it runs
+
+            self.triton_linear = quantized_linear
 
     @property
     def nbytes(self) -> int:
@@ -105,15 +129,19 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.packed is not None:
+        if self.kernel == "c":
             out = quant_kernels.linear(flat, self.packed, self.bias, plain=self.plain)
+        elif self.kernel == "triton":
+            out = self.triton_linear(flat, self.weight_ref)
+            if self.bias is not None:
+                out += self.bias.to(out.dtype)
         else:
             out = F.linear(flat, quant.dequantize(self.weight_ref).to(x.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, " \
-               f"group_size={self.group_size}"
+               f"group_size={self.group_size}, kernel={self.kernel}"
 
 
 # quantize_lm_head's format (int8, _int8_by_rows) whatever the layers' (OpenVINO's int4 exports keep it in int8
@@ -171,24 +199,27 @@ def _int8_by_rows(weight: torch.Tensor, group_size: int, rows: int = 4096) -> qu
     return quant.QuantizedWeight(8, q, scale, None, group_size)
 
 
-def quantized_linear_module(parts: list[quant.QuantizedWeight], bias: nn.Parameter | None) -> nn.Module:
+def quantized_linear_module(parts: list[quant.QuantizedWeight], bias: nn.Parameter | None,
+                            device: torch.device | str = "cpu") -> nn.Module:
     """The seam for loaders that hold quantized weights already (GGUF, compressed-tensors): the module a linear
-    becomes from its parts' weights in row order (one part for an unfused linear). One QuantLinear where they share
-    a format (concat_rows), else a MixedQuantLinear of one per run of parts in one format."""
+    becomes from its parts' weights in row order (one part for an unfused linear), to run on `device`. One
+    QuantLinear where they share a format (concat_rows), else a MixedQuantLinear of one per run of parts in one
+    format."""
     runs = [list(run) for _, run in groupby(parts, key=_format)]
     if len(runs) == 1:
-        return QuantLinear(concat_rows(parts), bias)
+        return QuantLinear(concat_rows(parts), bias, device)
     log.debug("a fused linear of %d parts in %d formats: one kernel call per format", len(parts), len(runs))
-    return MixedQuantLinear([QuantLinear(concat_rows(run), None) for run in runs], bias)
+    return MixedQuantLinear([QuantLinear(concat_rows(run), None, device) for run in runs], bias)
 
 
 def _format(weight: quant.QuantizedWeight) -> tuple:
     return weight.bits, weight.group_size, weight.offset is None, weight.shape[1]
 
 
-def quantize_linear(linear: nn.Linear, spec: QuantSpec) -> nn.Module:
-    """A linear in the model's dtype -> its QuantLinear (the full-precision weight is not kept)."""
-    return QuantLinear(spec.quantize(linear.weight.detach()), linear.bias)
+def quantize_linear(linear: nn.Linear, spec: QuantSpec, device: torch.device | str = "cpu") -> nn.Module:
+    """A linear in the model's dtype -> its QuantLinear to run on `device` (the full-precision weight is not
+    kept)."""
+    return QuantLinear(spec.quantize(linear.weight.detach()), linear.bias, device)
 
 
 def concat_rows(parts: list[quant.QuantizedWeight]) -> quant.QuantizedWeight:

@@ -35,7 +35,9 @@ class MoECausalLM(CausalLM):
         return split_stacked_experts(tensors)
 
     def group_experts(self) -> int:
-        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None]
+        # quantized experts (QuantLinear) stay per expert: the grouped GEMM takes full-precision weights only
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoE) and m.w13 is None
+                  and isinstance(m.experts[0].down_proj, nn.Linear)]
         for block in blocks:
             block.group_experts()
         return len(blocks)
