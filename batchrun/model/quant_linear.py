@@ -91,7 +91,7 @@ class QuantLinear(nn.Module):
         # plain attributes, not buffers: model.to(dtype) must not cast the scales or the integers
         if quant_kernels.available() and quant_kernels.supports(weight):
             self.packed: quant_kernels.PackedQuantWeight | None = quant_kernels.pack(weight)
-            self.plain = quant_kernels.kernel() != "vnni"  # asked once, not per call
+            self.plain = quant_kernels.kernel() == "plain"  # asked once, not per call
             self.weight_ref: quant.QuantizedWeight | None = None
         else:
             log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): %s", *weight.shape,
