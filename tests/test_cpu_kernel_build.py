@@ -39,6 +39,19 @@ def test_the_cache_key_covers_every_source_and_header_and_the_compiler():
     assert cpu_kernels._cache_key(files, "gcc") != key
 
 
+def test_the_build_target_replaces_native_and_is_part_of_the_cache_key(monkeypatch):
+    files = {"a.c": b"int a(void) { return 1; }\n"}
+    monkeypatch.delenv("BATCHRUN_CPU_MARCH", raising=False)
+    assert "-march=native" in cpu_kernels._flags()
+    native = cpu_kernels._cache_key(files, "cc")
+    assert cpu_kernels._cache_key(files, "cc", cpu_kernels._flags("native")) == native
+    flags = cpu_kernels._flags("x86-64-v3")
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    assert cpu_kernels._cache_key(files, "cc", flags) != native
+    monkeypatch.setenv("BATCHRUN_CPU_MARCH", "x86-64-v3")
+    assert cpu_kernels._flags() == flags and cpu_kernels._cache_key(files, "cc") != native
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
 def test_build_links_every_c_file_into_one_library(tmp_path, monkeypatch):
     import ctypes

@@ -14,7 +14,7 @@ from batchrun.model.cpu_kernels import quant as qk
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason="needs a C compiler for batchrun's CPU kernels")
 
-KERNELS = ["plain"] + (["vnni"] if qk.kernel() == "vnni" else [])
+KERNELS = ["plain"] + ([qk.kernel()] if qk.kernel() in ("vnni", "avx2") else [])
 
 
 def _quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,7 +115,7 @@ class QuantLinear(nn.Module):
             self.kernel = "torch"
         if self.kernel == "c":
             self.packed = quant_kernels.pack(weight)
-            self.plain = quant_kernels.kernel() != "vnni"  # asked once, not per call
+            self.plain = quant_kernels.kernel() == "plain"  # asked once, not per call
         else:
             self.weight_ref = weight.to(device)
         if self.kernel == "triton":

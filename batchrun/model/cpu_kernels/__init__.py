@@ -19,6 +19,11 @@ csrc/common.h holds what they share (the CPU feature dispatch, vector types, bf1
 the one shared state (whether AMX is allowed). This module only builds and loads the library: a family module
 declares its functions' ctypes signatures (its SIGNATURES) and reaches the library through library(SIGNATURES).
 
+BATCHRUN_CPU_MARCH (default `native`) is the -march the library is built for: `x86-64-v3` (AVX2, FMA, no
+AVX-512) builds, on an AVX-512 machine, the kernels an AVX2-only CPU (Haswell to Skylake client, AMD Zen 1-3) runs,
+so that their paths can be tested and timed here (tests/test_quant_avx2.py); `x86-64` gives plain C without AVX.
+A library built for a target the CPU lacks does not run (illegal instruction). It is part of the cache key.
+
 Each wrapper takes fp32 or bf16 CPU tensors (all of one dtype, but for the fp32 rotary tables) whose
 innermost dimension is contiguous; bf16 is computed with fp32 arithmetic and accumulation. Whether a model
 uses them is decided once, at load (ops.select_ops, backends.select_backend), not per call.
@@ -45,6 +50,12 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # -ffp-contract=fast: fused multiply-adds, as MKL's matmuls use (ISO C mode would turn them off)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+
+
+def _flags(march: str | None = None) -> list[str]:
+    """The compiler flags, -march=`march` (default: BATCHRUN_CPU_MARCH, else native) in place of -march=native."""
+    march = march or os.environ.get("BATCHRUN_CPU_MARCH") or "native"
+    return [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
 
 # A function's (return type, argument types); the last int argument of most kernels is the dtype flag:
 # 0 fp32, 1 bf16 (dtype_flag).
@@ -73,12 +84,12 @@ def _compiler_version(cc: str) -> bytes:
         return b""
 
 
-def _cache_key(files: Mapping[str, bytes], cc: str) -> str:
+def _cache_key(files: Mapping[str, bytes], cc: str, flags: list[str] | None = None) -> str:
     h = hashlib.sha256()
     for name in sorted(files):
         h.update(f"{name}\0{len(files[name])}\0".encode())
         h.update(files[name])
-    h.update(" ".join([cc, *_FLAGS, _cpu_signature()]).encode())
+    h.update(" ".join([cc, *(flags or _flags()), _cpu_signature()]).encode())
     h.update(_compiler_version(cc))
     return h.hexdigest()[:16]
 
@@ -90,17 +101,20 @@ def declare(lib: ctypes.CDLL, signatures: Mapping[str, Signature]) -> None:
         fn.restype, fn.argtypes = restype, args
 
 
-def build(files: Mapping[str, bytes], signatures: Mapping[str, Signature]) -> ctypes.CDLL | None:
+def build(files: Mapping[str, bytes], signatures: Mapping[str, Signature], march: str | None = None
+          ) -> ctypes.CDLL | None:
     """Compile the C sources `files` (file name -> text; the .c files in one command, into one library, cached by
-    all of them, the compiler and the CPU) and declare `signatures`; None without a compiler or if the build
-    fails. The benchmarks also build an older revision's sources with it (one cpu_kernels.c before the split)."""
+    all of them, the compiler, the flags and the CPU) for `march` (default: BATCHRUN_CPU_MARCH, else native) and
+    declare `signatures`; None without a compiler or if the build fails. The benchmarks also build an older
+    revision's sources with it (one cpu_kernels.c before the split), the tests the AVX2 kernels (march x86-64-v3)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler: CPU ops use their torch paths")
         return None
     from batchrun.model.paths import cache_dir
 
-    lib = cache_dir() / "kernels" / f"cpu_kernels-{_cache_key(files, cc)}.so"
+    flags = _flags(march)
+    lib = cache_dir() / "kernels" / f"cpu_kernels-{_cache_key(files, cc, flags)}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(dir=lib.parent))
@@ -108,7 +122,7 @@ def build(files: Mapping[str, bytes], signatures: Mapping[str, Signature]) -> ct
             for name, text in files.items():
                 (work / name).write_bytes(text)
             c_files = [str(work / name) for name in sorted(files) if name.endswith(".c")]
-            subprocess.run([cc, *_FLAGS, "-o", str(work / "out.so"), *c_files, "-lm"], check=True,
+            subprocess.run([cc, *flags, "-o", str(work / "out.so"), *c_files, "-lm"], check=True,
                            capture_output=True, timeout=300)
             os.replace(work / "out.so", lib)
         except (OSError, subprocess.SubprocessError) as e:

@@ -20,7 +20,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "quant_linear": (ctypes.c_int, [_P, _I, _I, ctypes.c_int, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P,
                                     ctypes.c_int, ctypes.c_int]),
     "quant_linear_panel": (ctypes.c_int, []),
-    "quant_vnni": (ctypes.c_int, []),
+    "quant_isa": (ctypes.c_int, []),
 }
 
 
@@ -35,10 +35,14 @@ def available() -> bool:
 
 
 def kernel() -> str:
-    """Which kernel runs: "vnni" (AVX512-VNNI), "plain" (the C loop; BATCHRUN_QUANT_VNNI=0 forces it), or ""."""
+    """Which kernel runs: "vnni" (AVX512-VNNI), "avx2" (AVX2 without AVX512-VNNI), "plain" (the C loop: no AVX2,
+    or BATCHRUN_QUANT_VNNI=0, which forces it on any CPU), or "" (no library)."""
     if _library() is None:
         return ""
-    return "vnni" if _library().quant_vnni() and os.environ.get("BATCHRUN_QUANT_VNNI", "1") != "0" else "plain"
+    isa = _library().quant_isa()
+    if isa == 0 or os.environ.get("BATCHRUN_QUANT_VNNI", "1") == "0":
+        return "plain"
+    return "vnni" if isa == 2 else "avx2"
 
 
 # The most inputs that share one activation scale: each row's activations are quantized per group of at most this
@@ -125,13 +129,13 @@ def pack(weight: QuantizedWeight) -> PackedQuantWeight:
 def linear(x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, plain: bool | None = None) -> torch.Tensor:
     """x [rows, K] fp32 or bf16 times the packed weight: [rows, N] in out_dtype (x's by default); bias in
-    out_dtype. plain: the C loop instead of VNNI (None: as kernel() says)."""
+    out_dtype. plain: the C loop instead of the vector kernel (None: as kernel() says)."""
     rows, k = x.shape
     if not x.is_contiguous():
         x = x.contiguous()
     out_dtype = out_dtype or x.dtype
     if plain is None:
-        plain = kernel() != "vnni"
+        plain = kernel() == "plain"
     out = torch.empty(rows, weight.out_features, dtype=out_dtype)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)

@@ -21,8 +21,9 @@
  * On CPUs with AVX512-VNNI (vpdpbusd: unsigned bytes times signed bytes, four products summed into each int32
  * lane) the weights are the unsigned operand and the activations the signed one: int4's nibbles as they are,
  * int8's biased by 128, whose 128 * sum xq (the activations' group sums, computed with them) comes back off.
- * Elsewhere a plain C loop over the same layout computes the same integer sums (and the same fp32 sums: both go
- * group by group in order).
+ * On CPUs with AVX2 but not AVX512-VNNI (Haswell to Skylake client, AMD Zen 1-3) vpmaddubsw multiplies the same
+ * layout (tile_avx2), and elsewhere a plain C loop does: all three compute the same integer sums (and the same
+ * fp32 sums: each goes group by group in order).
  *
  * Threads: the panels are split over the OpenMP threads (static schedule), so each weight byte is read once per
  * call by one thread; the rows go in tiles of QROWS, each tile's integer and fp32 sums in registers. */
@@ -38,11 +39,17 @@
 #else
 #define HAVE_VNNI 0
 #endif
+#if !HAVE_VNNI && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_QUANT 1
+#else
+#define HAVE_AVX2_QUANT 0
+#endif
 
 /* The outputs per panel of the packed layout (the Python side sizes its buffers with it). */
 int quant_linear_panel(void) { return QP; }
-/* Whether the AVX512-VNNI kernel is compiled in (the CPU has it: the library is built with -march=native). */
-int quant_vnni(void) { return HAVE_VNNI; }
+/* Which vector kernel is compiled in (the library is built for the CPU it runs on, -march=native): 2 AVX512-VNNI,
+ * 1 AVX2, 0 none (the plain C loop). */
+int quant_isa(void) { return HAVE_VNNI ? 2 : HAVE_AVX2_QUANT ? 1 : 0; }
 
 /* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file). */
 void pack_int8_linear(const int8_t *q, const float *scale, int64_t n, int64_t k, int64_t gs, uint8_t *packed,
@@ -122,6 +129,24 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(qi));
         }
         s += _mm512_reduce_add_epi32(sv);
+#elif defined(__AVX2__) && VW == 8
+        /* the same in AVX2 (the element loop below cost as much as the AVX2 kernel's multiplication at 16 rows):
+         * each 128-bit lane's four low bytes gathered, then the two lanes' side by side */
+        const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                   0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i sv = _mm256_setzero_si256();
+        for (; i + VW <= end; i += VW) {
+            const vf v = ldv(row, i, bf) * inv;
+            const __m256 c = _mm256_min_ps(_mm256_max_ps((__m256)v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            const __m256i qi = _mm256_cvtps_epi32(c);
+            sv = _mm256_add_epi32(sv, qi);
+            const __m256i b = _mm256_shuffle_epi8(qi, low_bytes);
+            _mm_storel_epi64((__m128i *)(dst + i),
+                             _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+        }
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s += _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
 #endif
         for (; i + VW <= end; i += VW) {
             const vf v = ldv(row, i, bf) * inv;
@@ -209,14 +234,6 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
     }
 }
 
-#if HAVE_VNNI
-/* acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane, in place. As inline assembly because
- * GCC's code for the intrinsic copied every accumulator and reloaded the weights several times per step (its
- * register allocation around the tied operand), which made the int8 loop load-bound. */
-#define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
-/* The four weight vectors of a two-k-step in registers once loaded: GCC otherwise reloaded them from L1 for every
- * row of the tile (11 loads of 64 bytes for 4, seen in `gcc -S`), which bound the int8 loop on loads at many rows. */
-#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
 /* GCC (13) spilled the unpacked int4 weights of the 4-row tile to the stack on every step, with half the vector
  * registers free, after moving loop invariants out of the group loop; without that pass the loops keep everything
  * in registers (int4 at 64 rows: about 10% faster). */
@@ -225,6 +242,15 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
 #else
 #define NO_LOOP_MOTION
 #endif
+
+#if HAVE_VNNI
+/* acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane, in place. As inline assembly because
+ * GCC's code for the intrinsic copied every accumulator and reloaded the weights several times per step (its
+ * register allocation around the tied operand), which made the int8 loop load-bound. */
+#define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+/* The four weight vectors of a two-k-step in registers once loaded: GCC otherwise reloaded them from L1 for every
+ * row of the tile (11 loads of 64 bytes for 4, seen in `gcc -S`), which bound the int8 loop on loads at many rows. */
+#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
 
 /* Two k-steps of 32 outputs for the tile's R rows, from input `at`: the first step's weights (a0, a1) times each
  * row's 4 activation bytes from `at`, the second's (b0, b1) times the next 4. Its sums go to a second set (js) for
@@ -251,12 +277,13 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
 /* AVX512-VNNI: weight group wg of one panel for R rows (a constant, 1..QROWS) from r0: int32 sums per activation
  * group, their fp32 part, folded into the rows' sums in acc (QP floats per row, from row r0). The weights are the
  * unsigned operand, x the signed one. The tile also prefetches its share of the panel's stream ahead: from `fetch`,
- * a line for every `fetch_every` bytes of weights it reads, at the start of each activation group (panel_vnni). */
+ * a line for every `fetch_every` bytes of weights it reads, at the start of each activation group (panel_simd). */
 ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, const float *xw, const float *xs,
-                      int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
+                      const int32_t *xsum, int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
                       const float *poffset, float *acc, const char *fetch, int64_t fetch_every) {
     const int64_t groups = k / gs, wgroups = groups / per;
     const __m512i low4 = _mm512_set1_epi8(15);
+    (void)xsum; /* int8's bias comes off in fp32 (xw): tile_avx2 needs the integer sums */
     int64_t credit = 0;
     __m512 part[QROWS][2];
     for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
@@ -330,14 +357,134 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xq, co
     }
 }
 
+#define TILE tile_vnni
+#elif HAVE_AVX2_QUANT
+#define QH 8 /* outputs per pass of tile_avx2: one ymm of int32 sums per row */
+
+/* AVX2 (no vpdpbusd): what tile_vnni does, for R rows (1..QROWS) and weight group wg of one panel. A panel's 32
+ * outputs go in passes of QH, each with its fp32 part in L1 (`part`) between activation groups: a whole panel's
+ * four 8-lane sums per row would take all 16 ymm registers at 4 rows, and with passes of 16 GCC 12 already kept
+ * five of the eight sums on the stack (no faster, measured; passes of 8 need no spill). A pass reloads the rows'
+ * activations (a broadcast from L1 per row and k-step), the cheaper side: the multiplies bound the loop.
+ * int8: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums, and the stored q + 128 (up
+ * to 255) times 127 passes 32767 in a pair. So the weights go in signed (stored ^ 0x80 is q, -128..127), as |q|
+ * (0..128, the unsigned operand) with their signs moved onto the activations (vpsignb; |xq| <= 127, so negating
+ * never wraps): pair sums within 2 * 128 * 127 = 32512, exact, widened to int32 by vpmaddwd with ones. Those sums
+ * of q xq take 128 * sum xq (xsum) to become the plain loop's sums of (q + 128) xq, so that the fp32 side is the
+ * one every kernel shares.
+ * int4: nibbles 0..15 times xq, pair sums within 2 * 15 * 127 = 3810, so up to 8 of them per 16-bit lane (32
+ * inputs) stay within 32767: the pairs add in 16 bits over up to 32 inputs (the whole activation group, as
+ * quant.py's groups are at most 32) and widen once, rather than at every k-step. */
+ALWAYS void tile_avx2(const int R, int64_t r0, int64_t wg, const uint8_t *xq, const float *xw, const float *xs,
+                      const int32_t *xsum, int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel,
+                      const float *pscale, const float *poffset, float *acc, const char *fetch, int64_t fetch_every) {
+    const int64_t groups = k / gs, wgroups = groups / per;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80), low4 = _mm256_set1_epi8(15);
+    int64_t credit = 0;
+    float part[QROWS][QP];
+    memset(part, 0, sizeof part);
+    for (int64_t g = wg * per; g < (wg + 1) * per; g++) {
+        for (credit += gs * QP * bits / 8; credit >= fetch_every; fetch += 64, credit -= fetch_every)
+            _mm_prefetch(fetch, _MM_HINT_T0);
+        for (int h = 0; h < QP; h += QH) {
+            __m256i is[QROWS][QH / 8];
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < QH / 8; v++) is[r][v] = _mm256_setzero_si256();
+            if (bits == 8) {
+                for (int64_t t = g * gs / 4; t < (g + 1) * gs / 4; t++) {
+                    const uint8_t *w = panel + t * 128 + h * 4;
+                    __m256i q[QH / 8], a[QH / 8];
+                    for (int v = 0; v < QH / 8; v++) {
+                        q[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * v)), flip);
+                        a[v] = _mm256_abs_epi8(q[v]);
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int32_t xv;
+                        memcpy(&xv, xq + (r0 + r) * k + 4 * t, 4);
+                        const __m256i xb = _mm256_set1_epi32(xv);
+                        for (int v = 0; v < QH / 8; v++) {
+                            const __m256i pairs = _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(xb, q[v]));
+                            is[r][v] = _mm256_add_epi32(is[r][v], _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i c = _mm256_set1_epi32(128 * xsum[(r0 + r) * groups + g]);
+                    for (int v = 0; v < QH / 8; v++) is[r][v] = _mm256_add_epi32(is[r][v], c);
+                }
+            } else {
+                const int64_t te = (g + 1) * gs / 8;
+                for (int64_t t = g * gs / 8; t < te;) {
+                    const int64_t tc = te - t > 4 ? t + 4 : te; /* 16-bit sums over at most 32 inputs */
+                    __m256i ps[QROWS][QH / 8];
+                    for (int r = 0; r < R; r++)
+                        for (int v = 0; v < QH / 8; v++) ps[r][v] = _mm256_setzero_si256();
+                    for (; t < tc; t++) {
+                        const uint8_t *w = panel + t * 128 + h * 4;
+                        __m256i lo[QH / 8], hi[QH / 8];
+                        for (int v = 0; v < QH / 8; v++) {
+                            const __m256i b = _mm256_loadu_si256((const __m256i *)(w + 32 * v));
+                            lo[v] = _mm256_and_si256(b, low4);
+                            hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                        }
+                        for (int r = 0; r < R; r++) {
+                            int32_t xa, xb;
+                            memcpy(&xa, xq + (r0 + r) * k + 8 * t, 4);
+                            memcpy(&xb, xq + (r0 + r) * k + 8 * t + 4, 4);
+                            const __m256i ba = _mm256_set1_epi32(xa), bb = _mm256_set1_epi32(xb);
+                            for (int v = 0; v < QH / 8; v++) {
+                                const __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], ba),
+                                                                     _mm256_maddubs_epi16(hi[v], bb));
+                                ps[r][v] = _mm256_add_epi16(ps[r][v], two);
+                            }
+                        }
+                    }
+                    for (int r = 0; r < R; r++)
+                        for (int v = 0; v < QH / 8; v++)
+                            is[r][v] = _mm256_add_epi32(is[r][v], _mm256_madd_epi16(ps[r][v], ones));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 xsg = _mm256_set1_ps(xs[(r0 + r) * groups + g]);
+                for (int v = 0; v < QH / 8; v++) {
+                    float *pp = part[r] + h + 8 * v;
+                    _mm256_storeu_ps(pp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r][v]), xsg, _mm256_loadu_ps(pp)));
+                }
+            }
+        }
+    }
+    for (int v = 0; v < QP / 8; v++) {
+        const __m256 s = _mm256_loadu_ps(pscale + wg * QP + 8 * v);
+        if (bits == 8) {
+            for (int r = 0; r < R; r++) {
+                float *a = acc + r * QP + 8 * v;
+                const __m256 c = _mm256_set1_ps(128.0f * xw[(r0 + r) * wgroups + wg]);
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(s, _mm256_sub_ps(_mm256_loadu_ps(part[r] + 8 * v), c),
+                                                    _mm256_loadu_ps(a)));
+            }
+        } else {
+            const __m256 o = _mm256_loadu_ps(poffset + wg * QP + 8 * v);
+            for (int r = 0; r < R; r++) {
+                float *a = acc + r * QP + 8 * v;
+                const __m256 c = _mm256_set1_ps(xw[(r0 + r) * wgroups + wg]);
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(o, c, _mm256_fmadd_ps(s, _mm256_loadu_ps(part[r] + 8 * v),
+                                                                         _mm256_loadu_ps(a))));
+            }
+        }
+    }
+}
+#define TILE tile_avx2
+#endif
+
+#if HAVE_VNNI || HAVE_AVX2_QUANT
 /* One panel: rows in blocks of QBLOCK, and within a block weight group by weight group, every tile of QROWS rows
  * (each tile size its own unrolled copy, R a constant) taking the group while it is in cache: the panel streams
  * from memory once per block rather than once per tile. The stream's prefetch (QPREFETCH bytes ahead) is shared
  * out over the block's tiles, each fetching its slice of a group ahead as it goes, so that the memory stream goes
  * on at an even pace while every tile computes, rather than in bursts while the first one does. */
-ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
-                       int64_t per, const int bits, const uint8_t *panel, const float *pscale, const float *poffset,
-                       const void *bias, int64_t col, int64_t n, void *y, int ybf) {
+ALWAYS void panel_simd(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, const int32_t *xsum,
+                       int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
+                       const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
     const int64_t wgroups = k / gs / per, group_bytes = gs * per * QP * bits / 8;
     float acc[QBLOCK * QP];
     for (int64_t b0 = 0; b0 < rows; b0 += QBLOCK) {
@@ -349,25 +496,26 @@ ALWAYS void panel_vnni(int64_t rows, const uint8_t *xq, const float *xw, const f
                 const int64_t r = t * QROWS;
                 const char *fetch = ahead + t * group_bytes / tiles / 64 * 64;
                 switch (brows - r < QROWS ? brows - r : QROWS) {
-                case 4: tile_vnni(4, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
-                case 3: tile_vnni(3, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
-                case 2: tile_vnni(2, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
-                default: tile_vnni(1, b0 + r, wg, xq, xw, xs, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                case 4: TILE(4, b0 + r, wg, xq, xw, xs, xsum, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                case 3: TILE(3, b0 + r, wg, xq, xw, xs, xsum, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                case 2: TILE(2, b0 + r, wg, xq, xw, xs, xsum, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
+                default: TILE(1, b0 + r, wg, xq, xw, xs, xsum, k, gs, per, bits, panel, pscale, poffset, acc + r * QP, fetch, 64 * tiles); break;
                 }
             }
         }
         for (int64_t r = 0; r < brows; r++) store_row(acc + r * QP, n - col, bias, col, (void *)at(y, (b0 + r) * n, ybf), ybf);
     }
 }
-static void panel_vnni8(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
-                        int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
-                        int64_t col, int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xw, xs, k, gs, per, 8, panel, pscale, poffset, bias, col, n, y, ybf);
+static void panel_simd8(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, const int32_t *xsum,
+                        int64_t k, int64_t gs, int64_t per, const uint8_t *panel, const float *pscale,
+                        const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
+    panel_simd(rows, xq, xw, xs, xsum, k, gs, per, 8, panel, pscale, poffset, bias, col, n, y, ybf);
 }
-NO_LOOP_MOTION static void panel_vnni4(int64_t rows, const uint8_t *xq, const float *xw, const float *xs, int64_t k, int64_t gs,
-                        int64_t per, const uint8_t *panel, const float *pscale, const float *poffset, const void *bias,
-                        int64_t col, int64_t n, void *y, int ybf) {
-    panel_vnni(rows, xq, xw, xs, k, gs, per, 4, panel, pscale, poffset, bias, col, n, y, ybf);
+NO_LOOP_MOTION static void panel_simd4(int64_t rows, const uint8_t *xq, const float *xw, const float *xs,
+                                       const int32_t *xsum, int64_t k, int64_t gs, int64_t per, const uint8_t *panel,
+                                       const float *pscale, const float *poffset, const void *bias, int64_t col,
+                                       int64_t n, void *y, int ybf) {
+    panel_simd(rows, xq, xw, xs, xsum, k, gs, per, 4, panel, pscale, poffset, bias, col, n, y, ybf);
 }
 #endif
 
@@ -385,14 +533,14 @@ static void weight_group_sums(int64_t rows, int64_t groups, int64_t per, const f
 
 /* y [rows, n] (ybf: bf16, else fp32) = x [rows, k] (xbf: bf16, else fp32; contiguous) times the packed weight
  * (bits 8 or 4, scales and int4 offsets per group of wgs inputs) plus bias (NULL or [n], y's dtype), the
- * activations quantized per group of gs inputs (gs divides wgs). plain: the C loop even where VNNI is there (tests
- * hold the two to the same sums). Needs k, gs in multiples of 4 for int8, of 8 for int4 (the Python side checks).
+ * activations quantized per group of gs inputs (gs divides wgs). plain: the C loop even where a vector kernel is there
+ * (tests hold them to the same sums). Needs k, gs in multiples of 4 for int8, of 8 for int4 (the Python side checks).
  * Returns 1 when the scratch for the quantized rows cannot be allocated, else 0. */
 int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t *packed, const float *pscale,
                  const float *poffset, int64_t n, int64_t wgs, int64_t gs, int bits, const void *bias, void *y, int ybf,
                  int plain) {
     if (rows <= 0) return 0;
-    const int vnni = HAVE_VNNI && !plain;
+    const int simd = (HAVE_VNNI || HAVE_AVX2_QUANT) && !plain;
     const int64_t groups = k / gs, wgroups = k / wgs, per = wgs / gs, panels = (n + QP - 1) / QP;
     const int64_t panel_bytes = bits == 8 ? k * QP : k / 2 * QP;
     uint8_t *xq = malloc((size_t)(rows * k));
@@ -411,12 +559,12 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
         const float *ps = pscale + p * wgroups * QP;
         const float *po = bits == 4 ? poffset + p * wgroups * QP : NULL;
         const int64_t col = p * QP;
-#if HAVE_VNNI
-        if (vnni) {
+#if HAVE_VNNI || HAVE_AVX2_QUANT
+        if (simd) {
             if (bits == 8)
-                panel_vnni8(rows, xq, xw, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_simd8(rows, xq, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             else
-                panel_vnni4(rows, xq, xw, xs, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_simd4(rows, xq, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             continue;
         }
 #endif
