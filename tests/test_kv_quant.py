@@ -22,7 +22,7 @@ from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model import cpu_kernels
 from batchrun.model.attention import TorchBackend, store_kv_torch
-from batchrun.model.kv_quant import dequantize, quantize_rows, scales
+from batchrun.model.kv_quant import dequantize, encode_rows, quantize_rows, scales
 from batchrun.model.runner import ModelRunner, cache_shape
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
@@ -162,6 +162,137 @@ def test_the_fp8_kernel_matches_the_torch_reference(kv_dtype, dtype):
             assert close_bf16(x, y, ulps=2), (a, b, (x.float() - y.float()).abs().max())
         else:
             assert torch.allclose(x, y, atol=2e-6, rtol=1e-5), (a, b, (x - y).abs().max())
+
+
+# ---- the 8-bit kernels on every instruction set the library is built for --------------------------------------
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return set()
+    return set(next((ln for ln in lines if ln.startswith("flags")), "").split())
+
+
+@functools.cache
+def _library_for(march: str):
+    """The attention kernels built for `march` (the library's flags otherwise): "native" is the library itself;
+    x86-64-v3 is an AVX2 + FMA + F16C machine (8-float vectors, fp8 through fp16), x86-64 one with no SIMD the
+    kernels use (generic vectors, fp8 decoded by moving bits). None where it cannot be built or run here."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from batchrun.model.cpu_kernels import attention as cpu_attention
+
+    if march == "native":
+        return cpu_attention._library()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or "x86_64" not in __import__("platform").machine():
+        return None
+    if march == "x86-64-v3" and not {"avx2", "fma", "f16c", "bmi2"} <= _cpu_flags():
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="kv8-"))
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._FLAGS]
+    out = folder / "attention.so"
+    subprocess.run([cc, *flags, "-o", str(out), str(cpu_kernels.CSRC / "attention.c"),
+                    str(cpu_kernels.CSRC / "common.c"), "-lm"], check=True, capture_output=True, timeout=300)
+    lib = ctypes.CDLL(str(out))
+    cpu_kernels.declare(lib, {k: cpu_attention.SIGNATURES[k] for k in ("paged_attention_int8", "paged_attention_fp8")})
+    shutil.rmtree(folder, ignore_errors=True)  # (the library stays mapped)
+    return lib
+
+
+MARCHES = ["native", "x86-64-v3", "x86-64"]
+KV_8BIT = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _attend_8bit(lib, q, pool, tables, row_seq, row_len, window=0, softcap=0.0):
+    from batchrun.model.cpu_kernels import attention as cpu_attention
+
+    rs, rl = torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
+    if pool.dtype == torch.int8:
+        return cpu_attention._paged_attention_8bit(lib.paged_attention_int8, q, pool, tables, rs, rl,
+                                                   q.shape[-1] ** -0.5, None, window, softcap)
+    return cpu_attention._paged_attention_8bit(lib.paged_attention_fp8, q, pool, tables, rs, rl, q.shape[-1] ** -0.5,
+                                               None, window, softcap, int(pool.dtype == torch.float8_e5m2))
+
+
+def _library_or_skip(march: str):
+    if not cpu_kernels.available():
+        pytest.skip("needs a C compiler (cc) to build the kernels")
+    lib = _library_for(march)
+    if lib is None:
+        pytest.skip(f"the kernels cannot be built for or run as -march={march} here")
+    return lib
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_fp8_bytes_are_read_as_torchs_values(march, kv):
+    """Every one of the 256 bytes, as a V row of a context of one key (whose output is its V row exactly): read in
+    place by a decode row, and widened into the buffer a tile of several rows reads."""
+    lib = _library_or_skip(march)
+    fmt = KV_8BIT[kv]
+    pool = torch.zeros(2, 2, 4, 4, 64, dtype=torch.uint8)
+    pool[1, 1, 0] = torch.arange(256, dtype=torch.uint8).view(4, 64)  # block 1, slot 0: V of key 0
+    pool[0] = torch.randint(0, 256, pool[0].shape, generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    pool[0].masked_fill_((pool[0] & 0x7F) >= 0x78, 0)  # finite keys (a NaN or inf key's score is not the point)
+    pool = pool.view(fmt)
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    want = torch.arange(256, dtype=torch.uint8).view(fmt).float().view(4, 64)
+    for hq in (4, 8):
+        q = torch.randn(2, hq, 64, generator=torch.Generator().manual_seed(hq))
+        decode = _attend_8bit(lib, q[:1], pool, tables, [0], [1])
+        tile = _attend_8bit(lib, q, pool, tables, [0, 0], [1, 2])
+        for got in (decode[0], tile[0]):
+            torch.testing.assert_close(got.view(4, hq // 4, 64), want[:, None].expand(4, hq // 4, 64), rtol=0, atol=0,
+                                       equal_nan=True)
+
+
+def _reference_8bit(q, pool, tables, row_seq, row_len):
+    """Attention in float64 over the pool's values as torch reads them (int8 dequantized), all rows at once."""
+    kv = dequantize(pool).double() if pool.dtype == torch.int8 else pool.float().double()
+    hq, d, hkv = q.shape[1], q.shape[2], kv.shape[3]
+    k, v = (x[tables[row_seq].long()].flatten(1, 2).repeat_interleave(hq // hkv, dim=2) for x in kv)  # [rows, keys]
+    s = torch.einsum("rhd,rnhd->rhn", q.double(), k) * d**-0.5
+    s.masked_fill_(torch.arange(s.shape[-1]) >= torch.tensor(row_len)[:, None, None], -torch.inf)
+    return torch.einsum("rhn,rnhd->rhd", torch.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("kv", list(KV_8BIT))
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (64, BF), (80, torch.float32), (128, BF)],
+                         ids=["64-fp32", "64-bf16", "80-fp32", "128-bf16"])
+def test_the_8bit_kernels_match_a_float64_reference_at_every_vector_tail(march, kv, d, dtype):
+    """Decode rows over contexts that end at and around the vectors' and key chunks' edges (1, 7, 9, 15, 17, 63, 65
+    and 130 keys), and a 20-row prefill chunk after 50 cached keys (tiles of 16 and 4 rows, widened into the
+    buffer), GQA groups of 4; each decoded row's bits are those the same row gets in the chunk."""
+    lib = _library_or_skip(march)
+    g = torch.Generator().manual_seed(d)
+    hq, hkv, bs, lens = 16, 4, 16, [1, 7, 9, 15, 17, 63, 65, 130]
+    nblocks = [(n + bs - 1) // bs for n in [*lens, 70]]
+    tables = torch.zeros(len(nblocks), max(nblocks), dtype=torch.int32)
+    free = torch.randperm(sum(nblocks) + 1, generator=g).tolist()
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = torch.tensor([free.pop() for _ in range(n)])
+    pool = encode_rows(torch.randn(2, sum(nblocks) + 1, bs, hkv, d, generator=g) * 3, KV_8BIT[kv])
+    pool = pool if kv == "int8" else pool.view(KV_8BIT[kv])
+    row_seq = list(range(len(lens))) + [len(lens)] * 20
+    row_len = lens + list(range(51, 71))
+    q = torch.randn(len(row_seq), hq, d, generator=g).to(dtype)
+    got = _attend_8bit(lib, q, pool, tables, row_seq, row_len)
+    ref = _reference_8bit(q, pool, tables, row_seq, row_len)
+    if dtype == BF:
+        assert close_bf16(got, ref, ulps=1.5), (got.float() - ref).abs().max()
+    else:
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    for i in (len(lens), len(lens) + 15, len(lens) + 16, len(row_seq) - 1):  # each tile's first and last row
+        alone = _attend_8bit(lib, q[i : i + 1], pool, tables, [row_seq[i]], [row_len[i]])
+        assert torch.equal(alone[0], got[i]), i
 
 
 # ---- the engine -------------------------------------------------------------------------------------------------

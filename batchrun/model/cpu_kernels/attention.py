@@ -17,7 +17,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "store_kv": (None, [_P, _P, _I, _P, _I, _I, _P, _P, _I]),  # the last: the element size
     "paged_attention_int8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F]),
     "store_kv_int8": (None, [_P, _P, _I, _P, _I, _I, _I, _P, _P, _B]),
-    "paged_attention_fp8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F, _P]),
+    "paged_attention_fp8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F, _B]),
 }
 
 # The fewest lanes (a tile's rows x query heads per kv head) for which bf16 attention goes to AMX outside the
@@ -112,16 +112,10 @@ def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
                              k_ptr, k_ptr + kv_cache.stride(0), dtype_flag(k))
 
 
-@cache
-def fp8_values(dtype: torch.dtype) -> torch.Tensor:
-    """The 256 values of an fp8 format as float32, by byte (the kernel's decoding table)."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
-
-
 def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
                         row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
                         softcap: float = 0.0) -> torch.Tensor:
     """paged_attention's contract over an fp8 pool (float8_e4m3fn or float8_e5m2, [2, NB, BS, Hkv, D]); q and out
     fp32 or bf16. Batch invariant."""
     return _paged_attention_8bit(_library().paged_attention_fp8, q, kv_cache, block_tables, row_seq, row_len, scale,
-                                 out, window, softcap, fp8_values(kv_cache.dtype).data_ptr())
+                                 out, window, softcap, int(kv_cache.dtype == torch.float8_e5m2))

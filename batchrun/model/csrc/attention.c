@@ -2,7 +2,8 @@
  *
  * Computes: out = softmax(scale * q K^T) V for every query row of a step, decode and prefill / extend rows alike,
  * reading K and V in place through the block tables (paged_attention); on CPUs with AMX, bf16 tiles of enough
- * lanes go to AMX tiles (amx_attend_head). store_kv copies a step's K/V rows into their pool slots, which every
+ * lanes go to AMX tiles (amx_attend_head); int8 and fp8 pools are widened a chunk at a time for the same code
+ * (attend_tile_8bit). store_kv copies a step's K/V rows into their pool slots, which every
  * backend does before any row attends. The KV store lives here, not in a file of its own, because it is the
  * other half of the same contract: the pool layout below, written by one and read by the other.
  *
@@ -442,16 +443,20 @@ static int by_cost_descending(const void *a, const void *b) {
 typedef struct {
     float *sc, *acc, *inv;
     int64_t *off, *next_off;
-    void *amx; /* amx_attend_head's buffers (AMX_ATTENTION only) */
+    void *amx;  /* amx_attend_head's buffers (AMX_ATTENTION only) */
+    void *wide; /* an 8-bit pool's chunk of K or V rows widened [KEY_CHUNK][d] (attend_tile_8bit only) */
+    float *ks;  /* and their int8 scales [KEY_CHUNK] */
 } Scratch;
 
-/* The fetch cursor of a task's keys, its first chunk to come, with the task's key offsets written to off. */
+/* The fetch cursor of a task's keys, its first chunk to come, with the task's key offsets written to off (in
+ * pool elements of elsize bytes; a (slot, kv head) row is width elements). */
 static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k, const void *v, const int32_t *bt,
-                        int64_t bt_stride, int64_t row, int64_t bs, int64_t d, int64_t *off, const int bf) {
-    key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, row, off);
-    const int64_t width = (h1 - h0) * d * (bf ? 2 : 4); /* bytes of a key's K (or V) row the task reads */
+                        int64_t bt_stride, int64_t hkv, int64_t bs, int64_t width, int64_t elsize, int64_t *off) {
+    key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, hkv * width, off);
+    const int64_t bytes = (h1 - h0) * width * elsize; /* of a key's K (or V) row the task reads */
     const int64_t end = tile->start + KEY_CHUNK < tile->max_len ? tile->start + KEY_CHUNK : tile->max_len;
-    const Fetch f = {at(k, h0 * d, bf), at(v, h0 * d, bf), off, tile->start, end, 0, (width + 63) / 64, bf ? 2 : 4};
+    const Fetch f = {(const char *)k + h0 * width * elsize, (const char *)v + h0 * width * elsize, off, tile->start,
+                     end, 0, (bytes + 63) / 64, elsize};
     return f;
 }
 
@@ -687,6 +692,12 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
 }
 #endif
 
+/* A pool's format: K/V in the query's dtype (paged_attention), int8 rows with their scale, or fp8 bytes
+ * (paged_attention_int8, paged_attention_fp8). */
+enum { KV_FLOAT, KV_INT8, KV_E4M3, KV_E5M2 };
+/* An int8 pool's (slot, kv head) row: head_dim int8 values, then their float32 scale (quantize_row). */
+#define Q8_ROW(d) ((d) + 4)
+
 /* The arguments every task of one call shares. */
 typedef struct {
     const void *q, *k, *v;
@@ -697,6 +708,8 @@ typedef struct {
     int64_t amx_lanes; /* the fewest lanes (rows x query heads of a kv head) a tile takes to AMX; 0: none */
     int64_t window;    /* a sliding window (keys a row sees: itself and window - 1 before it); 0: none */
     float softcap;     /* scores soft-capped to softcap * tanh(s / softcap); 0: not */
+    int64_t width;     /* pool elements of a (slot, kv head) row: d, or Q8_ROW(d) in an int8 pool */
+    int kv;            /* the pool's format (KV_FLOAT, KV_INT8, KV_E4M3, KV_E5M2) */
 } AttentionCall;
 
 /* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
@@ -731,6 +744,269 @@ static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h
     attend_task(c, tile, h0, h1, s, own, next, 1);
 }
 
+/* ---- attention over an 8-bit pool (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2) ------------------------------ */
+
+/* An 8-bit pool is read by the float kernel's own code: each chunk of one kv head's K (then V) rows is widened once
+ * into a small float buffer that stays in L1 (Scratch.wide), and chunk_scores / group_pv take it from there for
+ * every row of the tile and every query head of the GQA group. So each byte of the pool is read from memory once
+ * per task, the widening is shared by all the lanes that read the chunk, and a row's arithmetic is the float
+ * kernel's (its scores, softmax and sums of V key by key in order: batch invariant, as there). */
+/* VW bytes from p as VW int32, sign- or zero-extended: one vpmov{s,z}xbd (GCC 12 turns a generic
+ * __builtin_convertvector of 8-bit lanes into scalar code). */
+ALWAYS vi widen_bytes(const int8_t *p, const int sign) {
+#if defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return (vi)(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return (vi)(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+    vi x;
+    for (int i = 0; i < VW; i++) x[i] = sign ? (int32_t)p[i] : (int32_t)(uint8_t)p[i];
+    return x;
+#endif
+}
+
+/* VW values of an 8-bit row from p, as fp32: int8 as its integers (the row's scale is the caller's), fp8 decoded
+ * to exactly torch's values by moving the sign, exponent and mantissa bits into an fp32's (a 256-float table
+ * would cost a gather or a load per value). Subnormals (exponent 0) are their mantissa, an integer, times a power
+ * of two; e4m3fn has no infinities (S.1111.111 is NaN); e5m2's exponent 31 is inf and NaN, as in fp16. */
+ALWAYS vf widen8(const int8_t *p, const int kv) {
+    if (kv == KV_INT8) return __builtin_convertvector(widen_bytes(p, 1), vf);
+#if defined(__F16C__) && (VW == 16 || defined(__AVX2__))
+    /* Through fp16, fewer instructions: an e5m2 byte is the top half of the fp16 of its value, and e4m3fn's
+     * bits moved one place down (the sign kept) are the fp16 of its value / 256; vcvtph2ps widens exactly
+     * (subnormals, inf and NaN included), and e4m3fn's NaN, an fp16 1.875, is made one first. */
+    typedef int16_t vs16 __attribute__((vector_size(2 * VW)));
+#if VW == 16
+    vh h = (vh)_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+#else
+    vh h = (vh)_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8);
+#endif
+    if (kv == KV_E4M3) {
+        h = ((h >> 1) & 0x3fffu) | (h & 0x8000u);
+        const vs16 nan = (h & 0x7fffu) == 0x3f80u;
+        h = ((vh)nan & 0x7e00u) | ((vh)~nan & h);
+    }
+#if VW == 16
+    const vf x = (vf)_mm512_cvtph_ps((__m256i)h);
+#else
+    const vf x = (vf)_mm256_cvtph_ps((__m128i)h);
+#endif
+    return kv == KV_E4M3 ? x * 256.0f : x;
+#else
+    const vu u = (vu)widen_bytes(p, 0), mag = u & 0x7fu;
+    const int m = kv == KV_E4M3 ? 3 : 2; /* mantissa bits; the exponent's bias is 7 or 15 */
+    const vu normal = (mag << (23 - m)) + ((kv == KV_E4M3 ? 127u - 7u : 127u - 15u) << 23);
+    const vf sub = __builtin_convertvector((vi)mag, vf) * (kv == KV_E4M3 ? 0x1p-9f : 0x1p-16f);
+    vf x = vselect(mag < (1u << m), sub, (vf)normal);
+    if (kv == KV_E4M3)
+        x = vselect(mag == 0x7fu, (vf)((vu){0} + 0x7fc00000u), x);
+    else
+        x = vselect(mag >= 0x7cu, (vf)((mag << 21) | 0x7f800000u), x);
+    return (vf)((vu)x | (u & 0x80u) << 24);
+#endif
+}
+
+/* Keys [t0, t1) of one kv head's 8-bit rows (kh: that head's first byte in slot 0; off: the keys' byte offsets)
+ * widened into dst [t1 - t0][d]: fp32, or bf16 when to_bf (exact: an 8-bit value has at most 7 significant bits).
+ * An int8 row's values are multiplied by its scale when fold (each value then the torch reference's dequantized
+ * one), else left integers, the scales in ks. Each row fetches `per` more lines of what comes next (f). */
+ALWAYS void widen_rows(const int8_t *kh, const int64_t *off, int64_t t0, int64_t t1, void *dst, float *ks, Fetch *f,
+                       int64_t per, const int64_t d, const int kv, const int to_bf, const int fold) {
+    for (int64_t t = t0; t < t1; t++) {
+        fetch_lines(f, per);
+        const int8_t *row = kh + off[t];
+        const int64_t base = (t - t0) * d;
+        float scale = 1.0f;
+        if (kv == KV_INT8) memcpy(&scale, row + d, 4);
+        ks[t - t0] = scale;
+        int64_t i = 0;
+        for (; i + VW <= d; i += VW) {
+            vf x = widen8(row + i, kv);
+            if (kv == KV_INT8 && fold) x *= scale;
+            stv(dst, base + i, x, to_bf);
+        }
+        if (i < d) { /* a partial vector: through a padded copy (the last row of an fp8 pool ends the buffer) */
+            int8_t pad[VW] = {0};
+            float w[VW];
+            memcpy(pad, row + i, d - i);
+            vf x = widen8(pad, kv);
+            if (kv == KV_INT8 && fold) x *= scale;
+            vstore(w, x);
+            for (int64_t e = i; e < d; e++) st1(dst, base + e, w[e - i], to_bf);
+        }
+    }
+}
+
+/* widen_rows with the pool's format, a run-time value, made a constant again (once per chunk). */
+ALWAYS void widen_chunk(int kv, const int8_t *kh, const int64_t *off, int64_t t0, int64_t t1, void *dst, float *ks,
+                        Fetch *f, int64_t per, const int64_t d, const int to_bf, const int fold) {
+    if (kv == KV_INT8)
+        widen_rows(kh, off, t0, t1, dst, ks, f, per, d, KV_INT8, to_bf, fold);
+    else if (kv == KV_E4M3)
+        widen_rows(kh, off, t0, t1, dst, ks, f, per, d, KV_E4M3, to_bf, fold);
+    else
+        widen_rows(kh, off, t0, t1, dst, ks, f, per, d, KV_E5M2, to_bf, fold);
+}
+
+#if VW == 16 && !HAVE_AVX2_ATTENTION
+#define HAVE_DIRECT_PV 1
+/* chunk_pv reading 8-bit V rows in place (vh: the kv head's first byte in slot 0; off: byte offsets), for a tile of
+ * one row: each row's values widened once into registers, times its scale, for the nh heads (a V buffer would
+ * serve no other row). The same arithmetic as chunk_pv over widen_rows' fp32 values (each value rounded once
+ * by its scale, then one multiply-add per key in order), so a row's bits are those of a tile of many rows. */
+ALWAYS void chunk_pv_8bit(const float *p, int64_t cap, const int8_t *vh, const int64_t *off, int64_t t0, int64_t t1,
+                          float *acc, Fetch *f, const int64_t nh, const int64_t d, const int kv) {
+    const int64_t nv = d / VW;
+    vf a[16], x[16];
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t c = 0; c < nv; c++) a[h * nv + c] = vload(acc + h * d + c * VW);
+    for (int64_t t = t0; t < t1; t++) {
+        fetch_lines(f, 1);
+        const int8_t *vt = vh + off[t];
+        float scale = 1.0f;
+        if (kv == KV_INT8) memcpy(&scale, vt + d, 4);
+        for (int64_t c = 0; c < nv; c++) {
+            x[c] = widen8(vt + c * VW, kv);
+            if (kv == KV_INT8) x[c] *= scale;
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            const float w = p[h * cap + t];
+            for (int64_t c = 0; c < nv; c++) a[h * nv + c] += w * x[c];
+        }
+    }
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t c = 0; c < nv; c++) vstore(acc + h * d + c * VW, a[h * nv + c]);
+}
+
+/* group_pv's runs of heads for chunk_pv_8bit (d = 64: 4 heads, 128: 2; d a multiple of 16 up to 256: 1). */
+ALWAYS void group_pv_8bit(const float *p, int64_t cap, const int8_t *vh, const int64_t *off, int64_t t0, int64_t t1,
+                          float *acc, Fetch *f, int64_t g, const int64_t d, const int kv) {
+    const int64_t run = d == 64 ? 4 : d == 128 ? 2 : 1;
+    for (int64_t j = 0; j < g; j += run) {
+        const float *pj = p + j * cap;
+        float *aj = acc + j * d;
+        switch (g - j < run ? g - j : run) {
+            case 1: chunk_pv_8bit(pj, cap, vh, off, t0, t1, aj, f, 1, d, kv); break;
+            case 2: chunk_pv_8bit(pj, cap, vh, off, t0, t1, aj, f, 2, d, kv); break;
+            case 3: chunk_pv_8bit(pj, cap, vh, off, t0, t1, aj, f, 3, d, kv); break;
+            default: chunk_pv_8bit(pj, cap, vh, off, t0, t1, aj, f, 4, d, kv); break;
+        }
+    }
+}
+#define DIRECT_PV(rows, d) ((rows) == 1 && (d) % 16 == 0 && (d) <= 256)
+#else
+#define HAVE_DIRECT_PV 0
+#define DIRECT_PV(rows, d) 0
+#endif
+
+/* Keys widened at a time: as many as fill 16 KB of fp32 (half of Zen 4's and most x86 cores' L1), a multiple
+ * of 16 from 16 to KEY_CHUNK. */
+static inline int64_t wide_keys(int64_t d) {
+    const int64_t n = 4096 / d / 16 * 16;
+    return n < 16 ? 16 : n > KEY_CHUNK ? KEY_CHUNK : n;
+}
+
+/* attend_tile over an 8-bit pool (the arguments in c). K is widened to fp32 values times their scale for fp32
+ * queries (the reference's dequantized K), or to bf16 integers for bf16 queries (exact, so that chunk_scores takes
+ * vdpbf16ps where the CPU has it, as for a bf16 pool), each score then multiplied by its key's scale; V to fp32
+ * values times their scale, or, for a tile of one row (a decode row) on AVX-512, straight into registers
+ * (chunk_pv_8bit: the same bits). */
+ALWAYS void attend_tile_8bit(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch f,
+                             Fetch *next, const int64_t d, const int bf) {
+    const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, hq = c->hq, g = c->g;
+    const int64_t cap = c->cap, kc = wide_keys(d), per = (f.lines + (h1 - h0) - 1) / (h1 - h0);
+    const int8_t *k = c->k, *v = c->v;
+    int64_t ident[KEY_CHUNK]; /* the widened keys' offsets in s.wide */
+    for (int64_t i = 0; i < kc; i++) ident[i] = i * d;
+    Fetch none = {0}; /* chunk_scores and group_pv fetch nothing: widen_rows does */
+    for (int64_t c0 = tile->start; c0 < max_len; c0 += kc) {
+        const int64_t c1 = c0 + kc < max_len ? c0 + kc : max_len;
+        f.end = c1 + KEY_CHUNK < max_len ? c1 + KEY_CHUNK : max_len;
+        Fetch *fp = c1 >= max_len && f.key >= f.end ? next : &f;
+        for (int64_t h = h0; h < h1; h++) {
+            widen_chunk(c->kv, k + h * c->width, s.off, c0, c1, s.wide, s.ks, fp, per, d, bf, !bf);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = c->row_len[first + r], t1 = c1 < n ? c1 : n;
+                if (n <= c0) continue;
+                for (int64_t j = h * g; j < (h + 1) * g; j++) {
+                    float *x = s.sc + (r * hq + j) * cap + c0;
+                    chunk_scores(at(c->q, (first + r) * c->q_stride + j * d, bf), s.wide, ident, 0, t1 - c0, &none, x,
+                                 d, c->scale, bf);
+                    if (bf && c->kv == KV_INT8)
+                        for (int64_t t = 0; t < t1 - c0; t++) x[t] *= s.ks[t];
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = c->row_len[first + r], lo = first_key(n, c->window);
+        for (int64_t j = h0 * g; j < h1 * g; j++) {
+            float *x = s.sc + (r * hq + j) * cap + lo;
+            if (c->softcap > 0.0f) soft_cap(x, n - lo, c->softcap);
+            s.inv[r * hq + j] = n > 0 ? 1.0f / softmax_numerators(x, n - lo, 1.0f) : 0.0f;
+            memset(s.acc + (r * hq + j) * d, 0, sizeof(float) * d);
+        }
+    }
+#if HAVE_DIRECT_PV
+    if (DIRECT_PV(rows, d)) { /* one row: lanes h * g + j */
+        const int64_t n = c->row_len[first], lo = first_key(n, c->window);
+        for (int64_t h = h0; h < h1; h++) {
+            const int8_t *vh = v + h * c->width;
+            float *p = s.sc + h * g * cap, *acc = s.acc + h * g * d;
+            if (c->kv == KV_INT8)
+                group_pv_8bit(p, cap, vh, s.off, lo, n, acc, next, g, d, KV_INT8);
+            else if (c->kv == KV_E4M3)
+                group_pv_8bit(p, cap, vh, s.off, lo, n, acc, next, g, d, KV_E4M3);
+            else
+                group_pv_8bit(p, cap, vh, s.off, lo, n, acc, next, g, d, KV_E5M2);
+        }
+    }
+#endif
+    for (int64_t c0 = tile->start; c0 < max_len && !DIRECT_PV(rows, d); c0 += kc) {
+        const int64_t c1 = c0 + kc < max_len ? c0 + kc : max_len;
+        for (int64_t h = h0; h < h1; h++) {
+            widen_chunk(c->kv, v + h * c->width, s.off, c0, c1, s.wide, s.ks, next, 1, d, 0, 1);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = c->row_len[first + r], t1 = c1 < n ? c1 : n;
+                const int64_t lo = first_key(n, c->window), t0 = lo > c0 ? lo : c0, lane = r * hq + h * g;
+                if (t1 > t0)
+                    group_pv(s.sc + lane * cap + c0, cap, s.wide, ident, t0 - c0, t1 - c0, s.acc + lane * d, &none, g,
+                             d, 0);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = h0 * g; j < h1 * g; j++) {
+            const float *a = s.acc + (r * hq + j) * d, inv = s.inv[r * hq + j];
+            void *o = (void *)at(c->out, ((first + r) * hq + j) * d, bf);
+            int64_t i = 0;
+            for (; i + VW <= d; i += VW) stv(o, i, vload(a + i) * inv, bf);
+            for (; i < d; i++) st1(o, i, a[i] * inv, bf);
+        }
+    }
+}
+
+/* One task over an 8-bit pool, the query dtype and the common head_dims constants (see attend_task). */
+ALWAYS void attend_task_8bit(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
+                             Fetch *next, const int bf) {
+    if (c->d == 64)
+        attend_tile_8bit(c, tile, h0, h1, s, own, next, 64, bf);
+    else if (c->d == 128)
+        attend_tile_8bit(c, tile, h0, h1, s, own, next, 128, bf);
+    else
+        attend_tile_8bit(c, tile, h0, h1, s, own, next, c->d, bf);
+}
+static void attend_task_8bit_fp32(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s,
+                                  Fetch own, Fetch *next) {
+    attend_task_8bit(c, tile, h0, h1, s, own, next, 0);
+}
+static void attend_task_8bit_bf16(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s,
+                                  Fetch own, Fetch *next) {
+    attend_task_8bit(c, tile, h0, h1, s, own, next, 1);
+}
+
 /* out[i, hq, d] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (its block
  * table is row row_seq[i] of bt, bt_stride apart), for every query row i < num_rows: decode rows (row_len =
  * the context) and prefill / extend rows (row_len = the row's position + 1) alike. q rows are q_stride
@@ -743,10 +1019,10 @@ static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h
  * before a tile's first such key chunk are never read: a freed block's may be anything). softcap > 0: the scores
  * are soft-capped, softcap * tanh(s / softcap), before the softmax (Gemma 2).
  * Returns 0, or 1 if scratch memory could not be allocated (out is then incomplete). */
-int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
-                    int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes,
-                    int64_t window, float softcap) {
+static int attend_rows(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                       int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes,
+                       int64_t window, float softcap, int kv) {
     const int64_t g = hq / hkv;
     Tile *tiles = malloc(sizeof(Tile) * (num_rows > 0 ? num_rows : 1));
     if (tiles == NULL) return 1;
@@ -768,11 +1044,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
     cap = (cap + VW - 1) / VW * VW;
 #if HAVE_AMX
-    if (!AMX_ATTENTION(d, bf)) amx_lanes = 0;
+    if (!AMX_ATTENTION(d, bf) || kv != KV_FLOAT) amx_lanes = 0;
 #else
     amx_lanes = 0;
 #endif
-    const AttentionCall call = {q, k, v, row_len, out, q_stride, hq, g, cap, d, scale, amx_lanes, window, softcap};
+    const int64_t width = kv == KV_INT8 ? Q8_ROW(d) : d, elsize = kv != KV_FLOAT ? 1 : bf ? 2 : 4;
+    const AttentionCall call = {q,         k,      v,       row_len, out,   q_stride, hq, g, cap, d, scale,
+                                amx_lanes, window, softcap, width,   kv};
     /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
      * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
@@ -783,8 +1061,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
 #pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
     {
         Scratch s = {malloc(sizeof(float) * (lanes * cap + lanes * d + lanes)), NULL, NULL,
-                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), NULL};
-        failed = s.sc == NULL || s.off == NULL || s.next_off == NULL;
+                     malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), malloc(sizeof(int64_t) * (cap > 0 ? cap : 1)), NULL,
+                     NULL, NULL};
+        if (kv != KV_FLOAT) {
+            s.wide = malloc(sizeof(float) * KEY_CHUNK * d);
+            s.ks = malloc(sizeof(float) * KEY_CHUNK);
+        }
+        failed = s.sc == NULL || s.off == NULL || s.next_off == NULL || (kv != KV_FLOAT && (s.wide == NULL || s.ks == NULL));
 #if HAVE_AMX
         AmxBuffers amx_buffers = {0};
         if (amx_lanes > 0 && !failed) { /* lanes of one kv head: TILE_ROWS * g, a multiple of 16 */
@@ -813,8 +1096,8 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
         Fetch ahead = {0}; /* the fetch cursor of `task`'s first chunk */
         if (task < num_tasks) {
             const int64_t h0 = task % tasks_per_tile * heads_per_task;
-            ahead = task_fetch(&tiles[task / tasks_per_tile], h0, h0 + heads_per_task, k, v, bt, bt_stride, hkv * d, bs,
-                               d, s.off, bf);
+            ahead = task_fetch(&tiles[task / tasks_per_tile], h0, h0 + heads_per_task, k, v, bt, bt_stride, hkv, bs,
+                               width, elsize, s.off);
         }
         while (task < num_tasks) {
             fetch_lines(&ahead, ahead.end * ahead.lines); /* what the task before did not fetch of its first chunk */
@@ -825,11 +1108,15 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
             if (following < num_tasks) {
                 const int64_t h0 = following % tasks_per_tile * heads_per_task;
                 next = task_fetch(&tiles[following / tasks_per_tile], h0, h0 + heads_per_task, k, v, bt, bt_stride,
-                                  hkv * d, bs, d, s.next_off, bf);
+                                  hkv, bs, width, elsize, s.next_off);
             }
             const Tile *tile = &tiles[task / tasks_per_tile];
             const int64_t h0 = task % tasks_per_tile * heads_per_task, h1 = h0 + heads_per_task;
-            if (bf)
+            if (kv != KV_FLOAT && bf)
+                attend_task_8bit_bf16(&call, tile, h0, h1, s, ahead, &next);
+            else if (kv != KV_FLOAT)
+                attend_task_8bit_fp32(&call, tile, h0, h1, s, ahead, &next);
+            else if (bf)
                 attend_task_bf16(&call, tile, h0, h1, s, ahead, &next);
             else
                 attend_task_fp32(&call, tile, h0, h1, s, ahead, &next);
@@ -842,6 +1129,8 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
         free(s.sc);
         free(s.off);
         free(s.next_off);
+        free(s.wide);
+        free(s.ks);
 #if HAVE_AMX
         if (s.amx != NULL) {
             _tile_release();
@@ -852,6 +1141,14 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
     }
     free(tiles);
     return failed;
+}
+
+int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                    int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes,
+                    int64_t window, float softcap) {
+    return attend_rows(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
+                       amx_lanes, window, softcap, KV_FLOAT);
 }
 
 /* ---- KV store --------------------------------------------------------------------------------------- */
@@ -874,8 +1171,7 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
 /* In an int8 pool each (slot, kv head) row is head_dim int8 values followed by their float32 scale (d + 4 bytes):
  * symmetric, per token and kv head, x ~ scale * q with scale = absmax / 127. The scale sits inside the row so that
  * every block move (copy-on-write, swap out and in) carries it with the values. batchrun/model/kv_quant.py is the
- * torch side of the same format; its quantize_rows gives the same bytes as quantize_row here. */
-#define Q8_ROW(d) ((d) + 4)
+ * torch side of the same format; its quantize_rows gives the same bytes as quantize_row here. (Q8_ROW: above.) */
 
 static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
     float absmax = 0.0f;
@@ -907,98 +1203,23 @@ void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *
     }
 }
 
-/* One 8-bit value of a pool row: int8 (times the row's scale, applied by the caller), or an fp8 byte decoded
- * through lut (256 floats: the fp8 format's values, from torch; no scale). */
-ALWAYS float q8_value(const int8_t *row, int64_t i, const float *lut, const int fp8) {
-    return fp8 ? lut[(uint8_t)row[i]] : (float)row[i];
-}
-
-/* q . k over d dims in 16 lanes (vectorized by the compiler: each lane's sum is its own, in order), the lanes then
- * added in a fixed order: the same bits whatever the row's neighbours. */
-ALWAYS float dot_q8(const float *q, const int8_t *k, int64_t d, const float *lut, const int fp8) {
-    float lane[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; l++) lane[l] += q[i + l] * q8_value(k, i + l, lut, fp8);
-    for (; i < d; i++) lane[i % 16] += q[i] * q8_value(k, i, lut, fp8);
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += lane[l];
-    return s;
-}
-
-/* paged_attention's contract (the same rows, lengths, window and softcap) over an 8-bit pool. int8 (fp8 = 0): each
- * key's dot product is taken on its int8 values and multiplied by its scale (folded into the score), and each value
- * row's weight is multiplied by its scale before the int8 values are accumulated, all in fp32. fp8 (fp8 = 1): rows
- * of d bytes decoded through lut, no scale. A task is one row and one kv head; a row's arithmetic is a function of
- * that row alone, its keys taken in order (batch invariant). Returns 0, or 1 if scratch memory could not be
+/* paged_attention's contract (the same rows, lengths, window and softcap) over an int8 pool: each key's dot product
+ * is taken on its int8 values and multiplied by its scale, and each value row's int8 values by theirs, in fp32
+ * (attend_tile_8bit). Batch invariant as paged_attention. Returns 0, or 1 if scratch memory could not be
  * allocated. */
-ALWAYS int attend_8bit(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
-                       int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
-                       int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t window,
-                       float softcap, const float *lut, const int fp8) {
-    const int64_t width = fp8 ? d : Q8_ROW(d), g = hq / hkv, row = hkv * width;
-    int64_t cap = 1, work = 0;
-    for (int64_t i = 0; i < num_rows; i++) {
-        cap = row_len[i] > cap ? row_len[i] : cap;
-        work += row_len[i];
-    }
-    int failed = 0;
-#pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
-    {
-        float *sc = malloc(sizeof(float) * (cap + 2 * d)); /* scores [cap], the query in fp32 [d], sums [d] */
-        failed = sc == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_rows * hkv; task++) {
-            if (sc != NULL) { /* every thread meets the loop; one without scratch takes no part */
-                float *qf = sc + cap, *acc = qf + d;
-                const int64_t r = task / hkv, h = task % hkv, n = row_len[r], lo = first_key(n, window);
-                const int32_t *table = bt + (int64_t)row_seq[r] * bt_stride;
-                for (int64_t j = h * g; j < (h + 1) * g; j++) {
-                    for (int64_t i = 0; i < d; i++) qf[i] = ld1(q, r * q_stride + j * d + i, bf);
-                    float m = -INFINITY;
-                    for (int64_t t = lo; t < n; t++) {
-                        const int8_t *kt = (const int8_t *)k + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
-                        float ks = 1.0f;
-                        if (!fp8) memcpy(&ks, kt + d, 4);
-                        float s = dot_q8(qf, kt, d, lut, fp8) * ks * scale;
-                        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-                        sc[t] = s;
-                        m = s > m ? s : m;
-                    }
-                    float sum = 0.0f;
-                    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-                    for (int64_t t = lo; t < n; t++) {
-                        const int8_t *vt = (const int8_t *)v + ((int64_t)table[t / bs] * bs + t % bs) * row + h * width;
-                        const float p = expf(sc[t] - m);
-                        float vs = 1.0f;
-                        if (!fp8) memcpy(&vs, vt + d, 4);
-                        sum += p;
-                        const float w = p * vs;
-                        for (int64_t i = 0; i < d; i++) acc[i] += w * q8_value(vt, i, lut, fp8);
-                    }
-                    const float inv = n > lo ? 1.0f / sum : 0.0f;
-                    for (int64_t i = 0; i < d; i++) st1(out, (r * hq + j) * d + i, acc[i] * inv, bf);
-                }
-            }
-        }
-        free(sc);
-    }
-    return failed;
-}
-
 int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                          int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                          int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
                          int64_t window, float softcap) {
-    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
-                       window, softcap, NULL, 0);
+    return attend_rows(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf, 0,
+                       window, softcap, KV_INT8);
 }
 
-/* The same over an fp8 pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2): lut holds the 256 values of the format. */
+/* The same over an fp8 pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2: e5m2 = 0 / 1), rows of d bytes, no scale. */
 int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                         int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
-                        int64_t window, float softcap, const float *lut) {
-    return attend_8bit(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf,
-                       window, softcap, lut, 1);
+                        int64_t window, float softcap, int e5m2) {
+    return attend_rows(q, q_stride, k, v, bt, bt_stride, row_seq, row_len, out, num_rows, hq, hkv, d, bs, scale, bf, 0,
+                       window, softcap, e5m2 ? KV_E5M2 : KV_E4M3);
 }
