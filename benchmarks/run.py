@@ -145,7 +145,7 @@ PLANS: dict[str, Plan] = {
                          speculation_variants=False),
     # the int8 KV cache (docs/kv-cache.md) on the chat work, beside OpenVINO's u8 KV cache; asked for by name (any
     # plan takes it too: --llm-kwargs '{"kv_cache_dtype": "int8"}')
-    "chat-bf16-kv-int8": Plan("chat-bf16-kv-int8", **CHAT, dtype="bfloat16", openvino_u8=True,
+    "chat-bf16-kv-int8": Plan("chat-bf16-kv-int8", **CHAT, dtype="bfloat16", openvino_u8=True, fmt="int8 KV",
                               batchrun_kwargs={"kv_cache_dtype": "int8"}, note="batchrun's KV cache in int8"),
     # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
     # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).

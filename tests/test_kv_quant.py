@@ -10,6 +10,7 @@ with the unquantized engine, batch invariance holds with swap preemption and chu
 from __future__ import annotations
 
 import functools
+import platform
 import random
 
 import pytest
@@ -177,33 +178,20 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def _library_for(march: str):
-    """The attention kernels built for `march` (the library's flags otherwise): "native" is the library itself;
-    x86-64-v3 is an AVX2 + FMA + F16C machine (8-float vectors, fp8 through fp16), x86-64 one with no SIMD the
-    kernels use (generic vectors, fp8 decoded by moving bits). None where it cannot be built or run here."""
-    import ctypes
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
+    """The kernels built for `march` (cpu_kernels.build's target; cached, so test_quant_avx2's x86-64-v3 build is
+    this one): "native" is the library itself; x86-64-v3 is an AVX2 + FMA + F16C machine (8-float vectors, fp8
+    through fp16), x86-64 one with no SIMD the kernels use (generic vectors, fp8 decoded by moving bits). None where
+    it cannot be built or run here."""
     from batchrun.model.cpu_kernels import attention as cpu_attention
 
     if march == "native":
         return cpu_attention._library()
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or "x86_64" not in __import__("platform").machine():
+    if "x86_64" not in platform.machine():
         return None
     if march == "x86-64-v3" and not {"avx2", "fma", "f16c", "bmi2"} <= _cpu_flags():
         return None
-    folder = Path(tempfile.mkdtemp(prefix="kv8-"))
-    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._FLAGS]
-    out = folder / "attention.so"
-    subprocess.run([cc, *flags, "-o", str(out), str(cpu_kernels.CSRC / "attention.c"),
-                    str(cpu_kernels.CSRC / "common.c"), "-lm"], check=True, capture_output=True, timeout=300)
-    lib = ctypes.CDLL(str(out))
-    cpu_kernels.declare(lib, {k: cpu_attention.SIGNATURES[k] for k in ("paged_attention_int8", "paged_attention_fp8")})
-    shutil.rmtree(folder, ignore_errors=True)  # (the library stays mapped)
-    return lib
+    signatures = {k: cpu_attention.SIGNATURES[k] for k in ("paged_attention_int8", "paged_attention_fp8")}
+    return cpu_kernels.build(cpu_kernels.sources(), signatures, march=march)
 
 
 MARCHES = ["native", "x86-64-v3", "x86-64"]
