@@ -165,8 +165,11 @@ def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
                     reason="the few-row copy exists beside oneDNN's bf16 kernels only")
 def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):
     """Where oneDNN runs a bf16 model, its few-row copy is kept only where it fits; else every linear is packed
-    once, for the panels."""
+    once, for the panels. On a CPU whose panels run on vdpbf16ps (AVX512-BF16, no AMX) they take every linear
+    by default (faster than oneDNN there at every row count: cpu_linear.own_kernel); BATCHRUN_CPU_MATMUL=onednn
+    asks for oneDNN instead."""
     import batchrun.llm as llm_module
+    from batchrun.model.cpu_kernels import linears as cpu_linears
     from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
 
     def layers(llm):
@@ -174,7 +177,11 @@ def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, 
         return {type(m) for m in model.modules() if isinstance(m, (OneDNNLinear, PackedLinear))}, \
             {m.small is not None for m in model.modules() if isinstance(m, OneDNNLinear)}
 
+    if cpu_linears.bf16_kernel() == "dot":
+        assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({PackedLinear}, set())
+        monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")
     assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({OneDNNLinear}, {True})
+    monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
     config = AutoConfig.from_pretrained(bf16_ckpt)
     held = memory.held_weight_bytes(memory.checkpoint_weight_bytes(bf16_ckpt, 2), 2, config, packs_tied_lm_head=True)
     tight = Available(memory.WORKING_BYTES + 64 * 2**20 + held + 2**20, 16 * GIB, "tight")  # the weights fit, not twice

@@ -189,8 +189,13 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
     bf16: in the batch-invariant mode, always (oneDNN's bf16 kernels change with the row count: module docstring);
     where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX, e.g. AMD Zen 3): there torch's bf16
     F.linear ran at 16 GFLOP/s at every row count from 8 to 512 on SmolLM2's gate|up shape, 0.13x its fp32
-    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; and where the few-row copy beside
-    oneDNN's layout does not fit the memory (`few_rows_room` False, llm.py): one copy that serves every row count.
+    speed at 512 rows, where the panels run bf16 at the fp32 kernel's speed; where the panels run on vdpbf16ps
+    (bf16_kernel "dot": AVX512-BF16 and no AMX, AMD Zen 4), which took 0.62-0.98x oneDNN's time at every row count
+    measured (`python -m benchmarks.linears --dtypes bfloat16`, weights streamed, 2 threads, median of 3-5, AMD
+    EPYC Zen 4, 2026-12-04: SmolLM2's 120 linears and lm_head 0.62x at 16 rows, 0.82x at 64, 0.91x at 128, 0.94x
+    at 512, 0.90x at 2048; Llama-3.2-1B's shapes 0.77x at 16, 0.93x at 64, 0.98x at 128, 0.87x at 512); and where
+    the few-row copy beside oneDNN's layout does not fit the memory (`few_rows_room` False, llm.py). Each is one
+    copy that serves every row count.
     BATCHRUN_CPU_MATMUL=onednn keeps bf16 models on oneDNN outside the batch-invariant mode.
     fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
     decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
@@ -205,7 +210,9 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
     if dtype == torch.bfloat16:
         if batch_invariant or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return True
-        return not few_rows_room and os.environ.get("BATCHRUN_CPU_MATMUL", "auto") != "onednn"
+        if os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "onednn":
+            return False
+        return not few_rows_room or cpu_linears.bf16_kernel() == "dot"
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
