@@ -59,9 +59,11 @@ def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch)
     monkeypatch.delenv("BATCHRUN_F32_LINEAR", raising=False)
     monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
     assert own_kernel(big()) and not own_kernel(small)
-    # bf16 models take it (at any size) only where oneDNN has no bf16 kernels (or in the batch-invariant mode, or
-    # without room for the few-row copy): tests/test_small_bf16_linear.py, tests/test_memory_budget.py
-    assert own_kernel(big(torch.bfloat16)) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # bf16 models take it (at any size) only where oneDNN has no bf16 kernels or the panels run on vdpbf16ps (or in
+    # the batch-invariant mode, or without room for the few-row copy): tests/test_small_bf16_linear.py,
+    # tests/test_memory_budget.py
+    assert own_kernel(big(torch.bfloat16)) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                                               or cpu_linears.bf16_kernel() == "dot")
     assert own_kernel(big(torch.bfloat16), batch_invariant=True) and own_kernel(big(torch.bfloat16), few_rows_room=False)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")  # oneDNN asked for by name
     assert not own_kernel(big())

@@ -154,7 +154,10 @@ def test_quantized_linears_on_cuda_equal_the_weight_only_reference(make_ckpt, fm
 # gguf: the Q4_1 file's own weights as stored (the bf16 reference is those weights dequantized), so only the
 # activations' int8 quantization separates the two.
 # int8+head: int8 layers and lm_head (EngineArgs.quantize_lm_head), each row's top 8 logits recomputed exactly.
-FLOORS = {"int8": 0.97, "int4": 0.60, "gguf": 0.97, "int8+head": 0.97}
+# gguf's floor is 0.95: measured 98.7% (2026-12-03), 97.4% with the bf16 reference on oneDNN and 96.1% with it on
+# the vdpbf16ps panels (2026-12-04; the reference's own greedy replies change with its kernel, and one position of
+# the 384 is 0.26%); the bf16 model's agreement with fp32 was 1012/1024 either way (test_bf16_accuracy.py).
+FLOORS = {"int8": 0.97, "int4": 0.60, "gguf": 0.95, "int8+head": 0.97}
 
 
 @pytest.mark.slow
