@@ -330,8 +330,8 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
         results[name] = report.sections[f"e2e: {name}"]
         free_device_memory()  # each run's model and caches are gone once its function returned
     section("end to end: generated tokens per second")
-    hf_static = results[runs[4][0]].get("seconds")
-    hf_cb = results[runs[5][0]].get("seconds")
+    hf_static = results[f"HF generate, static batches of {args.static_batch_size}"].get("seconds")
+    hf_cb = results["HF continuous batching"].get("seconds")
     print(f"{'system':<40} {'gen tok/s':>10} {'seconds':>8} {'x static':>9} {'x HF CB':>8}")
     for name, r in results.items():
         if "seconds" not in r:

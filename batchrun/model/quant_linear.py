@@ -104,14 +104,16 @@ class QuantLinear(nn.Module):
         self.packed: quant_kernels.PackedQuantWeight | None = None
         self.weight_ref: quant.QuantizedWeight | None = None
         self.kernel = self.default_kernel or ("triton" if device.type != "cpu" else "c")
-        if self.kernel == "c" and not (quant_kernels.available() and quant_kernels.supports(weight)):
+        why_not = None  # why the chosen kernel cannot take this weight
+        if self.kernel == "c" and not quant_kernels.available():
+            why_not = "the C kernels are not built"
+        elif self.kernel == "c" and not quant_kernels.supports(weight):
+            why_not = f"the kernels take inputs and groups in multiples of {4 if weight.bits == 8 else 8}"
+        elif self.kernel == "triton" and weight.group_size % 16:
+            why_not = f"the Triton kernel takes groups of a multiple of 16 inputs, not {weight.group_size}"
+        if why_not:
             log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): %s", *weight.shape,
-                        weight.bits, "the C kernels are not built" if not quant_kernels.available()
-                        else f"the kernels take inputs and groups in multiples of {4 if weight.bits == 8 else 8}")
-            self.kernel = "torch"
-        if self.kernel == "triton" and weight.group_size % 16:
-            log.warning("a %dx%d int%d linear runs on torch (dequantized per call: slow): the Triton kernel takes "
-                        "groups of a multiple of 16 inputs, not %d", *weight.shape, weight.bits, weight.group_size)
+                        weight.bits, why_not)
             self.kernel = "torch"
         if self.kernel == "c":
             self.packed = quant_kernels.pack(weight)
