@@ -177,6 +177,13 @@ class EngineArgs:
             "token changes only where the model's own first choice is not among the int8 logits' 8 largest; sampling "
             "sees the int8 logits of the rest. Memory: the int8 copy beside the plain weight, which stays for that "
             "(in a bf16 model it replaces the packed copy of a tied lm_head). docs/quantization.md.")
+    # GPTQ over a calibration text at load (batchrun/model/calibration.py) instead of round to nearest
+    calibration: str = _setting("none", "str", "model.calibration",
+        doc="How `quantization` int8 / int4 / int4-g32 rounds the weights: `none` rounds each to nearest; "
+            "`builtin` (batchrun's own chat text, ~4k tokens) or the path of a UTF-8 text file (passages split by "
+            "blank lines) runs GPTQ over that text, layer by layer, so that each linear's outputs on it stay close "
+            "(the same format and speed; the load takes longer and holds the checkpoint once in `dtype` while it "
+            "runs). A safetensors checkpoint or a built-in model only. docs/quantization.md has what it gains.")
     device: str = _setting("auto", "device", "model.device",
         doc='auto: CUDA when there is one, else the CPU.')
     # longest prompt + completion; None: the model's own limit. A prompt needs a token and room for one more.
@@ -266,6 +273,13 @@ class EngineArgs:
             why = f.metadata["rule"].problem(getattr(self, f.name))
             if why:
                 raise EngineArgsError(f.name, why)
+        if self.calibration != "none":
+            if self.quantization not in ("int8", "int4", "int4-g32"):
+                raise EngineArgsError("calibration", f"{self.calibration} calibrates quantization int8, int4 or "
+                                                     f"int4-g32, not {self.quantization}")
+            if self.calibration != "builtin" and not os.path.isfile(self.calibration):
+                raise EngineArgsError("calibration", f"{self.calibration} is not a file (use none, builtin or the "
+                                                     "path of a text file)")
 
     def check_environment(self) -> None:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports

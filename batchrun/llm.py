@@ -18,13 +18,16 @@ from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.backends import resolve_batch_invariant
 from batchrun.model.cpu_kernels.linears import bf16_kernel
 from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
+from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.kv_quant import KV_CACHE_DTYPES
 from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
 from batchrun.model.locate import locate_model
 from batchrun.model.memory import (
+    WORKING_BYTES,
     MemoryPlan,
     available_memory,
     checkpoint_weight_bytes,
+    gib,
     held_weight_bytes,
     kv_bytes_per_token,
     plan_cpu_memory,
@@ -90,6 +93,7 @@ class LLM:
         source = locate_model(args.model)  # the checks `batchrun validate` makes, before anything loads
         source.check_max_model_len(args.max_model_len)
         source.check_quantization(args.quantization)
+        source.check_calibration(args.calibration)
         self.args = args
         num_kv_blocks = args.num_kv_blocks
         kv_bytes = args.kv_cache_bytes
@@ -108,7 +112,8 @@ class LLM:
         memory = self._plan_memory(args, path, cfg) if self.device.type == "cpu" else None  # refuses what can't fit
         loaded = load_model(source.load_spec, dtype=self.dtype, device=self.device, max_model_len=args.max_model_len,
                             quantization=QuantSpec.parse(args.quantization),
-                            gguf_as_stored=args.quantization == "gguf", quantize_lm_head=args.quantize_lm_head)
+                            gguf_as_stored=args.quantization == "gguf", quantize_lm_head=args.quantize_lm_head,
+                            calibration=args.calibration)
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
@@ -190,6 +195,13 @@ class LLM:
         memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
                                  max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
                                  swap=args.swap_space_bytes, available=available_memory(), model=args.model)
+        if args.calibration != "none":  # GPTQ holds the checkpoint whole in the dtype first (model/calibration.py)
+            full = checkpoint_weight_bytes(path, element_size)
+            if full + WORKING_BYTES > memory.available.free:
+                raise InsufficientMemoryError(
+                    f"calibration: {args.calibration} holds {args.model} whole in {str(self.dtype)[6:]} first ({gib(full)} "
+                    f"and {gib(WORKING_BYTES)} to work in), and this machine has {memory.available.detail}: use "
+                    "calibration: none (round to nearest) for this model")
         if kv_bytes is None:
             why = f"the job's rows need {args.kv_cache_tokens} tokens" if args.kv_cache_tokens else "the default"
             log.info("KV cache sized for %s: %.2f GiB, beside %.2f GiB of weights (%s)", why, memory.kv / 2**30,

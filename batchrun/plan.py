@@ -73,6 +73,7 @@ def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
         source = locate_model(args.model)
         source.check_max_model_len(args.max_model_len)
         source.check_quantization(args.quantization)
+        source.check_calibration(args.calibration)
     except EngineArgsError as e:
         raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
     except ModelLoadError as e:

@@ -84,17 +84,20 @@ def perplexity(llm: LLM, text: str) -> float:
 
 
 def make_llm(model: str, fmt: str, threads: int | None) -> LLM:
-    """fmt: a quantization value, with `+head` for the lm_head in int8 too (EngineArgs.quantize_lm_head)."""
-    quantization, _, head = fmt.partition("+")
+    """fmt: a quantization value, with `+head` for the lm_head in int8 too (EngineArgs.quantize_lm_head) and
+    `+gptq` for GPTQ over the built-in calibration text (EngineArgs.calibration), e.g. `int4+gptq+head`."""
+    quantization, *flags = fmt.split("+")
     return LLM(model, dtype="bfloat16", device="cpu", kv_cache_memory="256MiB", block_size=BLOCK,
-               quantization=quantization, quantize_lm_head=head == "head", num_threads=threads)
+               quantization=quantization, quantize_lm_head="head" in flags,
+               calibration="builtin" if "gptq" in flags else "none", num_threads=threads)
 
 
 def main() -> None:
     ap = parser(__doc__, model="builtin:smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     ap.add_argument("--formats", default="none,int8,int4,int4-g32",
-                    help="comma-separated; FORMAT+head: the lm_head in int8 too (default %(default)s)")
+                    help="comma-separated; FORMAT+head: the lm_head in int8 too, FORMAT+gptq: GPTQ over the built-in "
+                         "calibration text (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="reply tokens per question (default %(default)s)")
     args = ap.parse_args()
     text = TEXT.read_text()

@@ -30,7 +30,8 @@ def error_of(extra: str = "", overrides=(), text: str | None = None) -> str:
 def test_defaults():
     cfg = parse()
     assert cfg.model == {"path": "builtin:tiny-llama", "dtype": "auto", "quantization": "none",
-                         "quantize_lm_head": False, "device": "auto", "max_model_len": None}
+                         "quantize_lm_head": False, "calibration": "none", "device": "auto",
+                         "max_model_len": None}
     assert cfg.input["prompt_column"] == "prompt" and cfg.input["on_error"] == "record"
     assert cfg.input["keep_columns"] == [] and cfg.input["sampling_columns"] == {}
     assert cfg.engine["block_size"] == 16 and cfg.engine["preemption_mode"] == "auto"

@@ -209,12 +209,24 @@ def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def _calibrated(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], calibrated: dict[str, QuantizedWeight]
+                ) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
+    """The checkpoint's tensors with the calibrated linears' weights in place of theirs."""
+    for name, read in tensors:
+        yield name, (functools.partial(_given, calibrated.pop(name)) if name in calibrated else read)
+    if calibrated:  # names transformers gave its modules that the checkpoint does not use: rounded to nearest
+        log.warning("%d calibrated linears have no checkpoint tensor of their name (e.g. %s): those take round to "
+                    "nearest", len(calibrated), next(iter(calibrated)))
+
+
 def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                quantization: QuantSpec | None = None, gguf_as_stored: bool = False,
-               quantize_lm_head: bool = False) -> LoadedModel:
+               quantize_lm_head: bool = False, calibration: str = "none") -> LoadedModel:
     """gguf_as_stored: a GGUF file's Q8_0 / Q6_K / Q4_0 / Q4_1 / Q4_K linears become quantized linears on the
     file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor. quantize_lm_head: the
-    lm_head in int8 (quant_linear.int8_lm_head), once the weights are in the model's dtype."""
+    lm_head in int8 (quant_linear.int8_lm_head), once the weights are in the model's dtype. calibration
+    (`builtin` or a text file; with `quantization`, on a safetensors checkpoint): the linears rounded by GPTQ
+    over that text (batchrun.model.calibration) rather than to nearest."""
     path = resolve_path(model, gguf_file=gguf_as_stored)
     if gguf_as_stored and not is_gguf(path):
         raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
@@ -227,6 +239,14 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
     tokenizer = load_tokenizer(path)
     stored = None if gguf_as_stored or is_gguf(path) else stored_scheme(path)
     quantized = quantization is not None or gguf_as_stored or stored is not None
+    calibrated = None
+    if calibration != "none":
+        if quantization is None or is_gguf(path) or stored is not None:
+            raise ModelLoadError(f"calibration rounds a full-precision safetensors checkpoint to int8 or int4, and "
+                                 f"{path.name} with quantization {'gguf' if gguf_as_stored else 'none'} is not that")
+        from batchrun.model.calibration import calibrate  # transformers' model classes, only where asked for
+
+        calibrated = calibrate(path, quantization, dtype, calibration, tokenizer)
     # A quantized model bound for a GPU is built in host memory and moved once its linears are quantized: built on
     # the GPU, every linear would take its full-precision size there first (host pages of an empty tensor are not
     # resident until written; a GPU allocation is).
@@ -257,10 +277,11 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         log.info("%s: its quantized linears run as stored (%s): %.1f MiB", path.name, stored.describe(),
                  quantized_bytes(m) / 2**20)
     else:
-        load_weights(m, path, quantization=quantization, device=device)
+        tensors = None if calibrated is None else _calibrated(_safetensors(path), calibrated)
+        load_weights(m, path, tensors, quantization=quantization, device=device)
     if quantization is not None:
-        log.info("linears quantized to int%d (groups of %d inputs) at load: %.1f MiB", quantization.bits,
-                 quantization.group_size, quantized_bytes(m) / 2**20)
+        log.info("linears quantized to int%d (groups of %d inputs%s) at load: %.1f MiB", quantization.bits,
+                 quantization.group_size, ", GPTQ" if calibrated is not None else "", quantized_bytes(m) / 2**20)
     m.finish_load()
     m = m.to(device=device, dtype=dtype).eval().requires_grad_(False)  # (QuantLinears are on `device` already)
     if quantize_lm_head:

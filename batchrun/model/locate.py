@@ -65,6 +65,12 @@ class ModelSource:
         raise EngineArgsError("quantization", f"gguf keeps a GGUF file's quantized linears as stored, and "
                                               f"{self.spec} is not a .gguf file (use int8, int4 or none)")
 
+    def check_calibration(self, calibration: str) -> None:
+        """GPTQ calibration runs the checkpoint through transformers: a safetensors folder or a built-in."""
+        if calibration != "none" and self.kind == "gguf":
+            raise EngineArgsError("calibration", f"{calibration}, but {self.spec} is a GGUF file: calibration "
+                                                 "rounds a safetensors checkpoint (or a built-in model)")
+
     @property
     def load_spec(self) -> str:
         """The string the loader takes: `builtin:NAME`, or the local path."""
