@@ -8,10 +8,10 @@ import shutil
 import pytest
 
 from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import attention, elementwise, linears, quant, sampling
+from batchrun.model.cpu_kernels import attention, elementwise, gptq, linears, quant, sampling
 
 FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": sampling, "linears": linears,
-            "quant_linears": quant}
+            "quant_linears": quant, "gptq": gptq}
 
 
 def _exported(c_source: str) -> set[str]:

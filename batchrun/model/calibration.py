@@ -16,7 +16,8 @@ by blank lines. Either is cut into sequences of SEQUENCE_TOKENS tokens, at most 
 
 Memory: the checkpoint once in the job's dtype for the length of the calibration (it is released before the
 engine's model is built), one layer's H (in^2 floats per input) and the calibration activations. Time on 2
-cores (measured: docs/quantization.md): seconds for SmolLM2-135M; it grows with the layers' size."""
+cores (docs/quantization.md): 21 s for SmolLM2-135M, most of it the layers' forwards and H (GPTQ's per-input
+loop runs in C: csrc/gptq.c); it grows with the layers' size."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from batchrun.model.cpu_kernels import gptq as gptq_kernels
 from batchrun.model.quant import QuantizedWeight, pack_int4
 
 # Added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation defined where the calibration
@@ -70,11 +71,17 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     # inputs after it (the paper's equivalent of updating H^-1 after each input).
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.empty(out_features, in_features, dtype=torch.float32)
+    in_c = column_scale is not None and gptq_kernels.available()
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
         w_block = w[:, start:end].clone()
-        errors = torch.empty_like(w_block)
         hinv_block = hinv[start:end, start:end]
+        if in_c:  # the same loop in C, row by row (csrc/gptq.c)
+            q[:, start:end], errors = gptq_kernels.gptq_block(
+                w_block, column_scale[:, start:end].contiguous(), hinv_block.contiguous(), lowest, largest)
+            w[:, end:].sub_(errors @ hinv[start:end, end:])
+            continue
+        errors = torch.empty_like(w_block)
         for i in range(end - start):
             column = start + i
             if column_scale is not None:

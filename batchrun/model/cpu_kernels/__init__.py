@@ -15,6 +15,7 @@ The kernels by family: one C file in csrc/ and one module of ctypes wrappers her
     sampling      logits_top, apply_token_bitmask                  csrc/sampling.c      sampling.py
     linears       pack_*_linear, linear_f32, linear_bf16 (+ AMX)   csrc/linears.c       linears.py
     quantized     pack_int8/int4_linear, quant_linear (+ VNNI)    csrc/quant_linears.c quant.py
+    gptq          gptq_block (GPTQ's per-input loop, at load)      csrc/gptq.c          gptq.py
 csrc/common.h holds what they share (the CPU feature dispatch, vector types, bf16 conversions, exp); csrc/common.c
 the one shared state (whether AMX is allowed). This module only builds and loads the library: a family module
 declares its functions' ctypes signatures (its SIGNATURES) and reaches the library through library(SIGNATURES).
