@@ -23,6 +23,7 @@ from batchrun.model.calibration import BUILTIN, calibrate, calibration_tokens
 from batchrun.model.cpu_kernels import gptq as gptq_kernels
 from batchrun.model.gptq import gptq_quantize
 from batchrun.model.quant_linear import QuantLinear, QuantSpec
+from tests.test_quant_accuracy import assert_greedy_is_the_references
 
 
 def _rtn(weight: torch.Tensor, bits: int, group: int) -> quant.QuantizedWeight:
@@ -133,13 +134,7 @@ def test_the_engine_runs_the_calibrated_weights(make_ckpt, tokenizer, tmp_path, 
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (4, 19, 50)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1), use_tqdm=False)
-    with torch.inference_mode():
-        for p, out in zip(prompts, outs):
-            got = list(out.outputs[0].token_ids)
-            ref = torch.log_softmax(hf(torch.tensor([p + got])).logits[0, len(p) - 1 : -1].double(), -1)
-            assert ref.argmax(-1).tolist() == got
-            have = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, got)], dtype=torch.float64)
-            assert torch.allclose(have, ref[torch.arange(len(got)), got], atol=1e-4)
+    assert_greedy_is_the_references(hf, prompts, outs)
 
 
 def test_the_setting_is_checked_before_anything_loads(tmp_path):

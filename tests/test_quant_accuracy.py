@@ -55,6 +55,18 @@ def _reference(path, spec: QuantSpec, activations: bool = True):
     return hf
 
 
+def assert_greedy_is_the_references(hf, prompts: list[list[int]], outs) -> None:
+    """Each engine output's greedy tokens are `hf`'s argmax at every position, their log-probabilities within
+    1e-4 of its (outs generated with logprobs=1)."""
+    with torch.inference_mode():
+        for p, out in zip(prompts, outs):
+            got = list(out.outputs[0].token_ids)
+            ref = torch.log_softmax(hf(torch.tensor([p + got])).logits[0, len(p) - 1 : -1].double(), -1)
+            assert ref.argmax(-1).tolist() == got
+            have = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, got)], dtype=torch.float64)
+            assert torch.allclose(have, ref[torch.arange(len(got)), got], atol=1e-4)
+
+
 def test_the_setting_is_checked_before_anything_loads(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
@@ -118,13 +130,7 @@ def test_the_triton_kernel_through_the_engine_equals_the_weight_only_reference(m
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1), use_tqdm=False)
     hf = _reference(path, QuantSpec.parse(fmt), activations=False)
-    with torch.inference_mode():
-        for p, out in zip(prompts, outs):
-            got = list(out.outputs[0].token_ids)
-            ref = torch.log_softmax(hf(torch.tensor([p + got])).logits[0, len(p) - 1 : -1].double(), -1)
-            assert ref.argmax(-1).tolist() == got
-            have = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, got)], dtype=torch.float64)
-            assert torch.allclose(have, ref[torch.arange(len(got)), got], atol=1e-4)
+    assert_greedy_is_the_references(hf, prompts, outs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

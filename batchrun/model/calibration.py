@@ -113,15 +113,16 @@ def _quiet_load(auto_class, path: Path, dtype: torch.dtype) -> nn.Module:
             hf_logging.enable_progress_bar()
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The causal LM's decoder (its model without the lm_head) and the decoder's layers."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ModelLoadError(f"calibration cannot find the decoder layers of a {type(model).__name__}")
-    return layers
+    return decoder, layers
 
 
-def _layer_inputs(model: nn.Module, layers: nn.ModuleList, sequences: list[list[int]]
+def _layer_inputs(decoder: nn.Module, layers: nn.ModuleList, sequences: list[list[int]]
                   ) -> tuple[list[torch.Tensor], list[dict]]:
     """Each sequence's hidden states entering the first layer, and the keyword arguments (masks, positions,
     rotary tables) each layer is called with, the same for every sequence of one length: taken by pre-hooks
@@ -143,7 +144,6 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, sequences: list[list[
                 raise _Stop
         return hook
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for n, sequence in enumerate(sequences):
         first_only = n > 0
         handles = [layer.register_forward_pre_hook(capture(i, first_only and i == 0), with_kwargs=True)
@@ -179,9 +179,9 @@ def calibrate(path: Path, spec: QuantSpec, dtype: torch.dtype, source: str, toke
     started = time.perf_counter()  # (LLM refuses a model that cannot be held whole for this, before the load)
     sequences = calibration_tokens(source, tokenizer)
     model = _quiet_load(AutoModelForCausalLM, path, dtype)
-    layers = _decoder_layers(model)
+    decoder, layers = _decoder(model)
     prefix = next(name for name, module in model.named_modules() if module is layers)
-    hidden, layer_kwargs = _layer_inputs(model, layers, sequences)
+    hidden, layer_kwargs = _layer_inputs(decoder, layers, sequences)
     # the sequences in batches of BATCH_SEQUENCES per layer call (the kwargs' batch dimension of 1 broadcasts)
     hidden = [torch.cat(hidden[i : i + BATCH_SEQUENCES]) for i in range(0, len(hidden), BATCH_SEQUENCES)]
     result: dict[str, QuantizedWeight] = {}

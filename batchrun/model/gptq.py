@@ -56,7 +56,6 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     largest = 127.0 if bits == 8 else 7.0
     lowest = -127.0 if bits == 8 else -8.0
     tiny = torch.finfo(torch.float32).tiny
-    scale = torch.empty(out_features, in_features // group_size, dtype=torch.float32)
     column_scale = None  # act_order: each input's (fixed) scale, in the order the inputs are rounded
     if act_order:
         scale = w.reshape(out_features, -1, group_size).abs().amax(dim=2).clamp_min(tiny) / largest
@@ -65,6 +64,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         column_scale = scale.repeat_interleave(group_size, dim=1)[:, order]
         block = BLOCK
     else:
+        scale = torch.empty(out_features, in_features // group_size, dtype=torch.float32)  # set group by group
         order = torch.arange(in_features)
         block = group_size * max(1, BLOCK // group_size)  # a group never straddles two blocks
     # The upper Cholesky factor of H^-1: its row i, over its diagonal, is how rounding input i spreads onto the
