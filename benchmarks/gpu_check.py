@@ -8,18 +8,22 @@
    in the model), next to transformers' static-batched `generate` and
    transformers' continuous batching, on the same prompts and output lengths (EOS ignored everywhere);
 4. the Triton quantized matmul (int8 / int4 weights, GGUF's group sizes) on Llama-3-8B's MLP shapes: weight
-   bytes read per second and its time beside torch's bf16 matmul of the same shape, 1 to 256 rows.
+   bytes read per second and its time beside torch's bf16 matmul of the same shape, 1 to 256 rows;
+5. the same matmul at other tiles, split-K, warps and stages than pick_tiles' (each checked against the
+   reference once): the figures a tuning of pick_tiles reads.
 
     python -m benchmarks.gpu_check [--json-out results.json]
     python -m benchmarks.gpu_check --dry-run      # CPU plumbing check on a tiny model, about a minute
 
 Each part reports its own failure and the script goes on, so one broken baseline still leaves figures for
-the rest. Exit code 1 if any part failed. Not yet run on a GPU: written on a CPU-only machine.
+the rest. Exit code 1 if any part failed. First run on an H200 on 2026-12-04 (benchmarks/gpu_session.sh runs it after
+the GPU tests; figures in docs/performance.md, "On a GPU").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -310,17 +314,20 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
           f"{work.gen_tokens} tokens to generate (max prompt {max(map(len, work.prompts))}, "
           f"max output {max(work.output_lens)})", flush=True)
 
-    runs: list[tuple[str, Callable[[], dict]]] = [
-        ("batchrun (CUDA graphs)", lambda: run_batchrun(path, work, device, enforce_eager=False)),
-        ("batchrun (eager)", lambda: run_batchrun(path, work, device, enforce_eager=True)),
-        ("batchrun, int8 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int8")),
-        ("batchrun, int4 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int4")),
-        (f"HF generate, static batches of {args.static_batch_size}",
-         lambda: run_hf_static(path, work, device, args.static_batch_size)),
-        ("HF continuous batching", lambda: run_hf_continuous(path, work, device)),
+    static_name = f"HF generate, static batches of {args.static_batch_size}"
+    runs: list[tuple[str, str, Callable[[], dict]]] = [
+        ("graphs", "batchrun (CUDA graphs)", lambda: run_batchrun(path, work, device, enforce_eager=False)),
+        ("eager", "batchrun (eager)", lambda: run_batchrun(path, work, device, enforce_eager=True)),
+        ("int8", "batchrun, int8 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int8")),
+        ("int4", "batchrun, int4 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int4")),
+        ("hf-static", static_name, lambda: run_hf_static(path, work, device, args.static_batch_size)),
+        ("hf-cb", "HF continuous batching", lambda: run_hf_continuous(path, work, device)),
     ]
     results = {}
-    for name, fn in runs:
+    for key, name, fn in runs:
+        if args.e2e_runs and key not in args.e2e_runs:
+            results[name] = {"error": "not asked for (--e2e-runs)"}
+            continue
         if time.perf_counter() > deadline:
             print(f"[{name}] skipped: time budget spent")
             results[name] = {"error": "skipped: time budget spent"}
@@ -330,7 +337,7 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
         results[name] = report.sections[f"e2e: {name}"]
         free_device_memory()  # each run's model and caches are gone once its function returned
     section("end to end: generated tokens per second")
-    hf_static = results[f"HF generate, static batches of {args.static_batch_size}"].get("seconds")
+    hf_static = results[static_name].get("seconds")
     hf_cb = results["HF continuous batching"].get("seconds")
     print(f"{'system':<40} {'gen tok/s':>10} {'seconds':>8} {'x static':>9} {'x HF CB':>8}")
     for name, r in results.items():
@@ -394,19 +401,92 @@ def quant_matmul(dry_run: bool, peak_gbps: float) -> list[dict]:
     return points
 
 
+# Tile choices tried per point by the sweep (`--only-quant-sweep`): (block_m, block_n, split_k, num_warps, num_stages)
+FEW_ROW_TILES = [(16, 64, 1, 4, 3), (16, 32, 1, 4, 3), (16, 16, 1, 4, 3), (16, 64, 4, 4, 3), (16, 32, 4, 4, 3),
+                 (16, 64, 8, 4, 3), (16, 32, 8, 4, 4), (16, 128, 8, 8, 3)]
+MANY_ROW_TILES = [(64, 128, 1, 4, 3), (64, 64, 1, 4, 3), (128, 128, 1, 8, 3), (64, 128, 1, 8, 4), (64, 64, 2, 4, 3),
+                  (32, 64, 4, 4, 3)]
+
+
+def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
+    """The quantized matmul at tile choices besides the default (pick_tiles), each checked against the reference
+    once: what a tuning of pick_tiles reads."""
+    from batchrun.kernels.quant_matmul import block_k_for, pick_tiles, quantized_matmul
+    from batchrun.model.quant import QuantizedWeight, linear_ref
+
+    device = torch.device("cpu" if dry_run else "cuda")
+    shapes = [(48, 64)] if dry_run else [(14336, 4096), (4096, 14336)]
+    row_counts = [1] if dry_run else [1, 16, 128]
+    formats = [(4, 32)] if dry_run else [(8, 0), (4, 128), (4, 32)]
+    print(f"{'bits':>4} {'group':>6} {'out x in':>12} {'rows':>5} {'default ms':>10} {'GB/s':>6} {'best ms':>8} "
+          f"{'GB/s':>6} {'of peak':>8} best (block_m, block_n, split_k, warps, stages)")
+    points = []
+    for bits, group_size in formats:
+        for out_features, in_features in shapes:
+            group = group_size or in_features
+            groups = (out_features, in_features // group)
+            gen = torch.Generator(device=device).manual_seed(0)
+            if bits == 8:
+                q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device,
+                                  generator=gen)
+                weight = QuantizedWeight(8, q, torch.rand(groups, device=device, generator=gen) * 0.01, None, group)
+            else:
+                q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device,
+                                  generator=gen)
+                weight = QuantizedWeight(4, q, torch.rand(groups, device=device, generator=gen) * 0.01,
+                                         torch.rand(groups, device=device, generator=gen) * -0.08, group)
+            block_k = block_k_for(group, in_features)
+            for rows in row_counts:
+                x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+                want = linear_ref(x, weight)
+                chosen = pick_tiles(rows, out_features, in_features, bits, block_k)
+                default = (chosen.block_m, chosen.block_n, chosen.split_k, chosen.num_warps, 3)
+                tiles = [default] + [t for t in (FEW_ROW_TILES if rows <= 16 else MANY_ROW_TILES) if t != default]
+                if dry_run:
+                    tiles = [default, (16, 16, 2, 4, 3)]
+                timed = {}
+                for bm, bn, split, warps, stages in tiles:
+                    if (in_features // block_k) % split:
+                        continue
+                    call = functools.partial(quantized_matmul, x, weight.qweight, weight.scale, weight.offset, group,
+                                             bits, block_m=bm, block_n=bn, block_k=block_k, split_k=split,
+                                             num_warps=warps, num_stages=stages)
+
+                    err = (call().float() - want).abs().max().item()
+                    if err > 3e-2 * max(1.0, want.abs().max().item()):
+                        raise AssertionError(f"tiles {(bm, bn, split, warps, stages)}: error {err} against the reference")
+                    timed[(bm, bn, split, warps, stages)] = time_ms(call, dry_run)
+                best = min(timed, key=timed.get)
+                gbps = {t: weight.nbytes / (ms * 1e-3) / 1e9 for t, ms in timed.items()}
+                points.append({"bits": bits, "group_size": group, "out": out_features, "in": in_features,
+                               "rows": rows, "default": list(default), "default_ms": timed[default],
+                               "best": list(best), "best_ms": timed[best],
+                               "all": {str(t): ms for t, ms in timed.items()}})
+                print(f"{bits:>4} {group:>6} {f'{out_features}x{in_features}':>12} {rows:>5} {timed[default]:>10.3f} "
+                      f"{gbps[default]:>6.0f} {timed[best]:>8.3f} {gbps[best]:>6.0f} {gbps[best] / peak_gbps:>8.1%} "
+                      f"{best}", flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU plumbing check: tiny model, interpreted kernels, a few prompts")
-    parser.add_argument("--skip", action="append", default=[], choices=["tests", "bandwidth", "e2e", "quant"],
+    parser.add_argument("--skip", action="append", default=[], choices=["tests", "bandwidth", "e2e", "quant", "sweep"],
                         help="skip a part (repeatable)")
     parser.add_argument("--num-prompts", type=int, default=None, help="end-to-end prompts (default 256; dry run 6)")
     parser.add_argument("--static-batch-size", type=int, default=64)
+    parser.add_argument("--e2e-runs", type=lambda v: v.split(","), default=None,
+                        help="end-to-end runs to do, comma-separated, of graphs, eager, int8, int4, hf-static, hf-cb "
+                             "(default all)")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak for the fraction (H200: 4800)")
     parser.add_argument("--time-budget", type=float, default=400.0,
                         help="seconds from the start after which no further end-to-end run is started")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
+    unknown = set(args.e2e_runs or ()) - {"graphs", "eager", "int8", "int4", "hf-static", "hf-cb"}
+    if unknown:
+        parser.error(f"--e2e-runs: unknown {', '.join(sorted(unknown))}")
     if args.num_prompts is None:
         args.num_prompts = 6 if args.dry_run else 256
     if not args.dry_run and not torch.cuda.is_available():
@@ -428,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     if "quant" not in args.skip:
         section("4. quantized matmul")
         run_guarded(report, "quantized matmul", lambda: quant_matmul(args.dry_run, args.peak_gbps))
+    if "sweep" not in args.skip:
+        section("5. quantized matmul: tile sweep")
+        run_guarded(report, "quantized matmul sweep", lambda: quant_sweep(args.dry_run, args.peak_gbps))
     total = time.perf_counter() - start
     print(f"\ntotal {total:.0f}s; failed parts: {', '.join(report.failed) or 'none'}")
     if args.json_out:

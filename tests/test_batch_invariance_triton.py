@@ -128,6 +128,5 @@ def test_unsplit_decode_equals_prefill_and_chunks_with_a_window(window, softcap)
 def test_backend_split_follows_the_mode() -> None:
     from batchrun.model.backends import select_backend
 
-    cpu = torch.device("cpu")
-    assert select_backend("triton", cpu, torch.float32).partition_size == 512
-    assert select_backend("triton", cpu, torch.float32, batch_invariant=True).partition_size is None
+    assert select_backend("triton", DEVICE, torch.float32).partition_size == 512
+    assert select_backend("triton", DEVICE, torch.float32, batch_invariant=True).partition_size is None

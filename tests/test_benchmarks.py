@@ -154,8 +154,9 @@ def test_profile_breaks_down_steps(capsys):
     assert profile.main(["--quick", "--ops"]) == 0
     out = capsys.readouterr().out
     assert "steps with prefill: " in out and "decode-only steps: " in out
-    # the op tables ran: the linears are MKL's aten::mm, or oneDNN's op (float32 batch-invariant by default)
-    assert "aten::mm" in out or "mkldnn::_linear_pointwise" in out
+    # both op tables ran (the tiny model's linears are batchrun's C kernel in the default float32 batch-invariant
+    # mode, which torch's profiler does not see: the tables hold the torch ops around them)
+    assert out.count("Self CPU time total") == 2 and "aten::index_select" in out
 
 
 def test_vllm_requirements_leave_out_the_torch_family(tmp_path):

@@ -103,6 +103,7 @@ def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch
     path = make_ckpt(arch)
     _, refs = hf_reference(path, prompts)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "0")  # (else the default batch-invariant mode takes batchrun's kernel)
     llm, got = run(path, prompts)
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear) and isinstance(layer.mlp.down_proj, OneDNNLinear)

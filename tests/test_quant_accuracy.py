@@ -141,7 +141,7 @@ def test_quantized_linears_on_cuda_equal_the_weight_only_reference(make_ckpt, fm
     path = make_ckpt("llama")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (5, 23, 70)]
-    llm = LLM(str(path), dtype="float32", device="cuda", quantization=fmt)
+    llm = LLM(str(path), dtype="float32", device="cuda", quantization=fmt, num_kv_blocks=64)
     model = llm.engine.runner.model
     linear = model.layers[0].mlp.down_proj
     assert linear.kernel == "triton" and linear.weight_ref.qweight.device.type == "cuda"

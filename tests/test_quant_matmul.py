@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchrun.kernels import quantized_linear
-from batchrun.kernels.quant_matmul import block_k_for, pick_tiles, quantized_matmul
+from batchrun.kernels.quant_matmul import Tiles, block_k_for, pick_tiles, quantized_matmul
 from batchrun.model.quant import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
 
 HAS_CUDA = torch.cuda.is_available()
@@ -80,6 +80,23 @@ def test_k_tiles_smaller_and_larger_than_a_group_and_leading_dims(bits):
     assert torch.equal(quantized_linear(x, weight).reshape(6, 24), quantized_linear(x.reshape(6, 128), weight))
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
+def test_split_k_sums_the_partials_of_each_share(bits, group_size):
+    """split_k programs per output tile, each over its share of the K-tiles (int4 in groups of 32 reads each byte
+    for both its inputs, from 64 up once for two dots on its nibbles), give the unsplit product; a split that does
+    not divide the K-tiles is refused."""
+    weight = random_weight(bits, 40, 256, group_size, seed=bits + group_size)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.bfloat16)
+    block_k = block_k_for(group_size, 256)
+    for split_k in (1, 2, 256 // block_k):
+        got = quantized_matmul(x, weight.qweight, weight.scale, weight.offset, group_size, bits, block_m=16,
+                               block_n=32, block_k=block_k, split_k=split_k)
+        assert_close_to_ref(got, x, weight)
+    with pytest.raises(ValueError, match="split_k 3 must divide"):
+        quantized_matmul(x, weight.qweight, weight.scale, weight.offset, group_size, bits, block_m=16, block_n=32,
+                         block_k=block_k, split_k=3)
+
+
 def test_batchruns_own_quantizers_round_trip_through_the_kernel():
     w = torch.randn(20, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -92,7 +109,14 @@ def test_batchruns_own_quantizers_round_trip_through_the_kernel():
 def test_tiles_and_refusals():
     pairs = [(16, 64), (16, 48), (32, 128), (32, 96), (48, 96), (128, 256), (576, 576), (4096, 14336)]
     assert [block_k_for(g, k) for g, k in pairs] == [64, 16, 128, 32, 16, 128, 64, 128]
-    assert pick_tiles(1, 4096) == (16, 64) and pick_tiles(33, 4096) == (64, 128)
+    # (rows, out, in, bits, block_k): decode rows of a long K get wide tiles and split-K, short ones narrow tiles
+    assert pick_tiles(1, 4096, 14336, 8, 128) == Tiles(16, 128, 8, 8)
+    assert pick_tiles(16, 14336, 4096, 4, 128) == Tiles(16, 128, 8, 8)
+    assert pick_tiles(1, 14336, 4096, 8, 128) == Tiles(16, 32)
+    assert pick_tiles(1, 576, 576, 4, 64) == Tiles(16, 64)
+    assert pick_tiles(1, 4096, 8192 + 64 * 3, 4, 64) == Tiles(16, 128, 1, 8)  # 131 K-tiles: no split divides them
+    assert pick_tiles(100, 4096, 14336, 4, 128) == Tiles(64, 64, 2)
+    assert pick_tiles(33, 4096, 4096, 8, 128) == Tiles(64, 128) and pick_tiles(20, 576, 576, 8, 64) == Tiles(32, 64)
     with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, not 24"):
         block_k_for(24, 48)
     weight = random_weight(8, 8, 32, 32, seed=0)

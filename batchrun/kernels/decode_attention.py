@@ -35,6 +35,8 @@ import triton.language as tl
 from batchrun.kernels._common import check_kv_cache, dequantize_rows, dot_dtype, dot_precision
 
 LOG2E = 1.4426950408889634
+# the same inside kernels: compiled Triton reads only module globals declared constexpr (the interpreter reads any)
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
 # partition_size=None: one partition longer than any context (a fixed constexpr, so no recompilation per length)
 WHOLE_CONTEXT = 1 << 30
 
@@ -45,7 +47,7 @@ def scores_log2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
     the plain scale: softcap * tanh(scale * dots / softcap) * log2 e, tanh as 2 sigmoid(2x) - 1."""
     if SOFTCAP:
         x = dots * qk_scale / softcap
-        return softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * LOG2E
+        return softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * LOG2E_IN_KERNEL
     return dots * qk_scale
 
 

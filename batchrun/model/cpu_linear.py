@@ -76,14 +76,23 @@ and 2 threads, on every shape of the built-in models and SmolLM2-135M and M in 1
 same rows computed in 2-row calls (tests/test_batch_invariance.py holds these facts):
 - fp32 MKL (F.linear) gives different bits at almost every row count: it is never used in that mode;
 - fp32 oneDNN gives the same bits for every M >= 2; M = 1 differs for K = 1536 and 2048 (a matrix-vector
-  kernel for long rows), so a 1-row call is padded to 2 rows (min_rows);
+  kernel for long rows), so a 1-row call is padded to 2 rows (min_rows). That did not hold on another CPU: on
+  the Intel Xeon (AMX) host of an H200 machine, with torch 2.11, oneDNN left the 64 x 2048 and 128 x 2048 weights
+  in their plain layout and ran them through its jit sgemm, whose rows differ from the same rows alone at 285 of
+  the row counts 1..300 (every count from 16 up; 2 and 16 threads alike; 576 x 960, 1536 x 576, 2048 x 200 and
+  64 x 256 held). (Changed 2026-12-04: from then on the mode puts fp32 linears on batchrun's kernel too, below.)
 - bf16 oneDNN does not keep one kernel for any range of row counts that can be relied on. It was measured above
   to give the same bits for M in 1..32, so the mode ran it in 32-row tiles; that did not hold (issue 27): on an
   AMD EPYC (Zen 4, AVX512-BF16, no AMX) 3 rows of K = 1536 differ from the same rows alone, and on the AMX Xeon
   1 to 7 of 10 requests of a bf16 model changed tokens inside a batch. (Changed 2026-12: the figures above this
   line are from before.)
-So in that mode every fp32 linear is reordered for oneDNN, whatever the weights' size, and the tied lm_head too
-(a reordered copy); fp32 models past ONEDNN_MIN_BYTES take batchrun's kernel, which needs no padding. Every bf16
+So in that mode every fp32 linear, the tied lm_head's packed copy too, takes batchrun's kernel (PackedLinear,
+cpu_linears.linear_f32), whatever the weights' size: one multiply-add chain per output in input order, the same
+bits at every row count on every CPU, with no padding. The cost is on models whose weights stay in cache, where
+oneDNN was faster: tiny-llama (11M) fp32, 64 prompts x 64 tokens, 1.63 s against oneDNN's 1.57 s (medians of 5
+pairs, AMD EPYC Zen 4, 2 threads, 2026-12-04); from ONEDNN_MIN_BYTES up the kernel was the default anyway. Where
+the C kernels are not built (no compiler, or a CPU without AVX2) fp32 linears stay on oneDNN, padded to 2 rows
+(BATCHRUN_F32_LINEAR=0 keeps them there). Every bf16
 linear, the tied lm_head's packed copy too, takes batchrun's bf16 panels (PackedLinear, cpu_linears.linear_bf16)
 at every row count: its sums are fixed chains over k whatever the row count (AMX tile products on a CPU with AMX
 where k is a multiple of 32, vdpbf16ps on pairs of k where the CPU has AVX512-BF16, fp32 multiply-adds of the
@@ -197,9 +206,10 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
     the few-row copy beside oneDNN's layout does not fit the memory (`few_rows_room` False, llm.py). Each is one
     copy that serves every row count.
     BATCHRUN_CPU_MATMUL=onednn keeps bf16 models on oneDNN outside the batch-invariant mode.
-    fp32, BATCHRUN_F32_LINEAR=auto (the default): when the linears' weights pass ONEDNN_MIN_BYTES, so that a
-    decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN or MKL); 1: every fp32 model;
-    0: none."""
+    fp32, BATCHRUN_F32_LINEAR=auto (the default): in the batch-invariant mode, always (oneDNN's fp32 kernels
+    change with the row count on some CPUs: module docstring); else when the linears' weights pass
+    ONEDNN_MIN_BYTES, so that a decode step streams them from memory (unless BATCHRUN_CPU_MATMUL asks for oneDNN
+    or MKL); 1: every fp32 model; 0: none (the batch-invariant mode then takes oneDNN's)."""
     choice = os.environ.get("BATCHRUN_F32_LINEAR", "auto")
     if choice not in ("auto", "0", "1"):
         raise ValueError(f"BATCHRUN_F32_LINEAR must be auto, 0 or 1, got {choice!r}")
@@ -215,8 +225,8 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
         return not few_rows_room or cpu_linears.bf16_kernel() == "dot"
     if choice == "0" or dtype != torch.float32:
         return False
-    return choice == "1" or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
-                             and _weight_bytes(linears) >= ONEDNN_MIN_BYTES)
+    return choice == "1" or batch_invariant or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
+                                                and _weight_bytes(linears) >= ONEDNN_MIN_BYTES)
 
 
 def _weight_bytes(linears: list[nn.Linear]) -> int:
@@ -267,6 +277,10 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
         log.warning("batch_invariant in bfloat16 needs batchrun's C kernels (a C compiler, a CPU with AVX-512 or "
                     "AVX2), which are not built here: oneDNN's bf16 linears are used, whose kernels change with "
                     "the number of rows, so a row's logits can depend on its batch")
+    elif batch_invariant:
+        log.warning("batch_invariant in float32 without batchrun's C kernels (not built here, or "
+                    "BATCHRUN_F32_LINEAR=0): oneDNN's linears are used, which keep one kernel for every row count "
+                    "on some CPUs only, so a row's logits may depend on its batch")
     if not torch.backends.mkldnn.is_available() or \
             (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs, as one device call (about 6 minutes on an H200 once the machine is up):
+# versions, the tests that take the CUDA path, then benchmarks.gpu_check without its own test part.
+# Logs and gpu_check's JSON go under $OUT (the device tool brings that folder back).
+#
+#     bash benchmarks/gpu_session.sh            # on the GPU machine, from the repository root
+#
+# It runs under the machine's own python3 and packages (torch, triton, transformers there), not our pins:
+# that is what a GPU user with their own stack has. pytest-xdist spreads the tests over 8 processes so that
+# Triton's compiles (one per kernel specialisation, on a fresh machine with no cache) overlap.
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  nproc
+} 2>&1 | tee "$OUT/versions.txt"
+
+start=$(date +%s)
+timeout "${TEST_TIMEOUT:-210}" $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 150 -rfE \
+  tests/test_cuda.py tests/test_kernels.py tests/test_quant_matmul.py tests/test_batch_invariance_triton.py \
+  tests/test_moe.py tests/test_prefix_sharing.py tests/test_batch_invariance.py \
+  "tests/test_quant_accuracy.py::test_quantized_linears_on_cuda_equal_the_weight_only_reference" \
+  2>&1 | tee "$OUT/pytest.log"
+echo "tests: $(( $(date +%s) - start ))s" | tee -a "$OUT/pytest.log"
+
+start=$(date +%s)
+timeout "${CHECK_TIMEOUT:-270}" $PY -m benchmarks.gpu_check --skip tests --time-budget "${E2E_BUDGET:-170}" \
+  --json-out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+echo "gpu_check: $(( $(date +%s) - start ))s" | tee -a "$OUT/gpu_check.log"
