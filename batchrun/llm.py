@@ -146,8 +146,15 @@ class LLM:
                  block_size, shape.bytes_per_token, str(shape.pool_dtype).removeprefix("torch."),
                  num_kv_blocks * shape.bytes_per_block / 2**30, num_host_blocks)
 
-        runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device, args.attention_backend,
-                             batch_invariant=self.batch_invariant)
+        try:
+            runner = ModelRunner(loaded.model, shape, num_kv_blocks, num_host_blocks, self.device,
+                                 args.attention_backend, batch_invariant=self.batch_invariant)
+        except torch.OutOfMemoryError:  # on CUDA, where the pool was sized from the free memory a moment ago
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+            raise InsufficientMemoryError(
+                f"the KV cache of {num_kv_blocks} blocks ({num_kv_blocks * shape.bytes_per_block / 2**30:.2f} GiB) "
+                f"did not fit on {self.device} ({free / 2**30:.2f} GiB free now): another process took memory "
+                f"since it was measured; lower engine.gpu_memory_utilization or set engine.kv_cache_memory") from None
         n_params = sum(p.numel() for p in loaded.model.parameters()) + quantized_params(loaded.model)
         room = self._few_rows_room(loaded.model, memory)
         if use_onednn(loaded.model, self.device, self.dtype, self.batch_invariant, room):

@@ -130,6 +130,22 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(bf16_ckpt, monkeypat
                             "1.0 GiB, say")
 
 
+def test_a_kv_pool_that_no_longer_fits_is_one_line(bf16_ckpt, monkeypatch):
+    """On CUDA the pool is sized from the free memory, and another process may take some before it is allocated
+    (two jobs starting on one GPU): the allocation's OutOfMemoryError becomes one line naming the settings."""
+    from batchrun.model.runner import CacheShape
+
+    def out_of_memory(self, num_blocks, device, pin=False):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 116.79 GiB")
+
+    monkeypatch.setattr(CacheShape, "pool", out_of_memory)
+    with pytest.raises(InsufficientMemoryError) as e:
+        LLM(str(bf16_ckpt), dtype="bfloat16", num_kv_blocks=64)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("the KV cache of 64 blocks (")
+    assert message.endswith("lower engine.gpu_memory_utilization or set engine.kv_cache_memory")
+
+
 def test_the_cli_refuses_a_job_that_cannot_fit_with_one_line(tmp_path):
     pq.write_table(pa.table({"prompt": ["a b c", "d e f"]}), tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")},
