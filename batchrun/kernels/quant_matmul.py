@@ -63,9 +63,10 @@ def _quant_matmul_kernel(
                 partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
             elif SUB_K >= 64:
                 # each byte read once: its low nibbles (even inputs) and high nibbles (odd inputs) are two dots
-                # against the even and the odd activations. Measured on an H200 against the branch below (Llama-3-8B's
-                # MLP shapes, same tiles): groups of 128 at 1-256 rows took 0.46-0.73x its time; groups of 32 (two
-                # dots of 16 inputs) 0.87-0.94x at 1 row but 1.15-1.21x at 16 and 1.55-2.10x at 64-256, so they stay
+                # against the even and the odd activations. Measured on an H200 against the branch below
+                # (Llama-3-8B's MLP shapes, same tiles): groups of 128 at 1-256 rows took 0.46-0.73x its time;
+                # groups of 32 (two dots of 16 inputs) 0.87-0.94x at 1 row but 1.15-1.21x at 16 and 1.55-2.10x at
+                # 64-256 rows, so groups under 64 take the branch below
                 offs_pair = tl.arange(0, SUB_K // 2)
                 packed = tl.load(q_rows + (k_first // 2 + offs_pair)[:, None], mask=n_mask[None, :], other=0)
                 even = tl.load(x_rows + (k_first + 2 * offs_pair)[None, :], mask=m_mask[:, None], other=0.0)
@@ -113,9 +114,10 @@ def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_
     """Read off `benchmarks.gpu_check`'s tile sweep on an H200 (2026-12-04; Llama-3-8B's MLP shapes 4096 -> 14336
     and 14336 -> 4096, bf16 activations, 1, 16 and 128 rows; docs/quantization.md). A step of a few rows (decode)
     is bound by reading the weight, and with K = 14336 its 4096 outputs in tiles of 64 made 64 programs for 132
-    multiprocessors: 128-wide tiles with the K-tiles shared by 8 programs took 0.44-0.50x the time of (16, 64) for
-    int8 and int4 alike; for int4 at K = 4096, 0.73-0.82x. int8 at K = 4096 keeps one program per tile, 32 wide
-    (0.92x; a split lost there, its partials' sum being a second launch on a 31 us matmul). From 17 rows on, square
+    multiprocessors: 128-wide tiles with the K-tiles shared by 8 programs took 0.48-0.50x the time of (16, 64) for
+    int8 and 0.21-0.44x for int4; for int4 at K = 4096, 0.71-0.93x (groups of 32 timed on the nibble branch,
+    which they no longer take). int8 at K = 4096 keeps one program per tile, 32 wide (0.91-0.92x; a split lost
+    there, its partials' sum being a second launch on a 31 us matmul). From 17 rows on, square
     tiles reuse each weight tile across rows; at 128 rows and K = 14336, 64 x 64 tiles split in two took
     0.42-0.74x the time of (64, 128). Not measured on other shapes: small models keep the narrow tiles."""
     k_tiles = in_features // block_k
