@@ -161,6 +161,10 @@ def decode_bandwidth(dry_run: bool, peak_gbps: float) -> list[dict]:
 # --- 3. end to end ---------------------------------------------------------------------------------------
 
 
+# The end-to-end runs' keys for --e2e-runs, in the order they run (end_to_end)
+E2E_RUNS = ("graphs", "eager", "int8", "int4", "hf-static", "hf-cb")
+
+
 @dataclass
 class Workload:
     prompts: list[list[int]]
@@ -315,7 +319,7 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
           f"max output {max(work.output_lens)})", flush=True)
 
     static_name = f"HF generate, static batches of {args.static_batch_size}"
-    runs: list[tuple[str, str, Callable[[], dict]]] = [
+    runs: list[tuple[str, str, Callable[[], dict]]] = [  # (key: E2E_RUNS, name, run)
         ("graphs", "batchrun (CUDA graphs)", lambda: run_batchrun(path, work, device, enforce_eager=False)),
         ("eager", "batchrun (eager)", lambda: run_batchrun(path, work, device, enforce_eager=True)),
         ("int8", "batchrun, int8 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int8")),
@@ -323,6 +327,7 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
         ("hf-static", static_name, lambda: run_hf_static(path, work, device, args.static_batch_size)),
         ("hf-cb", "HF continuous batching", lambda: run_hf_continuous(path, work, device)),
     ]
+    assert tuple(key for key, _, _ in runs) == E2E_RUNS
     results = {}
     for key, name, fn in runs:
         if args.e2e_runs and key not in args.e2e_runs:
@@ -359,20 +364,27 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
 QUANT_FORMATS = [(8, 32), (8, 0), (4, 32), (4, 128)]  # group 0: a whole row
 
 
-def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int, in_features: int,
-                       device: torch.device, dry_run: bool) -> dict:
-    from batchrun.kernels import quantized_linear
+def random_quantized_weight(bits: int, group_size: int, out_features: int, in_features: int,
+                            device: torch.device):
+    """A QuantizedWeight of random integers, scales and (4 bits) offsets; group_size 0: a whole row."""
     from batchrun.model.quant import QuantizedWeight
 
     group = group_size or in_features
     groups = (out_features, in_features // group)
     if bits == 8:
         q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device)
-        weight = QuantizedWeight(8, q, torch.rand(groups, device=device) * 0.01, None, group)
-    else:
-        q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device)
-        weight = QuantizedWeight(4, q, torch.rand(groups, device=device) * 0.01,
-                                 torch.rand(groups, device=device) * -0.08, group)
+        return QuantizedWeight(8, q, torch.rand(groups, device=device) * 0.01, None, group)
+    q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device)
+    return QuantizedWeight(4, q, torch.rand(groups, device=device) * 0.01, torch.rand(groups, device=device) * -0.08,
+                           group)
+
+
+def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int, in_features: int,
+                       device: torch.device, dry_run: bool) -> dict:
+    from batchrun.kernels import quantized_linear
+
+    weight = random_quantized_weight(bits, group_size, out_features, in_features, device)
+    group = weight.group_size
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
     dense = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device)
     ms = time_ms(lambda: quantized_linear(x, weight), dry_run)
@@ -401,7 +413,7 @@ def quant_matmul(dry_run: bool, peak_gbps: float) -> list[dict]:
     return points
 
 
-# Tile choices tried per point by the sweep (`--only-quant-sweep`): (block_m, block_n, split_k, num_warps, num_stages)
+# Tile choices tried per point by the sweep (part 5; `--skip sweep` leaves it out): (block_m, block_n, split_k, num_warps, num_stages)
 FEW_ROW_TILES = [(16, 64, 1, 4, 3), (16, 32, 1, 4, 3), (16, 16, 1, 4, 3), (16, 64, 4, 4, 3), (16, 32, 4, 4, 3),
                  (16, 64, 8, 4, 3), (16, 32, 8, 4, 4), (16, 128, 8, 8, 3)]
 MANY_ROW_TILES = [(64, 128, 1, 4, 3), (64, 64, 1, 4, 3), (128, 128, 1, 8, 3), (64, 128, 1, 8, 4), (64, 64, 2, 4, 3),
@@ -412,7 +424,7 @@ def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
     """The quantized matmul at tile choices besides the default (pick_tiles), each checked against the reference
     once: what a tuning of pick_tiles reads."""
     from batchrun.kernels.quant_matmul import block_k_for, pick_tiles, quantized_matmul
-    from batchrun.model.quant import QuantizedWeight, linear_ref
+    from batchrun.model.quant import linear_ref
 
     device = torch.device("cpu" if dry_run else "cuda")
     shapes = [(48, 64)] if dry_run else [(14336, 4096), (4096, 14336)]
@@ -423,18 +435,8 @@ def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
     points = []
     for bits, group_size in formats:
         for out_features, in_features in shapes:
-            group = group_size or in_features
-            groups = (out_features, in_features // group)
-            gen = torch.Generator(device=device).manual_seed(0)
-            if bits == 8:
-                q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device,
-                                  generator=gen)
-                weight = QuantizedWeight(8, q, torch.rand(groups, device=device, generator=gen) * 0.01, None, group)
-            else:
-                q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=device,
-                                  generator=gen)
-                weight = QuantizedWeight(4, q, torch.rand(groups, device=device, generator=gen) * 0.01,
-                                         torch.rand(groups, device=device, generator=gen) * -0.08, group)
+            weight = random_quantized_weight(bits, group_size, out_features, in_features, device)
+            group = weight.group_size
             block_k = block_k_for(group, in_features)
             for rows in row_counts:
                 x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
@@ -451,7 +453,6 @@ def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
                     call = functools.partial(quantized_matmul, x, weight.qweight, weight.scale, weight.offset, group,
                                              bits, block_m=bm, block_n=bn, block_k=block_k, split_k=split,
                                              num_warps=warps, num_stages=stages)
-
                     err = (call().float() - want).abs().max().item()
                     if err > 3e-2 * max(1.0, want.abs().max().item()):
                         raise AssertionError(f"tiles {(bm, bn, split, warps, stages)}: error {err} against the reference")
@@ -477,14 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=None, help="end-to-end prompts (default 256; dry run 6)")
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--e2e-runs", type=lambda v: v.split(","), default=None,
-                        help="end-to-end runs to do, comma-separated, of graphs, eager, int8, int4, hf-static, hf-cb "
-                             "(default all)")
+                        help=f"end-to-end runs to do, comma-separated, of {', '.join(E2E_RUNS)} (default all)")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak for the fraction (H200: 4800)")
     parser.add_argument("--time-budget", type=float, default=400.0,
                         help="seconds from the start after which no further end-to-end run is started")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
-    unknown = set(args.e2e_runs or ()) - {"graphs", "eager", "int8", "int4", "hf-static", "hf-cb"}
+    unknown = set(args.e2e_runs or ()) - set(E2E_RUNS)
     if unknown:
         parser.error(f"--e2e-runs: unknown {', '.join(sorted(unknown))}")
     if args.num_prompts is None:

@@ -42,8 +42,9 @@ from batchrun.kernels.sampling import sample_rows  # noqa: E402
 from batchrun.model.quant import quantize_int4, quantize_int8  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-TENSOR_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
-                torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+TENSOR_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+                torch.bool: "i1"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 

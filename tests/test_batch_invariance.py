@@ -84,8 +84,8 @@ def references(make_ckpt):
     path = make_ckpt("llama")
     refs = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(str(path), dtype=dtype, device="cpu", batch_invariant=True, max_num_seqs=1, enable_prefix_caching=False,
-                  num_kv_blocks=64)
+        llm = LLM(str(path), dtype=dtype, device="cpu", batch_invariant=True, max_num_seqs=1,
+                  enable_prefix_caching=False, num_kv_blocks=64)
         prompts = _prompts(llm.config.vocab_size)
         refs[dtype] = (prompts, [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts, TARGET_PARAMS)])
     return path, refs
