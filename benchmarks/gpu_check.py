@@ -98,13 +98,18 @@ def kernel_tests(dry_run: bool) -> dict:
 # --- 2. decode bandwidth ---------------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], object], dry_run: bool) -> float:
+def time_ms(fn: Callable[[], object], dry_run: bool, graph: bool = False) -> float:
+    """Milliseconds per call on the GPU. graph: replayed from a CUDA graph, as the engine's decode steps are, so
+    that a call of a few microseconds is not timed at the pace of Python launching it (Triton's launch takes tens
+    of microseconds of CPU, torch's matmul a few)."""
     if dry_run:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=10, rep=40))
 
 
@@ -381,35 +386,50 @@ def random_quantized_weight(bits: int, group_size: int, out_features: int, in_fe
 
 def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int, in_features: int,
                        device: torch.device, dry_run: bool) -> dict:
+    """Each of quantized_linear's three products (the CUDA-core GEMV, the MMA kernel, the weight dequantized for
+    torch's matmul) checked against the reference and timed, beside torch's bf16 matmul of the same shape."""
     from batchrun.kernels import quantized_linear
+    from batchrun.kernels.quant_matmul import PATHS, choose_path
+    from batchrun.model.quant import linear_ref
 
     weight = random_quantized_weight(bits, group_size, out_features, in_features, device)
-    group = weight.group_size
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+    want = linear_ref(x, weight)
+    ms = {}
+    for path in PATHS:
+        err = (quantized_linear(x, weight, path).float() - want).abs().max().item()
+        if err > 3e-2 * max(1.0, want.abs().max().item()):
+            raise AssertionError(f"{path} at {rows} rows: error {err} against the reference")
+        ms[path] = time_ms(lambda p=path: quantized_linear(x, weight, p), dry_run, graph=True)
     dense = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device)
-    ms = time_ms(lambda: quantized_linear(x, weight), dry_run)
-    bf16_ms = time_ms(lambda: x @ dense.T, dry_run)
-    return {"bits": bits, "group_size": group, "rows": rows, "out": out_features, "in": in_features,
-            "ms": ms, "weight_gbps": weight.nbytes / (ms * 1e-3) / 1e9, "bf16_ms": bf16_ms,
-            "speedup_vs_bf16": bf16_ms / ms}
+    bf16_ms = time_ms(lambda: x @ dense.T, dry_run, graph=True)
+    chosen = choose_path(rows, bits)
+    return {"bits": bits, "group_size": weight.group_size, "rows": rows, "out": out_features, "in": in_features,
+            "path_ms": ms, "chosen": chosen, "best": min(ms, key=ms.get), "ms": ms[chosen],
+            "weight_gbps": weight.nbytes / (ms[chosen] * 1e-3) / 1e9, "bf16_ms": bf16_ms,
+            "speedup_vs_bf16": bf16_ms / ms[chosen]}
 
 
 def quant_matmul(dry_run: bool, peak_gbps: float) -> list[dict]:
     device = torch.device("cpu" if dry_run else "cuda")
     shapes = [(48, 64)] if dry_run else [(14336, 4096), (4096, 14336)]
-    row_counts = [1, 5] if dry_run else [1, 16, 64, 256]
+    row_counts = [1, 5] if dry_run else [1, 2, 4, 8, 16, 32, 64, 256, 1024]
     formats = QUANT_FORMATS[::2] if dry_run else QUANT_FORMATS
-    print(f"bf16 activations; weight GB/s of peak {peak_gbps:.0f}; speedup = torch bf16 matmul time / ours")
-    print(f"{'bits':>4} {'group':>6} {'out x in':>12} {'rows':>5} {'ms':>8} {'GB/s':>7} {'of peak':>8} {'vs bf16':>8}")
+    print(f"bf16 activations, times of CUDA graph replays; weight GB/s (of peak {peak_gbps:.0f}) and speedup "
+          "(torch bf16 time / ours) of the chosen product")
+    print(f"{'bits':>4} {'group':>6} {'out x in':>12} {'rows':>5} {'gemv ms':>8} {'mma ms':>8} {'deq ms':>8} "
+          f"{'bf16 ms':>8} {'chosen':>10} {'best':>10} {'GB/s':>7} {'of peak':>8} {'vs bf16':>8}")
     points = []
     for bits, group_size in formats:
         for out_features, in_features in shapes:
             for rows in row_counts:
                 p = quant_matmul_point(bits, group_size, rows, out_features, in_features, device, dry_run)
                 points.append(p)
+                ms = p["path_ms"]
                 print(f"{bits:>4} {p['group_size']:>6} {f'{out_features}x{in_features}':>12} {rows:>5} "
-                      f"{p['ms']:>8.3f} {p['weight_gbps']:>7.0f} {p['weight_gbps'] / peak_gbps:>8.1%} "
-                      f"{p['speedup_vs_bf16']:>7.2f}x", flush=True)
+                      f"{ms['gemv']:>8.3f} {ms['mma']:>8.3f} {ms['dequantize']:>8.3f} {p['bf16_ms']:>8.3f} "
+                      f"{p['chosen']:>10} {p['best']:>10} {p['weight_gbps']:>7.0f} "
+                      f"{p['weight_gbps'] / peak_gbps:>8.1%} {p['speedup_vs_bf16']:>7.2f}x", flush=True)
     return points
 
 

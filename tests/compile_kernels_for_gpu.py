@@ -38,6 +38,7 @@ from batchrun.kernels import (  # noqa: E402 - after the path and the environmen
     quantized_linear,
     store_kv,
 )
+from batchrun.kernels.quant_matmul import PATHS  # noqa: E402
 from batchrun.kernels.sampling import sample_rows  # noqa: E402
 from batchrun.model.quant import quantize_int4, quantize_int8  # noqa: E402
 
@@ -132,7 +133,8 @@ def drive_kernels() -> None:
                                          (quantize_int4(weight, 128), torch.float32, 1),
                                          (quantize_int4(weight, 32), torch.bfloat16, 48),
                                          (quantize_int4(weight, 16), torch.bfloat16, 1)):
-        quantized_linear(torch.zeros(rows, 512, dtype=activations), quantized)
+        for path in PATHS:  # the CUDA-core GEMV, the MMA kernel, the weight dequantized for torch's matmul
+            quantized_linear(torch.zeros(rows, 512, dtype=activations), quantized, path)
     # a decode step of a long projection: 128-wide tiles, split-K, 8 warps (pick_tiles)
     quantized_linear(torch.zeros(1, 4096, dtype=torch.bfloat16), quantize_int4(torch.randn(4096, 4096), 128))
 

@@ -84,13 +84,13 @@ def test_a_model_on_it_keeps_greedy_parity_and_its_tokens_in_any_batch(make_ckpt
     _, refs = hf_reference(path, targets)
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
-    llm = LLM(str(path), num_kv_blocks=600)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=600)  # PackedLinear is the CPU's (batchrun's C kernel)
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
     alone = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0] for p in targets]
     assert [o.token_ids for o in alone] == refs
     others = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 40, 77, 130, 3, 250)]
-    batched = LLM(str(path), num_kv_blocks=600, max_num_batched_tokens=96)  # chunked prefills beside decodes
+    batched = LLM(str(path), device="cpu", num_kv_blocks=600, max_num_batched_tokens=96)  # chunked prefills too
     outs = batched.generate([{"prompt_token_ids": p} for p in others + targets], greedy, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs[len(others):]] == \
         [(o.token_ids, o.logprobs) for o in alone]

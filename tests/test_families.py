@@ -9,7 +9,8 @@ the two together).
 - bf16: teacher-forced top-1 agreement of the bf16 model with the fp32 one >= 98%;
 - invariant / seeded: greedy and seeded sampled rows give the same tokens (and log-probs, bitwise) alone and in
   a crowded batch with chunked prefill and prefix caching;
-- triton: greedy tokens equal transformers' through the Triton kernels (interpreted on a CPU).
+- triton: greedy tokens equal transformers' through the Triton kernels (on CUDA where there is a GPU, else
+  interpreted on the CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ CHECKPOINTS = {
 LENGTHS = [1, 6, 17, 30, 64, 101, 150]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# The Triton backend runs compiled on CUDA tensors where there is a GPU, interpreted on the CPU (conftest.py sets
+# TRITON_INTERPRET=1) where there is none; the other tests here are about the CPU path and pin device="cpu".
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def checkpoint(make_ckpt, family: str):
@@ -198,10 +202,11 @@ def run(llm: LLM, prompts, params) -> list[tuple]:
 
 @pytest.mark.parametrize("family", families_verifying("triton"))
 def test_greedy_on_the_triton_kernels(make_ckpt, prompts, family):
-    """The Triton backend (interpreted here: slow, so three prompts, 8 tokens) gives transformers' tokens."""
+    """The Triton backend (compiled on a GPU; interpreted without one: slow, so three prompts, 8 tokens) gives
+    transformers' tokens."""
     path = checkpoint(make_ckpt, family)
     short = [prompts[1], prompts[3], prompts[4]]
-    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend="triton", num_kv_blocks=64,
+    llm = LLM(str(path), dtype="float32", device=TRITON_DEVICE, attention_backend="triton", num_kv_blocks=64,
               num_speculative_tokens=0)
     assert llm.engine.runner.backend.name == "triton"
     assert generate(llm, short, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == \

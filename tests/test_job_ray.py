@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Ray's
 
 RAY = {"kind": "ray", "replicas": 2, "num_cpus_per_replica": 0.5, "batch_size": 4}
 ENGINE = {"max_num_seqs": 8, "kv_cache_memory": "64MiB"}
+# Ray's rows are compared with the local run's bit for bit, though the replicas batch them otherwise: batch invariance,
+# the CPU's promise (docs/reproducibility.md), so the model runs on the CPU where there is a GPU too
+MODEL = {"device": "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,8 @@ def test_parquet_on_ray_gives_the_local_rows_in_order(ray_cluster, tmp_path):
     prompts[3], prompts[10], prompts[17] = None, "", "word " * 3000  # null, empty, too long for the model
     pq.write_table(pa.table({"id": [f"q{i:02d}" for i in range(n)], "prompt": prompts,
                              "topic": [f"t{i % 3}" for i in range(n)]}), tmp_path / "in.parquet", row_group_size=6)
-    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet"), "keep_columns": ["topic"]},
+    job = write_job(tmp_path / "job.yaml", model=MODEL,
+                    input={"path": str(tmp_path / "in.parquet"), "keep_columns": ["topic"]},
                     sampling={"max_tokens": 6, "temperature": 0.0}, engine=ENGINE, executor=RAY,
                     output={"path": "unused", "rows_per_part": 5, "include_prompt": True})
     local, ray_out = run_both(job, tmp_path)
@@ -83,7 +87,7 @@ def test_jsonl_on_ray_keeps_bad_lines_and_per_row_seeds(ray_cluster, tmp_path):
     lines[4] = '{"id": 4, "prompt": "broken'  # a bad line is a row error, not a failed read
     lines.insert(6, "   ")  # blank lines are not rows
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n\n")
-    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.jsonl")}, engine=ENGINE,
+    job = write_job(tmp_path / "job.yaml", model=MODEL, input={"path": str(tmp_path / "in.jsonl")}, engine=ENGINE,
                     sampling={"max_tokens": 5, "temperature": 0.9, "top_p": 0.9, "seed": 7, "logprobs": 0},
                     executor=RAY,
                     output={"path": "unused"})
@@ -102,7 +106,7 @@ def test_saved_dataset_shard_on_ray_gives_the_local_rows(ray_cluster, tmp_path):
     msgs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(9)]
     msgs[6] = [{"role": "user"}]  # malformed: no content
     datasets.Dataset.from_dict({"messages": msgs, "topic": list("abcdefghi")}).save_to_disk(str(tmp_path / "ds"))
-    job = write_job(tmp_path / "job.yaml", executor=RAY, engine=ENGINE, sampling={"max_tokens": 4},
+    job = write_job(tmp_path / "job.yaml", model=MODEL, executor=RAY, engine=ENGINE, sampling={"max_tokens": 4},
                     input={"path": str(tmp_path / "ds"), "messages_column": "messages", "keep_columns": ["topic"]},
                     output={"path": "unused", "include_prompt": True})
     out = {}
@@ -119,7 +123,7 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     n = 24
     pq.write_table(pa.table({"id": list(range(n)), "prompt": [f"The farmer reads letter {i}" for i in range(n)]}),
                    tmp_path / "in.parquet")
-    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
+    job = write_job(tmp_path / "job.yaml", model=MODEL, input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
                     sampling={"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "logprobs": 0}, executor=RAY,
                     output={"path": str(tmp_path / "out"), "rows_per_part": 4})
     # A subprocess joining the module's Ray by address; each finished request waits 0.4 s (the BATCHRUN_*

@@ -5,8 +5,9 @@ merged, gives them too.
 The job samples (temperature 0.8, top_p 0.9) and writes each token's log-prob, and rows are compared whole:
 the text and every log-prob bit of a resumed (or sharded) run, whose rows ran in other batches than in the
 uninterrupted one, are the uninterrupted run's. That holds because the engine is batch invariant (the
-default in float32 on a CPU, tests/test_batch_invariance.py); with engine.batch_invariant: false the SIGKILL
-and SIGTERM resumes give other log-probs (checked by hand when this was written)."""
+default in float32 on a CPU, tests/test_batch_invariance.py: the job sets model.device: cpu, so a machine with
+a GPU runs it there too); with engine.batch_invariant: false the SIGKILL and SIGTERM resumes give other log-probs
+(checked by hand when this was written)."""
 
 import json
 import os
@@ -32,7 +33,8 @@ def job(tmp_path_factory):
     prompts = [" ".join(words[i % 7: i % 7 + 3 + i % 5]) for i in range(N_ROWS)]
     pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(N_ROWS)], "prompt": prompts}), d / "in.parquet",
                    row_group_size=5)
-    path = write_job(d / "job.yaml", input={"path": str(d / "in.parquet")},
+    # model.device cpu: batch invariance is the CPU's promise (docs/reproducibility.md), not cuBLAS's on a GPU
+    path = write_job(d / "job.yaml", model={"device": "cpu"}, input={"path": str(d / "in.parquet")},
                      sampling={"max_tokens": 3, "temperature": 0.8, "top_p": 0.9, "logprobs": 0},
                      engine={"max_num_seqs": 8, "num_kv_blocks": 64},
                      output={"path": str(d / "ref"), "rows_per_part": 4})

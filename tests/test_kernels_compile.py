@@ -23,5 +23,5 @@ def test_every_kernel_specialisation_compiles_for_sm90(tmp_path):
     compiled = {line.split()[1] for line in lines if line.startswith("ok ")}
     assert compiled >= {"_store_kv_kernel", "_store_kv_int8_kernel", "_decode_partition_kernel", "_decode_merge_kernel",
                         "_prefill_kernel", "_copy_blocks_kernel", "_grouped_gemm_kernel", "_quant_matmul_kernel",
-                        "_sample_rows_kernel"}
+                        "_quant_gemv_kernel", "_dequantize_kernel", "_sample_rows_kernel"}
     assert list(tmp_path.rglob("*.cubin")), "nothing reached ptxas"

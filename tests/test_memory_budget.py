@@ -123,7 +123,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(bf16_ckpt, monkeypat
     monkeypatch.setattr(llm_module, "available_memory", lambda: Available(GIB + 5 * 2**20, 16 * GIB, "1.0 GiB, say"))
     monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(InsufficientMemoryError) as e:
-        LLM(str(bf16_ckpt), dtype="bfloat16")
+        LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu")  # host memory is planned on the CPU only
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{bf16_ckpt} needs 1.0 GiB of memory")
     assert message.endswith("(weights 0.0 GiB + KV cache 0.0 GiB + 1.0 GiB working memory) and this machine has "
@@ -193,16 +193,19 @@ def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, 
         return {type(m) for m in model.modules() if isinstance(m, (OneDNNLinear, PackedLinear))}, \
             {m.small is not None for m in model.modules() if isinstance(m, OneDNNLinear)}
 
+    def cpu_llm():  # oneDNN's and the panels' linears are the CPU's
+        return LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu", kv_cache_memory="64MiB")
+
     if cpu_linears.bf16_kernel() == "dot":
-        assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({PackedLinear}, set())
+        assert layers(cpu_llm()) == ({PackedLinear}, set())
         monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")
-    assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({OneDNNLinear}, {True})
+    assert layers(cpu_llm()) == ({OneDNNLinear}, {True})
     monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
     config = AutoConfig.from_pretrained(bf16_ckpt)
     held = memory.held_weight_bytes(memory.checkpoint_weight_bytes(bf16_ckpt, 2), 2, config, packs_tied_lm_head=True)
     tight = Available(memory.WORKING_BYTES + 64 * 2**20 + held + 2**20, 16 * GIB, "tight")  # the weights fit, not twice
     monkeypatch.setattr(llm_module, "available_memory", lambda: tight)
-    assert layers(LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="64MiB")) == ({PackedLinear}, set())
+    assert layers(cpu_llm()) == ({PackedLinear}, set())
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "int4-g32"])
@@ -236,9 +239,9 @@ def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, mon
     kv = 2**20
     free = memory.WORKING_BYTES + kv + (weights("int8") + weights("none")) // 2  # int8 fits, bf16 does not
     monkeypatch.setattr(llm_module, "available_memory", lambda: Available(free, 16 * GIB, "just enough"))
-    with pytest.raises(InsufficientMemoryError):
-        LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="1MiB")
-    llm = LLM(str(bf16_ckpt), dtype="bfloat16", kv_cache_memory="1MiB", quantization="int8")
+    with pytest.raises(InsufficientMemoryError):  # (host memory: planned on the CPU only)
+        LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu", kv_cache_memory="1MiB")
+    llm = LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu", kv_cache_memory="1MiB", quantization="int8")
     assert llm.generate(["a b c"], use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -253,14 +256,14 @@ def big_ckpt(tmp_path_factory):
 
 
 # argv: the model, a small model run first (every import and one-time initialisation is then done before the
-# baseline: they take 0.15 GiB), LLM's settings as JSON
+# baseline: they take 0.15 GiB), LLM's settings as JSON. On the CPU where there is a GPU too: the weights in host memory
 PEAK_SCRIPT = textwrap.dedent("""
     import gc, json, resource, sys
     from batchrun import LLM, SamplingParams
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
     def job(path):
-        llm = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", **json.loads(sys.argv[3]))
+        llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", **json.loads(sys.argv[3]))
         llm.generate([{"prompt_token_ids": list(range(10, 10 + n))} for n in (5, 80, 200, 33)],
                      SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
     job(sys.argv[2])
@@ -294,10 +297,12 @@ def test_a_bf16_load_and_job_hold_the_weights_once(big_ckpt, bf16_ckpt, settings
 
 def test_the_large_model_script_runs_a_job_within_the_bound(big_ckpt, tmp_path):
     """benchmarks.large_model (the lead runs it on the 8B shape) on the small shape: the job through `batchrun run`
-    with the default settings, its peak RSS within 1.15 x weights + KV pool + 1 GiB."""
+    with the default settings, its peak RSS within 1.15 x weights + KV pool + 1 GiB. On the CPU where there is a GPU
+    too (its job file leaves model.device at auto, and the script has no device option: the child sees no GPU)."""
     from benchmarks.large_model import run
 
-    report = run(big_ckpt, tmp_path / "job", requests=4, max_tokens=4, env=cli_env(fake=False))
+    env = cli_env(fake=False, CUDA_VISIBLE_DEVICES="")
+    report = run(big_ckpt, tmp_path / "job", requests=4, max_tokens=4, env=env)
     assert report["exit_code"] == 0, report["stderr_tail"]
     assert report["within_bound"], report
     assert 0 < report["kv_pool_gib"] < 0.1  # sized for 4 rows, not the 2 GiB default

@@ -87,7 +87,7 @@ def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 def test_prefill_logits_match_transformers(make_ckpt, prompts, arch):
     path = make_ckpt(arch)
     hf, _ = hf_reference(path, prompts)
-    llm = LLM(str(path), num_kv_blocks=64)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64)  # the CPU path (the logits are compared on the host)
     for p in (prompts[7], prompts[-1]):
         ours = _prefill_logits(llm, p)
         with torch.no_grad():
@@ -104,7 +104,7 @@ def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch
     _, refs = hf_reference(path, prompts)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "0")  # (else the default batch-invariant mode takes batchrun's kernel)
-    llm, got = run(path, prompts)
+    llm, got = run(path, prompts, device="cpu")  # oneDNN's linears are the CPU's
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear) and isinstance(layer.mlp.down_proj, OneDNNLinear)
     assert got == refs

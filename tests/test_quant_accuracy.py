@@ -118,13 +118,15 @@ def test_greedy_through_the_engine_equals_the_quantized_torch_reference(make_ckp
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_the_triton_kernel_through_the_engine_equals_the_weight_only_reference(make_ckpt, fmt, monkeypatch):
     """What a CUDA model's quantized linears run (QuantLinear's "triton" kernel: weight-only, the weight dequantized
-    in the matmul), here interpreted on the CPU (conftest sets TRITON_INTERPRET=1): the same tokens as transformers
-    on the dequantized weights, the log-probabilities within fp32 rounding."""
+    in the matmul), compiled on a GPU where there is one, else interpreted on the CPU (conftest sets
+    TRITON_INTERPRET=1): the same tokens as transformers on the dequantized weights, the log-probabilities within
+    fp32 rounding."""
     monkeypatch.setattr(QuantLinear, "default_kernel", "triton")
     path = make_ckpt("llama")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (5, 23)]
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, quantization=fmt)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors only
+    llm = LLM(str(path), dtype="float32", device=device, num_kv_blocks=64, quantization=fmt)
     linear = llm.engine.runner.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantLinear) and linear.kernel == "triton" and linear.packed is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from batchrun.kernels import quantized_linear
-from batchrun.kernels.quant_matmul import Tiles, block_k_for, pick_tiles, quantized_matmul
+from batchrun.kernels.quant_matmul import (
+    PATHS,
+    Tiles,
+    block_k_for,
+    choose_path,
+    dequantize_weight,
+    gemv_tiles,
+    pick_tiles,
+    quantized_gemv,
+    quantized_matmul,
+)
 from batchrun.model.quant import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
 
 HAS_CUDA = torch.cuda.is_available()
@@ -59,9 +69,11 @@ CASES = [
 @pytest.mark.parametrize("bits,rows,out_features,in_features,group_size,dtype", CASES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_quantized_linear_matches_the_reference(bits, rows, out_features, in_features, group_size, dtype):
+    """Each case through each of the three products quantized_linear chooses among by the row count."""
     weight = random_weight(bits, out_features, in_features, group_size, seed=rows * out_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
-    assert_close_to_ref(quantized_linear(x, weight), x, weight)
+    for path in PATHS:
+        assert_close_to_ref(quantized_linear(x, weight, path), x, weight)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -97,6 +109,36 @@ def test_split_k_sums_the_partials_of_each_share(bits, group_size):
                          block_k=block_k, split_k=3)
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64), (8, 16)])
+def test_gemv_k_tiles_and_splits(bits, group_size):
+    """The CUDA-core GEMV over K-tiles inside a group and of several groups, its K-tiles split among programs, and
+    its rows (one program each) independent: a row's output is the same alone and among others."""
+    weight = random_weight(bits, 40, 256, group_size, seed=bits * group_size)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.bfloat16)
+    fields = (weight.qweight, weight.scale, weight.offset, group_size, bits)
+    for block_k in {block_k_for(group_size, 256), 16 if group_size % 16 == 0 else 32, 128}:
+        for split_k in (1, 256 // block_k):
+            got = quantized_gemv(x, *fields, block_n=16, block_k=block_k, split_k=split_k)
+            assert_close_to_ref(got, x, weight)
+            assert torch.equal(got[2:3], quantized_gemv(x[2:3], *fields, block_n=16, block_k=block_k,
+                                                        split_k=split_k))
+    with pytest.raises(ValueError, match="split_k 3 must divide"):
+        quantized_gemv(x, *fields, block_n=16, block_k=64, split_k=3)
+
+
+@pytest.mark.parametrize("bits,group_size,dtype", [(4, 32, torch.bfloat16), (4, 64, torch.float32),
+                                                   (8, 16, torch.float16), (8, 96, torch.bfloat16)])
+def test_dequantize_weight_equals_the_reference(bits, group_size, dtype):
+    """The weight the many-row path hands torch's matmul: quant.dequantize's, rounded once into `dtype`
+    (an odd shape: the tiles' masks; a GPU may fuse q * scale + offset, one fp32 rounding fewer)."""
+    from batchrun.model.quant import dequantize
+
+    weight = random_weight(bits, 37, 192, group_size, seed=group_size)
+    got = dequantize_weight(weight.qweight, weight.scale, weight.offset, group_size, bits, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, dequantize(weight).to(dtype))
+
+
 def test_batchruns_own_quantizers_round_trip_through_the_kernel():
     w = torch.randn(20, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -117,6 +159,14 @@ def test_tiles_and_refusals():
     assert pick_tiles(1, 4096, 8192 + 64 * 3, 4, 64) == Tiles(16, 128, 1, 8)  # 131 K-tiles: no split divides them
     assert pick_tiles(100, 4096, 14336, 4, 128) == Tiles(64, 64, 2)
     assert pick_tiles(33, 4096, 4096, 8, 128) == Tiles(64, 128) and pick_tiles(20, 576, 576, 8, 64) == Tiles(32, 64)
+    # the product by rows: int4 on the GEMV for one or two, else cuBLAS on its dequantized weight; int8 on the MMA
+    # kernel up to 127
+    assert [choose_path(rows, 4) for rows in (1, 2, 3, 4096)] == ["gemv"] * 2 + ["dequantize"] * 2
+    assert [choose_path(rows, 8) for rows in (1, 127, 128)] == ["mma", "mma", "dequantize"]
+    assert gemv_tiles(1, 4096, 14336, 128) == Tiles(1, 64, 8) and gemv_tiles(4, 14336, 4096, 128) == Tiles(1, 64, 1)
+    assert gemv_tiles(1, 576, 576, 64) == Tiles(1, 64, 1)  # 9 K-tiles: no power of two divides them
+    with pytest.raises(ValueError, match="path 'fast' is not one of"):
+        quantized_linear(torch.zeros(1, 32, device=DEVICE), random_weight(8, 8, 32, 32, seed=0), "fast")
     with pytest.raises(ValueError, match="groups of a multiple of 16 inputs, not 24"):
         block_k_for(24, 48)
     weight = random_weight(8, 8, 32, 32, seed=0)

@@ -1,4 +1,4 @@
-"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: batchrun/kernels/sampling.py, interpreted here) against the
+"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: batchrun/kernels/sampling.py, interpreted without CUDA) against the
 sorted definition of the kept set (model/sampler.py's docstring): the same threshold and token on rows with ties,
 flat and peaked rows, top_p 1 and tiny, top_k 1, min_p; the draws' distribution; rows independent of their batch."""
 
@@ -161,17 +161,23 @@ def test_top_k_one_and_a_tiny_top_p_are_the_argmax():
 
 
 def test_the_triton_kernel_draws_what_the_torch_reference_draws():
-    """The GPU kernel, interpreted here (TRITON_INTERPRET=1 without CUDA): greedy rows their argmax, sampled rows the
-    reference's token but for a few near a boundary (fp32 sums where the reference sums in fp64), never a token
-    outside the kept set."""
+    """The GPU kernel (on CUDA tensors where there is a GPU, interpreted with TRITON_INTERPRET=1 without one):
+    greedy rows their argmax, sampled rows the reference's token but for a few near a boundary (fp32 sums where the
+    reference sums in fp64), never a token outside the kept set."""
     from batchrun.kernels.sampling import sample_rows
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def sample_on_device(logits, temperature, top_k, top_p, min_p, u):  # the kernel's inputs there, its tokens back
+        on = [None if t is None else t.to(device) for t in (logits, temperature, top_k, top_p, min_p, u)]
+        return sample_rows(*on).cpu()
 
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(48, 1000, generator=g) * 3
     logits[::5, ::3] = float("-inf")
     b = _mixed_batch(48, 8)
     u = uniform(torch.arange(48), torch.full((48,), 3))
-    got = sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
+    got = sample_on_device(logits, b.temperature, b.top_k, b.top_p, b.min_p, u)
     want = draw_reference(logits, b, u)
     greedy = b.temperature == 0
     assert torch.equal(got[greedy], argmax_rows(logits)[greedy])
@@ -179,6 +185,6 @@ def test_the_triton_kernel_draws_what_the_torch_reference_draws():
     assert not torch.isinf(logits.gather(1, got[:, None])).any()
     # filters off for every row (None) and on: a row's token is the same whatever the other rows ask
     plain, x, u = _batch(8, 0.9), logits[:8], u[:8]
-    assert torch.equal(sample_rows(x, plain.temperature, None, None, None, u),
-                       sample_rows(x, plain.temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8),
-                                   torch.zeros(8), u))
+    assert torch.equal(sample_on_device(x, plain.temperature, None, None, None, u),
+                       sample_on_device(x, plain.temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8),
+                                        torch.zeros(8), u))

@@ -43,11 +43,13 @@ def _store_kv_kernel(
 @triton.jit
 def _quantize_rows(x, mask, HEAD_DIM: tl.constexpr):
     """Rows of x [BLOCK_H, BLOCK_D] (fp32) -> (int8 values, float32 scales [BLOCK_H]): batchrun/model/kv_quant.py's
-    symmetric int8, scale = absmax / 127, values rounded half to even (torch.round's rule, spelled out: the
+    symmetric int8, scale = absmax * (1/127), values rounded half to even (torch.round's rule, spelled out: the
     interpreter and the GPU then agree)."""
     x = tl.where(mask, x, 0.0)
-    scale = tl.max(tl.abs(x), 1) / 127.0
-    y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    # the scale as torch computes it on CUDA (times the float32 1/127); div_rn: the IEEE-rounded quotient of
+    # torch's tensor division, never an approximate one
+    scale = tl.max(tl.abs(x), 1) * (1.0 / 127.0)
+    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to the even one
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)

@@ -3,7 +3,7 @@
 
 Format: the pool keeps its layout, [num_layers, 2, num_blocks, block_size, num_kv_heads, row], in int8, where
 each (slot, kv head) row is head_dim int8 values followed by the 4 bytes of their float32 scale (row = head_dim +
-4). Quantization is symmetric, per token and kv head: scale = absmax / 127, q = round(x / scale) (to even), so a
+4). Quantization is symmetric, per token and kv head: scale = absmax * (1/127), q = round(x / scale) (to even), so a
 value is off by at most half a step (scale / 2). The scale lives inside the row, not in a tensor of its own, so
 that everything that moves blocks (copy-on-write and block copies, swap out to host memory and back in, prefix
 sharing, which maps the same blocks) carries the scales with the values without knowing about them.
@@ -65,7 +65,9 @@ def row_width(head_dim: int, kv_dtype: torch.dtype | None) -> int:
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] (any float dtype) -> int8 [..., D + 4]: the values, then their float32 scale's bytes."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127.0
+    # times the float32 1/127, not divided by 127: torch on CUDA turns a division by a scalar into that product,
+    # and the C and Triton stores spell it the same way, so all of them write the same bytes
+    scale = x.abs().amax(-1, keepdim=True) * (1.0 / 127.0)
     q = torch.where(scale > 0, torch.round(x / scale), 0.0).clamp_(-127, 127).to(torch.int8)
     return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
 

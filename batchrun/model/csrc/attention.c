@@ -1169,7 +1169,7 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
 /* ---- the int8 KV pool (kv_cache_dtype: int8) ---------------------------------------------------------- */
 
 /* In an int8 pool each (slot, kv head) row is head_dim int8 values followed by their float32 scale (d + 4 bytes):
- * symmetric, per token and kv head, x ~ scale * q with scale = absmax / 127. The scale sits inside the row so that
+ * symmetric, per token and kv head, x ~ scale * q with scale = absmax * (1/127). The scale sits inside the row so that
  * every block move (copy-on-write, swap out and in) carries it with the values. batchrun/model/kv_quant.py is the
  * torch side of the same format; its quantize_rows gives the same bytes as quantize_row here. (Q8_ROW: above.) */
 
@@ -1179,7 +1179,7 @@ static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
         const float a = fabsf(ld1(x, i, bf));
         absmax = a > absmax ? a : absmax;
     }
-    const float scale = absmax / 127.0f;
+    const float scale = absmax * (1.0f / 127.0f); /* the product, as kv_quant.quantize_rows (torch on CUDA) */
     for (int64_t i = 0; i < d; i++) {
         float r = scale > 0.0f ? nearbyintf(ld1(x, i, bf) / scale) : 0.0f;
         r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
