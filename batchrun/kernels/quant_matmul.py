@@ -52,7 +52,8 @@ def _quant_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn
+    q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # a [K, N] tile's columns (int8)
+    q_cols = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn  # an [N, K / 2] tile's rows (int4)
     s_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # A K-tile is either a slice of one group (SUB_K == BLOCK_K) or whole groups, one dot each (SUB_K == GROUP_SIZE)
@@ -66,25 +67,19 @@ def _quant_matmul_kernel(
                 a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
                 q = tl.load(q_rows + offs_k[:, None], mask=n_mask[None, :], other=0)
                 partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
-            elif SUB_K >= 64:
-                # each byte read once: its low nibbles (even inputs) and high nibbles (odd inputs) are two dots
-                # against the even and the odd activations. Measured on an H200 against the branch below
-                # (Llama-3-8B's MLP shapes, same tiles): groups of 128 at 1-256 rows took 0.46-0.73x its time;
-                # groups of 32 (two dots of 16 inputs) 0.87-0.94x at 1 row but 1.15-1.21x at 16 and 1.55-2.10x at
-                # 64-256 rows, so groups under 64 take the branch below
-                offs_pair = tl.arange(0, SUB_K // 2)
-                packed = tl.load(q_rows + (k_first // 2 + offs_pair)[:, None], mask=n_mask[None, :], other=0)
-                even = tl.load(x_rows + (k_first + 2 * offs_pair)[None, :], mask=m_mask[:, None], other=0.0)
-                odd = tl.load(x_rows + (k_first + 2 * offs_pair + 1)[None, :], mask=m_mask[:, None], other=0.0)
-                partial = tl.dot(even.to(DOT_DTYPE), (packed & 0x0F).to(DOT_DTYPE), input_precision=DOT_PREC)
-                partial += tl.dot(odd.to(DOT_DTYPE), (packed >> 4).to(DOT_DTYPE), input_precision=DOT_PREC)
-                row_sums = tl.sum(even.to(tl.float32), axis=1) + tl.sum(odd.to(tl.float32), axis=1)
-            else:  # each byte read for both of its inputs (groups of 16: a dot takes at least 16 inputs)
+            else:
+                # int4: each packed byte read once and its nibbles interleaved back into input order in registers,
+                # then one dot over contiguous activations. It replaced (2026-12-04, not yet timed on a GPU) two
+                # earlier branches: two dots of the low and high nibbles against the even and odd activations
+                # (strided loads; groups >= 64) and each byte read for both its inputs and shifted by their parity
+                # (groups of 16 and 32); on an H200 both were slower than the weight dequantized for cuBLAS from 4
+                # rows (docs/quantization.md), which is why choose_path sends int4 there.
                 offs_k = k_first + tl.arange(0, SUB_K)
                 a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-                packed = tl.load(q_rows + (offs_k // 2)[:, None], mask=n_mask[None, :], other=0)
-                q = (packed >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
-                partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
+                packed = tl.load(q_cols + (k_first // 2 + tl.arange(0, SUB_K // 2))[None, :], mask=n_mask[:, None],
+                                 other=0)
+                q = tl.interleave(packed & 0x0F, packed >> 4)  # [BLOCK_N, SUB_K]: input 2j low, 2j + 1 high
+                partial = tl.dot(a.to(DOT_DTYPE), tl.trans(q.to(DOT_DTYPE)), input_precision=DOT_PREC)
                 row_sums = tl.sum(a.to(tl.float32), axis=1)
             acc += partial * scale[None, :]
             if BITS == 4:
@@ -194,8 +189,8 @@ def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_
     and 14336 -> 4096, bf16 activations, 1, 16 and 128 rows; docs/quantization.md). A step of a few rows (decode)
     is bound by reading the weight, and with K = 14336 its 4096 outputs in tiles of 64 made 64 programs for 132
     multiprocessors: 128-wide tiles with the K-tiles shared by 8 programs took 0.48-0.50x the time of (16, 64) for
-    int8 and 0.21-0.44x for int4; for int4 at K = 4096, 0.71-0.93x (groups of 32 timed on the nibble branch,
-    which they no longer take). int8 at K = 4096 keeps one program per tile, 32 wide (0.91-0.92x; a split lost
+    int8 and 0.21-0.44x for int4; for int4 at K = 4096, 0.71-0.93x (int4's figures are of the two branches the
+    interleaved one replaced). int8 at K = 4096 keeps one program per tile, 32 wide (0.91-0.92x; a split lost
     there, its partials' sum being a second launch on a 31 us matmul). From 17 rows on, square
     tiles reuse each weight tile across rows; at 128 rows and K = 14336, 64 x 64 tiles split in two took
     0.42-0.74x the time of (64, 128). Not measured on other shapes: small models keep the narrow tiles."""
