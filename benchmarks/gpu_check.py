@@ -476,7 +476,7 @@ def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
                     err = (call().float() - want).abs().max().item()
                     if err > 3e-2 * max(1.0, want.abs().max().item()):
                         raise AssertionError(f"tiles {(bm, bn, split, warps, stages)}: error {err} against the reference")
-                    timed[(bm, bn, split, warps, stages)] = time_ms(call, dry_run)
+                    timed[(bm, bn, split, warps, stages)] = time_ms(call, dry_run, graph=True)
                 best = min(timed, key=timed.get)
                 gbps = {t: weight.nbytes / (ms * 1e-3) / 1e9 for t, ms in timed.items()}
                 points.append({"bits": bits, "group_size": group, "out": out_features, "in": in_features,

@@ -193,7 +193,9 @@ def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_
     interleaved one replaced). int8 at K = 4096 keeps one program per tile, 32 wide (0.91-0.92x; a split lost
     there, its partials' sum being a second launch on a 31 us matmul). From 17 rows on, square
     tiles reuse each weight tile across rows; at 128 rows and K = 14336, 64 x 64 tiles split in two took
-    0.42-0.74x the time of (64, 128). Not measured on other shapes: small models keep the narrow tiles."""
+    0.42-0.74x the time of (64, 128). Not measured on other shapes: small models keep the narrow tiles. Those
+    times had Python launch each call, which under ~0.1 ms may have set their pace (the sweep now times CUDA graph
+    replays): to be re-read at the next GPU run."""
     k_tiles = in_features // block_k
 
     def split(most: int) -> int:  # the largest power of two up to `most` that divides the K-tiles
