@@ -402,6 +402,13 @@ def random_quantized_weight(bits: int, group_size: int, out_features: int, in_fe
                            group)
 
 
+def check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A quantized product against linear_ref's fp32 one, within bf16 activations' rounding."""
+    err = (got.float() - want).abs().max().item()
+    if err > 3e-2 * max(1.0, want.abs().max().item()):
+        raise AssertionError(f"{what}: error {err} against the reference")
+
+
 def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int, in_features: int,
                        device: torch.device, dry_run: bool) -> dict:
     """Each of quantized_linear's three products (the CUDA-core GEMV, the MMA kernel, the weight dequantized for
@@ -415,9 +422,7 @@ def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int,
     want = linear_ref(x, weight)
     ms = {}
     for path in PATHS:
-        err = (quantized_linear(x, weight, path).float() - want).abs().max().item()
-        if err > 3e-2 * max(1.0, want.abs().max().item()):
-            raise AssertionError(f"{path} at {rows} rows: error {err} against the reference")
+        check_close(quantized_linear(x, weight, path), want, f"{path} at {rows} rows")
         ms[path] = time_ms(lambda p=path: quantized_linear(x, weight, p), dry_run, graph=True)
     dense = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device)
     bf16_ms = time_ms(lambda: x @ dense.T, dry_run, graph=True)
@@ -491,9 +496,7 @@ def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
                     call = functools.partial(quantized_matmul, x, weight.qweight, weight.scale, weight.offset, group,
                                              bits, block_m=bm, block_n=bn, block_k=block_k, split_k=split,
                                              num_warps=warps, num_stages=stages)
-                    err = (call().float() - want).abs().max().item()
-                    if err > 3e-2 * max(1.0, want.abs().max().item()):
-                        raise AssertionError(f"tiles {(bm, bn, split, warps, stages)}: error {err} against the reference")
+                    check_close(call(), want, f"tiles {(bm, bn, split, warps, stages)}")
                     timed[(bm, bn, split, warps, stages)] = time_ms(call, dry_run, graph=True)
                 best = min(timed, key=timed.get)
                 gbps = {t: weight.nbytes / (ms * 1e-3) / 1e9 for t, ms in timed.items()}

@@ -44,9 +44,6 @@ CHECKPOINTS = {
 LENGTHS = [1, 6, 17, 30, 64, 101, 150]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-# The Triton backend runs compiled on CUDA tensors where there is a GPU, interpreted on the CPU (conftest.py sets
-# TRITON_INTERPRET=1) where there is none; the other tests here are about the CPU path and pin device="cpu".
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def checkpoint(make_ckpt, family: str):
@@ -204,9 +201,11 @@ def run(llm: LLM, prompts, params) -> list[tuple]:
 def test_greedy_on_the_triton_kernels(make_ckpt, prompts, family):
     """The Triton backend (compiled on a GPU; interpreted without one: slow, so three prompts, 8 tokens) gives
     transformers' tokens."""
+    from test_kernels import DEVICE  # CUDA where there is a GPU (compiled Triton), else the CPU (interpreted)
+
     path = checkpoint(make_ckpt, family)
     short = [prompts[1], prompts[3], prompts[4]]
-    llm = LLM(str(path), dtype="float32", device=TRITON_DEVICE, attention_backend="triton", num_kv_blocks=64,
+    llm = LLM(str(path), dtype="float32", device=DEVICE.type, attention_backend="triton", num_kv_blocks=64,
               num_speculative_tokens=0)
     assert llm.engine.runner.backend.name == "triton"
     assert generate(llm, short, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == \

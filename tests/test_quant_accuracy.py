@@ -125,8 +125,9 @@ def test_the_triton_kernel_through_the_engine_equals_the_weight_only_reference(m
     path = make_ckpt("llama")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (5, 23)]
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors only
-    llm = LLM(str(path), dtype="float32", device=device, num_kv_blocks=64, quantization=fmt)
+    from test_kernels import DEVICE  # compiled Triton kernels take CUDA tensors only
+
+    llm = LLM(str(path), dtype="float32", device=DEVICE.type, num_kv_blocks=64, quantization=fmt)
     linear = llm.engine.runner.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantLinear) and linear.kernel == "triton" and linear.packed is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

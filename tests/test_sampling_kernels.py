@@ -164,12 +164,12 @@ def test_the_triton_kernel_draws_what_the_torch_reference_draws():
     """The GPU kernel (on CUDA tensors where there is a GPU, interpreted with TRITON_INTERPRET=1 without one):
     greedy rows their argmax, sampled rows the reference's token but for a few near a boundary (fp32 sums where the
     reference sums in fp64), never a token outside the kept set."""
+    from test_kernels import DEVICE
+
     from batchrun.kernels.sampling import sample_rows
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
     def sample_on_device(logits, temperature, top_k, top_p, min_p, u):  # the kernel's inputs there, its tokens back
-        on = [None if t is None else t.to(device) for t in (logits, temperature, top_k, top_p, min_p, u)]
+        on = [None if t is None else t.to(DEVICE) for t in (logits, temperature, top_k, top_p, min_p, u)]
         return sample_rows(*on).cpu()
 
     g = torch.Generator().manual_seed(7)

@@ -215,8 +215,19 @@ def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_
     return Tiles(64, 128 if out_features >= 4096 else 64)
 
 
-def _check_operands(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bits: int, block_k: int,
-                    split_k: int) -> None:
+def _weight_operands(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight's tensors as the kernels index them: contiguous; for 8 bits the scale stands in for the offset,
+    which they never read."""
+    qweight, scale = qweight.contiguous(), scale.contiguous()
+    return qweight, scale, offset.contiguous() if offset is not None else scale
+
+
+def _prepare(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+             group_size: int, bits: int, block_k: int, split_k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The products' shared start: the operands checked, (x, qweight, scale, offset) as the kernels index them,
+    and the output [M, N] in x's dtype."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quantized matmul takes float32, float16 or bfloat16 activations, got {x.dtype}")
     in_features = x.shape[1]
@@ -227,6 +238,8 @@ def _check_operands(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bit
         raise ValueError(f"split_k {split_k} must divide the {in_features // block_k} K-tiles of {block_k}")
     if qweight.shape[1] * (2 if bits == 4 else 1) != in_features:
         raise ValueError(f"activations of {in_features} inputs for a weight of shape {tuple(qweight.shape)}")
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)
+    return (x if x.stride(1) == 1 else x.contiguous(), *_weight_operands(qweight, scale, offset), out)
 
 
 def _split_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
@@ -250,13 +263,8 @@ def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     groups, dividing K (block_k_for). split_k > 1: the K-tiles are shared among that many programs per output
     tile, each writing an fp32 partial sum, added up afterwards in a fixed order (for decode shapes, whose few
     output tiles would leave most of a GPU idle)."""
-    _check_operands(x, qweight, group_size, bits, block_k, split_k)
-    rows, in_features = x.shape
-    out_features = qweight.shape[0]
-    x = x if x.stride(1) == 1 else x.contiguous()
-    qweight, scale = qweight.contiguous(), scale.contiguous()
-    offset = offset.contiguous() if offset is not None else scale  # never read for 8 bits
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    x, qweight, scale, offset, out = _prepare(x, qweight, scale, offset, group_size, bits, block_k, split_k)
+    (rows, in_features), out_features = x.shape, qweight.shape[0]
     if rows == 0:
         return out
     target = _split_target(out, split_k)
@@ -279,13 +287,8 @@ def quantized_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
     1-2 rows to 16 and unpacks every tile into the MMA's layout; here the unpacked integers meet the activations
     where they lie. On an H200 one int4 row (groups of 32, 14336 x 4096) took 0.039 ms: 0.75 TB/s, a sixth of the
     bandwidth, so something besides the bytes still sets its pace."""
-    _check_operands(x, qweight, group_size, bits, block_k, split_k)
-    rows, in_features = x.shape
-    out_features = qweight.shape[0]
-    x = x if x.stride(1) == 1 else x.contiguous()
-    qweight, scale = qweight.contiguous(), scale.contiguous()
-    offset = offset.contiguous() if offset is not None else scale
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    x, qweight, scale, offset, out = _prepare(x, qweight, scale, offset, group_size, bits, block_k, split_k)
+    (rows, in_features), out_features = x.shape, qweight.shape[0]
     if rows == 0:
         return out
     target = _split_target(out, split_k)
@@ -304,8 +307,7 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.
     """The weight [N, K] in `dtype` (w = q * scale (+ offset) per group, computed in fp32, rounded once)."""
     out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)
     block_k = block_k_for(group_size, in_features)
-    qweight, scale = qweight.contiguous(), scale.contiguous()
-    offset = offset.contiguous() if offset is not None else scale
+    qweight, scale, offset = _weight_operands(qweight, scale, offset)
     out = torch.empty(out_features, in_features, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(out_features, block_n), in_features // block_k)
     _dequantize_kernel[grid](qweight, scale, offset, out, out_features, qweight.stride(0), scale.stride(0),
