@@ -46,6 +46,16 @@ WEIGHT_OPTIONS: dict[str, tuple[str, ...]] = {
     "int8-sym": ("--weight-format", "int8", "--sym"),
     "int4-sym-g128": ("--weight-format", "int4", "--sym", "--group-size", "128", "--ratio", "1.0",
                       "--backup-precision", "int8_sym"),
+    # For accuracy beside batchrun's int4 (benchmarks.quant_accuracy --openvino): nncf takes no group that does
+    # not divide a linear's inputs (SmolLM2's 576 refuses 128), so groups of 64 and 32; "asym" is nncf's integer
+    # zero point; "-r08" leaves 20% of the linears in int8 by nncf's data-free sensitivity rule (its mixed format).
+    "int4-sym-g64": ("--weight-format", "int4", "--sym", "--group-size", "64", "--ratio", "1.0",
+                     "--backup-precision", "int8_sym"),
+    "int4-asym-g64": ("--weight-format", "int4", "--group-size", "64", "--ratio", "1.0"),
+    "int4-sym-g32": ("--weight-format", "int4", "--sym", "--group-size", "32", "--ratio", "1.0",
+                     "--backup-precision", "int8_sym"),
+    "int4-asym-g32": ("--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"),
+    "int4-asym-g64-r08": ("--weight-format", "int4", "--group-size", "64", "--ratio", "0.8"),
 }
 WEIGHT_FORMATS = tuple(WEIGHT_OPTIONS)
 # What the export reads from a checkpoint: the cache key hashes these files' names, sizes and mtimes (a
@@ -268,6 +278,28 @@ class OpenvinoSetup:
         else:
             res.setdefault("config", {})["weight_format"] = weight_format
         return res
+
+
+def teacher_forced(checkpoint: str | Path, weight_format: str, sequences: list[tuple[list[int], list[int]]],
+                   precision: str = "bf16", threads: int = 2) -> tuple[list[list[int]], list[list[float]]]:
+    """The checkpoint exported in `weight_format`, each (prompt, continuation) fed through it by OpenVINO with
+    `precision` as its inference precision (benchmarks.openvino_accuracy): per sequence, the argmax and the
+    continuation token's log-probability at each continuation position. Raises RuntimeError with the reason where
+    the venv, the export or the worker fails."""
+    ir = export(checkpoint, weight_format, threads)
+    with tempfile.TemporaryDirectory(prefix="batchrun-ov-accuracy-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"model_path": str(ir), "precision": precision, "threads": threads,
+                                    "sequences": [[list(p), list(c)] for p, c in sequences]}))
+        root = Path(__file__).resolve().parents[1]
+        proc = subprocess.run([str(venv_python()), "-m", "benchmarks.openvino_accuracy", str(spec), str(out)],
+                              cwd=root, env={**environment(threads), "PYTHONPATH": str(root)}, capture_output=True,
+                              text=True, timeout=3600)
+        if proc.returncode != 0 or not out.is_file():
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise RuntimeError(f"OpenVINO's teacher-forced pass over {ir.name} failed: {tail}")
+        result = json.loads(out.read_text())
+    return result["top1"], result["logprobs"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@ int8+head, adds EngineArgs.quantize_lm_head), on the same model in bf16 activati
     the tokenizer has no chat template), fed back one token per decode step through the quantized model
     (teacher forcing), and the share of positions where its argmax is the bf16 model's token;
   - perplexity on a fixed paragraph (benchmarks/data/quant_text.txt), teacher-forced the same way.
+With --openvino, OpenVINO's own quantized exports (nncf's data-free weight compression) are scored the same way
+against the same bf16 replies, each prompt and reply in one forward (benchmarks.openvino_accuracy).
 The default model is the built-in SmolLM2-135M-Instruct; --model PATH takes any checkpoint (the lead's
 random-weight 1B model: its replies are noise, but agreement still says how far the quantized logits move).
 Targets (issue 33): int8 >= 97%, int4 >= 90% agreement. tests/test_quant_accuracy.py holds the built-in model's
@@ -22,6 +24,8 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
+from batchrun.model.builtin import builtin_path
+from benchmarks import openvino_env
 from benchmarks.cli_args import parser
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_text.txt"
@@ -80,7 +84,11 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> float:
 def perplexity(llm: LLM, text: str) -> float:
     ids = llm.tokenizer(text).input_ids
     _, logprobs = teacher_forced(llm, [ids[:1]], [ids[1:]])
-    return math.exp(-sum(logprobs[0]) / len(logprobs[0]))
+    return perplexity_of(logprobs[0])
+
+
+def perplexity_of(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def make_llm(model: str, fmt: str, threads: int | None) -> LLM:
@@ -99,21 +107,39 @@ def main() -> None:
                     help="comma-separated; FORMAT+head: the lm_head in int8 too, FORMAT+gptq: GPTQ over the built-in "
                          "calibration text (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="reply tokens per question (default %(default)s)")
+    ap.add_argument("--openvino", default="",
+                    help="comma-separated OpenVINO export formats (benchmarks.openvino_env.WEIGHT_OPTIONS, e.g. "
+                         "int4-sym-g64) scored the same way beside batchrun's, bf16 inference precision; needs "
+                         "OpenVINO's venv (python -m benchmarks.openvino_env)")
     args = ap.parse_args()
     text = TEXT.read_text()
     reference = make_llm(args.model, "none", args.threads)
     prompts = chat_prompts(reference.tokenizer)
     replies = greedy_replies(reference, prompts, args.tokens)
+    text_ids = reference.tokenizer(text).input_ids
     del reference
     gc.collect()
     print(f"{args.model}: {len(prompts)} replies x {args.tokens} tokens against bf16; perplexity on {TEXT.name}")
-    print(f"{'format':>10}  {'top-1 agreement':>16}  {'perplexity':>10}")
+    print(f"{'format':>24}  {'top-1 agreement':>16}  {'perplexity':>10}")
     for fmt in args.formats.split(","):
         llm = make_llm(args.model, fmt, args.threads)
         top1, _ = teacher_forced(llm, prompts, replies)
-        print(f"{fmt:>10}  {agreement(top1, replies):>16.2%}  {perplexity(llm, text):>10.3f}")
+        print(f"{fmt:>24}  {agreement(top1, replies):>16.2%}  {perplexity(llm, text):>10.3f}")
         del llm
         gc.collect()
+    for fmt in filter(None, args.openvino.split(",")):
+        checkpoint = args.model
+        if checkpoint.startswith("builtin:"):
+            checkpoint = str(builtin_path(checkpoint.removeprefix("builtin:")))
+        try:
+            top1, _ = openvino_env.teacher_forced(checkpoint, fmt, list(zip(prompts, replies)),
+                                                  threads=args.threads or 2)
+            _, text_logprobs = openvino_env.teacher_forced(checkpoint, fmt, [(text_ids[:1], text_ids[1:])],
+                                                           threads=args.threads or 2)
+        except (RuntimeError, ValueError) as e:
+            print(f"openvino:{fmt}: {e}")
+            continue
+        print(f"{'openvino:' + fmt:>24}  {agreement(top1, replies):>16.2%}  {perplexity_of(text_logprobs[0]):>10.3f}")
 
 
 if __name__ == "__main__":

@@ -231,3 +231,37 @@ def test_openvino_worker_matches_transformers_greedy_and_ends_at_eos(tmp_path):
     assert "error" not in res, res["error"]
     assert [[len(s) for s in o] for o in res["outputs"]] == [[12, 12], [20, 20], [7, 7]]
     assert res["config"]["kv_cache_precision"] == "u8" and res["gen_tokens"] == 2 * 39
+
+
+def test_score_reads_each_continuation_position_from_the_position_before():
+    import numpy as np
+    import torch
+
+    from benchmarks.openvino_accuracy import score
+
+    logits = torch.randn(9, 50, generator=torch.Generator().manual_seed(0))
+    continuation = [7, 3, 41, 0]  # prompt of 5 tokens: position 4 predicts the first
+    top1, logprobs = score(logits.numpy().astype(np.float32), 5, continuation)
+    want = torch.log_softmax(logits.double(), dim=-1)[4:8]
+    assert top1 == want.argmax(-1).tolist()
+    assert logprobs == pytest.approx(want[torch.arange(4), continuation].tolist(), abs=1e-6)
+
+
+@pytest.mark.skipif(not openvino_env.is_ready(),
+                    reason="no OpenVINO venv in $BATCHRUN_CACHE (`python -m benchmarks.openvino_env` makes it; CI has none)")
+def test_openvino_teacher_forcing_matches_transformers_in_fp32():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from batchrun.model.builtin import builtin_path
+
+    path = builtin_path("tiny-llama")
+    sequences = [([5 + i, 17, 301, 44, 1000 + i, 9], [12, 400 + i, 7, 88, 3]) for i in range(2)]
+    top1, logprobs = openvino_env.teacher_forced(path, "fp32", sequences, precision="f32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for (prompt, cont), got, lp in zip(sequences, top1, logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + cont[:-1]])).logits[0, len(prompt) - 1:].double()
+        want = torch.log_softmax(logits, dim=-1)
+        assert got == want.argmax(-1).tolist()
+        assert lp == pytest.approx(want[torch.arange(len(cont)), cont].tolist(), abs=1e-3)
