@@ -205,7 +205,7 @@ class EngineArgs:
         doc="How the KV cache stores keys and values. auto: in the model's dtype. int8: one byte per value plus a "
             "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
             "float32) at a small cost in accuracy. fp8_e4m3 / fp8_e5m2: one byte per value, cast on its own with no scale "
-            "(coarser than int8); CPU only (docs/kv-cache.md).")
+            "(coarser than int8) (docs/kv-cache.md).")
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
     # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
     # free beside the weights (batchrun.model.memory).
@@ -285,8 +285,8 @@ class EngineArgs:
         """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
         torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
         wants_cuda = self.device.startswith("cuda")
-        # CPU only: an int8 lm_head, an fp8 KV cache
-        may_be_cuda = self.device == "auto" and (self.kv_cache_dtype.startswith("fp8") or self.quantize_lm_head)
+        # CPU only: an int8 lm_head
+        may_be_cuda = self.device == "auto" and self.quantize_lm_head
         if not wants_cuda and self.attention_backend != "triton" and not may_be_cuda:
             return
         import torch
@@ -304,9 +304,6 @@ class EngineArgs:
                 raise EngineArgsError("device", f"{self.device} but this machine has {count} CUDA "
                                                 f"device{'s' * (count != 1)}")
         on_cuda = wants_cuda or (self.device == "auto" and has_cuda)
-        if self.kv_cache_dtype.startswith("fp8") and (on_cuda or self.attention_backend == "triton"):
-            raise EngineArgsError("kv_cache_dtype", f"{self.kv_cache_dtype} runs on a CPU only (the Triton kernels "
-                                                    "have no fp8 path yet); use int8 or auto on CUDA")
         if self.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise EngineArgsError("attention_backend", "triton needs a CUDA device (or TRITON_INTERPRET=1 for "
                                                        "tests); use torch or auto on CPU")

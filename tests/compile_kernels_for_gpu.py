@@ -93,12 +93,14 @@ def kv_pool(dtype: torch.dtype, num_blocks: int = 12, block_size: int = 16, num_
 
 
 # (K/V dtype, head_dim, decode partition_size, window, softcap): each kernel branch at least once; the K/V dtypes
-# fp32, bf16 and int8 (bf16 queries), split and unsplit decode, a window with soft-capping, a head_dim not a power of 2
+# fp32, bf16, int8 and fp8 (bf16 queries), split and unsplit decode, a window with soft-capping, a head_dim not a power of 2
 ATTENTION_CASES = [
     (torch.float32, 64, None, 0, 0.0),
     (torch.bfloat16, 96, 64, 32, 30.0),
     (torch.int8, 64, 64, 0, 0.0),
     (torch.int8, 128, None, 32, 30.0),
+    (torch.float8_e4m3fn, 64, 64, 0, 0.0),
+    (torch.float8_e5m2, 128, None, 32, 30.0),
 ]
 
 
@@ -107,7 +109,7 @@ def drive_kernels() -> None:
     row and in groups, bf16 and fp32 activations, one and many rows; the sampler's filters off and on)."""
     heads, kv_heads = 8, 2
     for cache_dtype, head_dim, partition, window, softcap in ATTENTION_CASES:
-        q_dtype = torch.bfloat16 if cache_dtype == torch.int8 else cache_dtype
+        q_dtype = torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype
         cache = kv_pool(cache_dtype, num_kv_heads=kv_heads, head_dim=head_dim)
         tables = torch.arange(12, dtype=torch.int32).view(2, 6)
         seq_lens = torch.tensor([40, 90], dtype=torch.int32)

@@ -114,9 +114,6 @@ CASES = {
                           "model.device: cuda but CUDA is not available on this machine"),
     "unknown kv_cache_dtype": (lambda d: good_job(d, engine={"kv_cache_dtype": "int3"}), [],
                                "engine.kv_cache_dtype: must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int3'"),
-    "fp8 KV cache on the triton backend": (
-        lambda d: good_job(d, engine={"kv_cache_dtype": "fp8_e5m2", "attention_backend": "triton"}), [],
-        "engine.kv_cache_dtype: fp8_e5m2 runs on a CPU only (the Triton kernels have no fp8 path yet)"),
     "block size not a power of two": (lambda d: good_job(d, engine={"block_size": 12}), [],
                                       "job.yaml: engine.block_size: must be a power of two, got 12"),
     "set block size not a power of two": (lambda d: good_job(d), ["--set", "engine.block_size=48"],

@@ -23,11 +23,12 @@ from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model import cpu_kernels
 from batchrun.model.attention import TorchBackend, store_kv_torch
-from batchrun.model.kv_quant import dequantize, encode_rows, quantize_rows, scales
+from batchrun.model.kv_quant import as_bytes, dequantize, encode_rows, quantize_rows, scales, to_fp8
 from batchrun.model.runner import ModelRunner, cache_shape
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 BF = torch.bfloat16
+POOLS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # the 8-bit pools
 KERNEL = TorchBackend(cpu_kernels=True)
 REFERENCE = TorchBackend(cpu_kernels=False)
 
@@ -289,8 +290,8 @@ def test_the_8bit_kernels_match_a_float64_reference_at_every_vector_tail(march, 
 def test_a_bad_kv_cache_dtype_is_refused_before_anything_loads():
     with pytest.raises(EngineArgsError, match="kv_cache_dtype: must be one of auto, int8, fp8_e4m3, fp8_e5m2"):
         EngineArgs("builtin:none", kv_cache_dtype="int4")
-    with pytest.raises(EngineArgsError, match="kv_cache_dtype: fp8_e4m3 runs on a CPU only"):
-        EngineArgs("builtin:none", kv_cache_dtype="fp8_e4m3", attention_backend="triton").check_environment()
+    # fp8 runs on the Triton kernels too (here interpreted: TRITON_INTERPRET=1 without CUDA, tests/conftest.py)
+    EngineArgs("builtin:none", kv_cache_dtype="fp8_e4m3", attention_backend="triton").check_environment()
 
 
 def test_the_same_memory_holds_more_tokens_and_swaps_keep_values_and_scales(make_ckpt):
@@ -385,6 +386,28 @@ def test_int8_greedy_tokens_agree_with_the_unquantized_engine(make_ckpt, dtype):
     assert same_rows >= rows and same_tokens >= tokens * 384, (same_rows, same_tokens)
 
 
+@pytest.mark.parametrize("kind", POOLS)
+def test_greedy_tokens_on_the_triton_kernels_are_the_c_kernels_on_an_8bit_pool(make_ckpt, kind):
+    """The same tiny fp32 model on the same 8-bit pool format through the Triton backend (compiled on a GPU,
+    interpreted without one: so 3 prompts x 8 tokens) and through the CPU's: the same greedy tokens. The stores
+    write the same bytes (test_the_triton_store_writes_the_torch_stores_bytes), so only the attention's
+    summation order differs."""
+    from test_kernels import DEVICE
+
+    path = make_ckpt("llama")
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(n)]} for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kv = {"int8": "int8", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}[kind]
+    runs = []
+    for device, backend in ((DEVICE.type, "triton"), ("cpu", "auto")):
+        llm = LLM(str(path), device=device, dtype="float32", attention_backend=backend, num_kv_blocks=32,
+                  kv_cache_dtype=kv, num_speculative_tokens=0)
+        assert llm.engine.runner.backend.name == ("triton" if backend == "triton" else "torch")
+        runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_int8_top1_agreement_with_the_unquantized_model(smollm2):
@@ -422,36 +445,59 @@ def test_int8_top1_agreement_with_the_unquantized_model(smollm2):
 
 
 # ---- the Triton kernels, interpreted (TRITON_INTERPRET=1 without CUDA: tests/conftest.py) -------------------------
+# Each over the three 8-bit pools: int8 rows with their scale, and fp8 (e4m3fn, e5m2) values with none.
 
-def _int8_pool(block_size: int, hkv: int, d: int, dtype: torch.dtype, seq_lens: list[int]):
+
+
+def as_pool(kv: torch.Tensor, kind: str) -> torch.Tensor:
+    """Float K/V [..., D] as a pool of `kind` holds them."""
+    return quantize_rows(kv) if kind == "int8" else to_fp8(kv, POOLS[kind])
+
+
+def _8bit_pool(kind: str, block_size: int, hkv: int, d: int, dtype: torch.dtype, seq_lens: list[int]):
     from test_kernels import Pool
 
     pool = Pool(block_size, hkv, d, dtype, seq_lens)
-    pool.kv_cache = quantize_rows(pool.kv_cache)  # random K/V as an int8 pool holds them
+    pool.kv_cache = as_pool(pool.kv_cache, kind)  # random K/V as the pool holds them
     return pool
 
 
+@pytest.mark.parametrize("kind", POOLS)
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
-def test_the_triton_store_writes_the_torch_stores_bytes(dtype):
+def test_the_triton_store_writes_the_torch_stores_bytes(dtype, kind):
+    """The same bytes as the torch store, which the C kernels read too: fp8 values over the whole range (the
+    interpreter's own fp32 -> e5m2 cast rounds otherwise: the kernel rounds in integer ops), values past the
+    format's largest clamped, ties between two fp8 neighbours to even."""
     from test_kernels import DEVICE
 
     from batchrun.kernels import store_kv
 
     g = torch.Generator().manual_seed(2)
-    k, v = (torch.randn(11, 3, 48, generator=g).to(dtype=dtype, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(11, 3, 48, generator=g) for _ in range(2))
+    if kind != "int8":
+        values = torch.arange(256, dtype=torch.uint8).view(POOLS[kind]).float()
+        finite = values[values.isfinite()].unique()
+        between = (finite[1:] + finite[:-1]) / 2  # exact ties
+        picks = torch.cat([finite, between, torch.tensor([1e6, -1e6, 30.98])])
+        k = k * picks[torch.randint(len(picks), k.shape, generator=g)]
+        v = picks[torch.randint(len(picks), v.shape, generator=g)]
+    k, v = k.to(dtype=dtype, device=DEVICE), v.to(dtype=dtype, device=DEVICE)
     slots = torch.tensor([3, 17, -1, 0, 8, 9, 30, 31, 12, 5, 6], device=DEVICE)
-    ours, ref = int8_pool(4, 8, 3, 48).to(DEVICE), int8_pool(4, 8, 3, 48).to(DEVICE)
+    shape = (2, 4, 8, 3, 48 + 4 if kind == "int8" else 48)
+    ours, ref = torch.zeros(shape, dtype=POOLS[kind], device=DEVICE), torch.zeros(shape, dtype=POOLS[kind], device=DEVICE)
     store_kv(k, v, ours, slots)
     store_kv_torch(k, v, ref, slots, has_padding=True)
-    assert torch.equal(ours, ref)
+    assert torch.equal(as_bytes(ours), as_bytes(ref))
+    assert as_bytes(ours).ne(0).any()
 
 
+@pytest.mark.parametrize("kind", POOLS)
 @pytest.mark.parametrize(("block_size", "d", "group", "dtype", "window", "softcap", "partition"), [
     (8, 64, 4, torch.float32, 0, 0.0, 32), (16, 48, 1, BF, 0, 0.0, None), (8, 64, 2, torch.float32, 21, 10.0, None),
 ], ids=["gqa4-split", "bf16-d48", "window-softcap"])
-def test_triton_int8_attention_matches_its_reference(block_size, d, group, dtype, window, softcap, partition):
+def test_triton_8bit_attention_matches_its_reference(block_size, d, group, dtype, window, softcap, partition, kind):
     """Decode (split into partitions and not) and prefill / extend rows (several blocks, partial last blocks) on an
-    int8 pool against the fp64 references, which dequantize the pool."""
+    int8 or fp8 pool against the fp64 references, which read the pool's values as float32."""
     from test_kernels import DEVICE, TOL
 
     from batchrun.kernels import paged_decode_attention, paged_prefill_attention
@@ -459,7 +505,7 @@ def test_triton_int8_attention_matches_its_reference(block_size, d, group, dtype
     from batchrun.kernels.prefill_attention import paged_prefill_attention_ref
 
     hkv, seq_lens = 2, [1, 13, 40, 70]
-    pool = _int8_pool(block_size, hkv, d, dtype, seq_lens)
+    pool = _8bit_pool(kind, block_size, hkv, d, dtype, seq_lens)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(seq_lens), hkv * group, d, generator=g).to(dtype=dtype, device=DEVICE)
     got = paged_decode_attention(q, pool.kv_cache, pool.block_tables, pool.seq_lens, d**-0.5, max(seq_lens),
@@ -476,26 +522,28 @@ def test_triton_int8_attention_matches_its_reference(block_size, d, group, dtype
     torch.testing.assert_close(got, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", POOLS)
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
-def test_the_triton_backend_on_an_int8_pool_matches_the_torch_backend(dtype):
+def test_the_triton_backend_on_an_8bit_pool_matches_the_torch_backend(dtype, kind):
     """A mixed step (decodes, a prefill, an extend, a padding token) through TritonBackend and the torch reference
-    on the same int8 pool: the same bytes stored, the outputs within the dtype's tolerance; then a copy-on-write
-    block copy (the Triton kernel) moves values and scales whole."""
+    on the same int8 or fp8 pool: the same bytes stored, the outputs within the dtype's tolerance; then a
+    copy-on-write block copy (the Triton kernel) moves values (and int8's scales) whole."""
     from test_kernels import PARTITION, TILE, TOL, mixed_step
 
     from batchrun.model.triton_backend import TritonBackend
     from batchrun.model.triton_backend import copy_blocks as triton_copy_blocks
 
     q, k, v, cache, meta = mixed_step(16, 2, 4, 64, dtype)
-    cache = quantize_rows(cache)
+    cache = as_pool(cache, kind)
     torch_cache = cache.clone()
     backend = TritonBackend(partition_size=PARTITION, decode_block_n=TILE, prefill_block_m=TILE, prefill_block_n=TILE)
     out = backend.forward(q, k, v, cache, meta, 64**-0.5)
     expected = REFERENCE.forward(q, k, v, torch_cache, meta, 64**-0.5)
     real = meta.slot_mapping.shape[0] - 1  # the padding token's output is unspecified
     torch.testing.assert_close(out[:real], expected[:real], **TOL[dtype])
-    assert torch.equal(cache, torch_cache)
+    assert torch.equal(as_bytes(cache), as_bytes(torch_cache))
     full = cache.unsqueeze(0).contiguous()  # [layers, 2, blocks, ...]
-    saved = full[:, :, 1].clone()
+    saved = as_bytes(full[:, :, 1]).clone()
     triton_copy_blocks(full, [(1, 4)])
-    assert torch.equal(full[:, :, 4], saved) and scales(full[:, :, 4]).gt(0).any()
+    assert torch.equal(as_bytes(full[:, :, 4]), saved)
+    assert scales(full[:, :, 4]).gt(0).any() if kind == "int8" else saved.ne(0).any()

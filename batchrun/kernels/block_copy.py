@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchrun.kernels._common import as_kernel_pool
+
 
 @triton.jit
 def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_lkv, stride_b, BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr):
@@ -42,7 +44,7 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         raise ValueError(f"pairs must be [N, 2] (src, dst), got {tuple(pairs.shape)}")
     pairs = pairs.contiguous()
     num_layers, _, num_blocks = kv_cache.shape[:3]
-    flat = kv_cache.view(num_layers * 2, num_blocks, -1)
+    flat = as_kernel_pool(kv_cache).view(num_layers * 2, num_blocks, -1)
     block_numel = flat.shape[2]
     _copy_blocks_kernel[(pairs.shape[0], num_layers * 2)](
         flat, pairs, flat.stride(0), flat.stride(1),

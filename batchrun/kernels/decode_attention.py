@@ -32,7 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels._common import check_kv_cache, dequantize_rows, dot_dtype, dot_precision
+from batchrun.kernels._common import (
+    FP8_FORMATS,
+    as_kernel_pool,
+    check_kv_cache,
+    dequantize_rows,
+    dot_dtype,
+    dot_precision,
+    fp8_code,
+    fp8_values,
+)
 
 LOG2E = 1.4426950408889634
 # the same inside kernels: compiled Triton reads only module globals declared constexpr (the interpreter reads any)
@@ -68,7 +77,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,8 +99,8 @@ def _decode_partition_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if QUANT:  # int8 K/V are widened to the model's dtype (exact: |q| <= 127), the query stays in it
-        q = q.to(DOT_DTYPE)
+    if QUANT or FP8:  # 8-bit K/V are widened to the model's dtype (exact: |q| <= 127, fp8's values), the query
+        q = q.to(DOT_DTYPE)  # stays in it
     else:
         q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
 
@@ -107,6 +116,8 @@ def _decode_partition_kernel(
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if FP8:
+            k = fp8_values(k, FP8)
         dots = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC)
         if QUANT:  # each key's scale, the float32 after its int8 values, folded into its scores
             dots = dots * load_scales(k_base + token + HEAD_DIM, n_mask)[None, :]
@@ -117,10 +128,14 @@ def _decode_partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP8:
+            v = fp8_values(v, FP8)
         # p is rounded to the cache dtype before the product, as a fused GPU kernel does with tensor cores (int8: each
         # value row's scale multiplied into its weights first, rounded to the model's dtype)
         if QUANT:
             w = (p * load_scales(v_base + token + HEAD_DIM, n_mask)[None, :]).to(out_ptr.dtype.element_ty)
+        elif FP8:
+            w = p.to(out_ptr.dtype.element_ty)
         else:
             w = p.to(cache_ptr.dtype.element_ty)
         pv = tl.dot(w.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
@@ -212,10 +227,10 @@ def paged_decode_attention(
     else:  # never touched: the kernel writes `out` directly
         part_out = part_lse = out
     block_d = triton.next_power_of_2(head_dim)
-    quant = kv_cache.dtype == torch.int8
-    compute = q.dtype if quant else kv_cache.dtype  # int8 K/V are widened to the query's dtype
+    quant, fp8 = kv_cache.dtype == torch.int8, fp8_code(kv_cache.dtype)
+    compute = q.dtype if quant or fp8 else kv_cache.dtype  # 8-bit K/V are widened to the query's dtype
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, kv_cache, out, part_out, part_lse, block_tables, seq_lens,
+        q, as_kernel_pool(kv_cache), out, part_out, part_lse, block_tables, seq_lens,
         scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
@@ -224,7 +239,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
         DOT_DTYPE=dot_dtype(compute), DOT_PREC=dot_precision(compute), WINDOW=window > 0,
-        SOFTCAP=softcap > 0, QUANT=quant,
+        SOFTCAP=softcap > 0, QUANT=quant, FP8=fp8,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -238,7 +253,7 @@ def paged_decode_attention(
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first `seq_len` tokens, read slot by slot: [seq_len, num_kv_heads, head_dim]
-    (float32 from an int8 pool)."""
+    (float32 from an int8 or fp8 pool)."""
     block_size = kv_cache.shape[2]
     blocks = block_table.tolist()
     slots = [(blocks[pos // block_size], pos % block_size) for pos in range(seq_len)]
@@ -246,6 +261,8 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
     values = torch.stack([kv_cache[1, block, offset] for block, offset in slots])
     if kv_cache.dtype == torch.int8:
         return dequantize_rows(keys), dequantize_rows(values)
+    if kv_cache.dtype in FP8_FORMATS:
+        return keys.float(), values.float()
     return keys, values
 
 

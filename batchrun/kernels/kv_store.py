@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels._common import check_kv_cache
+from batchrun.kernels._common import as_kernel_pool, check_kv_cache, fp8_bytes, fp8_code
 
 
 @triton.jit
@@ -20,10 +20,10 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c, stride_cb, stride_ct, stride_ch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     # One program per token, all its KV heads at once: a token's K (or V) is one contiguous row in the
-    # cache, so this is a plain strided copy.
+    # cache, so this is a plain strided copy (of each value cast to the pool's dtype; an fp8 pool's bytes).
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -35,8 +35,10 @@ def _store_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch \
         + offs_d[None, :]
     k = tl.load(k_ptr + t * stride_kt + src, mask=mask)
-    tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if FP8:
+        k, v = fp8_bytes(k.to(tl.float32), FP8), fp8_bytes(v.to(tl.float32), FP8)
+    tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + stride_c + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,8 +88,9 @@ def _store_kv_int8_kernel(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, Hkv, D]
-    (or an int8 pool, [..., D + 4]: quantized as stored, batchrun/model/kv_quant.py's format);
-    slot_mapping: int64 [num_tokens], -1 for padding."""
+    (or an int8 pool, [..., D + 4]: quantized as stored, batchrun/model/kv_quant.py's format; or an fp8 one,
+    each value cast as torch casts it after clamping to the format's range); slot_mapping: int64 [num_tokens], -1
+    for padding."""
     check_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -105,12 +108,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         )
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
+        k, v, as_kernel_pool(kv_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=kv_cache.shape[2], FP8=fp8_code(kv_cache.dtype),
     )
 
 

@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels._common import check_kv_cache, dot_dtype, dot_precision
+from batchrun.kernels._common import (
+    as_kernel_pool,
+    check_kv_cache,
+    dot_dtype,
+    dot_precision,
+    fp8_code,
+    fp8_values,
+)
 from batchrun.kernels.decode_attention import LOG2E, attend_ref, gather_context, load_scales, scores_log2
 
 
@@ -29,7 +36,7 @@ def _prefill_kernel(
     stride_c, stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,7 +54,7 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if QUANT:  # int8 K/V (the decode kernel's arithmetic)
+    if QUANT or FP8:  # 8-bit K/V (the decode kernel's arithmetic)
         q = q.to(DOT_DTYPE)
     else:
         q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
@@ -69,6 +76,8 @@ def _prefill_kernel(
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
         k = tl.load(k_base + token[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if FP8:
+            k = fp8_values(k, FP8)
         dots = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC)
         if QUANT:
             dots = dots * load_scales(k_base + token + HEAD_DIM, n_mask)[None, :]
@@ -86,8 +95,12 @@ def _prefill_kernel(
         p = tl.exp2(s - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP8:
+            v = fp8_values(v, FP8)
         if QUANT:
             w = (p * load_scales(v_base + token + HEAD_DIM, n_mask)[None, :]).to(out_ptr.dtype.element_ty)
+        elif FP8:
+            w = p.to(out_ptr.dtype.element_ty)
         else:
             w = p.to(cache_ptr.dtype.element_ty)
         pv = tl.dot(w.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
@@ -132,17 +145,17 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return out
-    quant = kv_cache.dtype == torch.int8
-    compute = q.dtype if quant else kv_cache.dtype  # int8 K/V are widened to the query's dtype
+    quant, fp8 = kv_cache.dtype == torch.int8, fp8_code(kv_cache.dtype)
+    compute = q.dtype if quant or fp8 else kv_cache.dtype  # 8-bit K/V are widened to the query's dtype
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
-        q, kv_cache, out, block_tables, seq_lens, query_start_loc,
+        q, as_kernel_pool(kv_cache), out, block_tables, seq_lens, query_start_loc,
         scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(compute), DOT_PREC=dot_precision(compute), WINDOW=window > 0,
-        SOFTCAP=softcap > 0, QUANT=quant,
+        SOFTCAP=softcap > 0, QUANT=quant, FP8=fp8,
     )
     return out
 
