@@ -43,6 +43,13 @@ from batchrun.shards import ShardSpec
 __all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
+# Settings beyond the fingerprint's model, input, sampling and output that change what the model computes (other
+# weights, another KV cache format), with their defaults: a job's fingerprint holds them only where they are set
+# otherwise, so an output written before they existed, or with their defaults, keeps its fingerprint (and resumes),
+# and a rerun that changes one is refused like any other change of the job. The rest of the engine settings
+# (batch sizes, threads, block size, backends) may change between runs.
+NUMERICS_SETTINGS = {"model": {"quantization": "none", "quantize_lm_head": False, "calibration": "none"},
+                     "engine": {"kv_cache_dtype": "auto"}}
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +244,11 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "input": _input_fingerprint(cfg, source), "sampling": cfg.sampling,
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
+    for section, defaults in NUMERICS_SETTINGS.items():
+        changed = {k: getattr(cfg, section)[k] for k, default in defaults.items()
+                   if getattr(cfg, section).get(k, default) != default}
+        if changed:
+            fingerprint.setdefault(section, {}).update(changed)
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
                    fingerprint=fingerprint, id_column=id_column, model=model, resume=resume,
                    retry_errors=retry_errors)

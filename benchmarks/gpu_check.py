@@ -167,7 +167,7 @@ def decode_bandwidth(dry_run: bool, peak_gbps: float) -> list[dict]:
 
 
 # The end-to-end runs' keys for --e2e-runs, in the order they run (end_to_end)
-E2E_RUNS = ("graphs", "eager", "int8", "int4", "hf-static", "hf-cb")
+E2E_RUNS = ("graphs", "eager", "int8", "int4", "hf-static", "hf-cb", "kv-int8", "kv-fp8")
 
 
 @dataclass
@@ -210,7 +210,8 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool, quantization: str = "none") -> dict:
+def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool, quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> dict:
     from batchrun import LLM, SamplingParams
     from benchmarks.worker import metrics_delta
 
@@ -219,7 +220,7 @@ def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool, q
 
     t0 = time.perf_counter()
     llm = LLM(str(path), dtype="bfloat16", device=device, enforce_eager=enforce_eager,
-              gpu_memory_utilization=0.5, seed=0, quantization=quantization)
+              gpu_memory_utilization=0.5, seed=0, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     startup_s = time.perf_counter() - t0
     requests = [{"prompt_token_ids": p} for p in work.prompts]
     # warm-up: the whole workload once, untimed. Triton compiles a kernel specialisation at its first use, and the
@@ -345,6 +346,11 @@ def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dic
         ("int4", "batchrun, int4 weights (CUDA graphs)", lambda: run_batchrun(path, work, device, False, "int4")),
         ("hf-static", static_name, lambda: run_hf_static(path, work, device, args.static_batch_size)),
         ("hf-cb", "HF continuous batching", lambda: run_hf_continuous(path, work, device)),
+        # the 8-bit KV caches last: the time budget reaches them after the peers' rows (--e2e-runs picks them)
+        ("kv-int8", "batchrun, int8 KV cache (CUDA graphs)",
+         lambda: run_batchrun(path, work, device, False, kv_cache_dtype="int8")),
+        ("kv-fp8", "batchrun, fp8_e4m3 KV cache (CUDA graphs)",
+         lambda: run_batchrun(path, work, device, False, kv_cache_dtype="fp8_e4m3")),
     ]
     assert tuple(key for key, _, _ in runs) == E2E_RUNS
     results = {}

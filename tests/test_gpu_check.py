@@ -18,13 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--skip", "tests",
-                           "--e2e-runs", "graphs,int4", "--json-out", str(out)],
+                           "--e2e-runs", "graphs,int4,kv-fp8", "--json-out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failed"] == []
     runs = report["end to end"]["runs"]
-    for name in ("batchrun (CUDA graphs)", "batchrun, int4 weights (CUDA graphs)"):
+    for name in ("batchrun (CUDA graphs)", "batchrun, int4 weights (CUDA graphs)",
+                 "batchrun, fp8_e4m3 KV cache (CUDA graphs)"):
         run = runs[name]
         assert run["gen_tokens"] == report["end to end"]["gen_tokens"] and run["gen_tok_per_s"] > 0
         # the timed run's own steps (the warm-up pass's subtracted), each timer within the step's time

@@ -153,6 +153,30 @@ def test_changed_job_refuses_to_resume_unless_no_resume(job, tmp_path):
     assert again.exit_code == 0 and "already complete" in again.stdout
 
 
+def test_a_change_of_weights_or_kv_format_refuses_to_resume_other_engine_settings_do_not(job, tmp_path):
+    """Quantized weights or another KV cache format change the completions: the rest of the rows would come from
+    another model, so a rerun is refused as for a changed sampling section. Batch sizes may change."""
+    from batchrun.config import load_job
+    from batchrun.plan import plan_job
+
+    d, job_path, _ = job
+    out = tmp_path / "out"
+    first = cli(["run", job_path, "--set", f"output.path={out}", "--limit", "6"])
+    assert first.exit_code == 0, first.output
+    for setting, change in (("model.quantization=int8", "model.quantization: None -> 'int8'"),
+                            ("model.quantize_lm_head=true", "model.quantize_lm_head: None -> True"),
+                            ("engine.kv_cache_dtype=fp8_e4m3", "engine.kv_cache_dtype: None -> 'fp8_e4m3'")):
+        changed = cli(["run", job_path, "--set", f"output.path={out}", "--set", setting])
+        assert changed.exit_code == 2, (setting, changed.output)
+        assert "holds rows of a different job" in changed.stderr and change in changed.stderr, changed.stderr
+    resumed = cli(["run", job_path, "--set", f"output.path={out}", "--set", "engine.max_num_seqs=3"])
+    assert resumed.exit_code == 0, resumed.output
+    assert len(read_rows(out)) == N_ROWS
+    # at their defaults the new settings are not in the fingerprint: outputs written before they were added resume
+    plan = plan_job(load_job(job_path, [f"output.path={tmp_path / 'other'}"]))
+    assert set(plan.fingerprint["model"]) == {"path", "dtype", "max_model_len"} and "engine" not in plan.fingerprint
+
+
 def test_engine_failure_exits_1_keeps_committed_rows_and_resumes(job, tmp_path):
     d, job_path, _ = job
     out = tmp_path / "out"
