@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.config import EngineSettings, JobConfig, JobError
-from batchrun.engine_args import EngineArgsError, job_key
+from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
 from batchrun.io.openai_sink import OpenAIBatchSink
 from batchrun.io.sinks import (
     AHEAD,
@@ -43,13 +43,12 @@ from batchrun.shards import ShardSpec
 __all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
-# Settings beyond the fingerprint's model, input, sampling and output that change what the model computes (other
-# weights, another KV cache format), with their defaults: a job's fingerprint holds them only where they are set
-# otherwise, so an output written before they existed, or with their defaults, keeps its fingerprint (and resumes),
+# Job keys beyond the fingerprint's model, input, sampling and output that change what the model computes (other
+# weights, another KV cache format): a job's fingerprint holds them only where they differ from EngineArgs'
+# defaults, so an output written before they existed, or with their defaults, keeps its fingerprint (and resumes),
 # and a rerun that changes one is refused like any other change of the job. The rest of the engine settings
 # (batch sizes, threads, block size, backends) may change between runs.
-NUMERICS_SETTINGS = {"model": {"quantization": "none", "quantize_lm_head": False, "calibration": "none"},
-                     "engine": {"kv_cache_dtype": "auto"}}
+NUMERICS_KEYS = ("model.quantization", "model.quantize_lm_head", "model.calibration", "engine.kv_cache_dtype")
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +243,11 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "input": _input_fingerprint(cfg, source), "sampling": cfg.sampling,
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
-    for section, defaults in NUMERICS_SETTINGS.items():
-        changed = {k: getattr(cfg, section)[k] for k, default in defaults.items()
-                   if getattr(cfg, section).get(k, default) != default}
-        if changed:
-            fingerprint.setdefault(section, {}).update(changed)
+    for key in NUMERICS_KEYS:
+        section, name = key.split(".")
+        value = getattr(cfg, section)[name]
+        if value != EngineArgs.__dataclass_fields__[field_of(key)].default:
+            fingerprint.setdefault(section, {})[name] = value
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
                    fingerprint=fingerprint, id_column=id_column, model=model, resume=resume,
                    retry_errors=retry_errors)

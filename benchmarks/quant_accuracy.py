@@ -131,15 +131,14 @@ def main() -> None:
         checkpoint = args.model
         if checkpoint.startswith("builtin:"):
             checkpoint = str(builtin_path(checkpoint.removeprefix("builtin:")))
-        try:
-            top1, _ = openvino_env.teacher_forced(checkpoint, fmt, list(zip(prompts, replies)),
-                                                  threads=args.threads or 2)
-            _, text_logprobs = openvino_env.teacher_forced(checkpoint, fmt, [(text_ids[:1], text_ids[1:])],
-                                                           threads=args.threads or 2)
+        try:  # one worker: the replies, then the paragraph
+            top1, logprobs = openvino_env.teacher_forced(checkpoint, fmt, [*zip(prompts, replies),
+                                                                           (text_ids[:1], text_ids[1:])],
+                                                         threads=args.threads or 2)
         except (RuntimeError, ValueError) as e:
             print(f"openvino:{fmt}: {e}")
             continue
-        print(f"{'openvino:' + fmt:>24}  {agreement(top1, replies):>16.2%}  {perplexity_of(text_logprobs[0]):>10.3f}")
+        print(f"{'openvino:' + fmt:>24}  {agreement(top1[:-1], replies):>16.2%}  {perplexity_of(logprobs[-1]):>10.3f}")
 
 
 if __name__ == "__main__":

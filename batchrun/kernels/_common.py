@@ -53,17 +53,18 @@ def dequantize_rows(packed: torch.Tensor) -> torch.Tensor:
 # Triton interpreter's own fp32 -> e5m2 cast rounds otherwise than torch's (30.98 came out as 16), so spelled out,
 # the interpreter, a GPU and torch's CPU cast all give the same bytes and values.
 
-# pool dtype -> (the kernels' FP8 code, mantissa bits, exponent bias, largest finite value)
-FP8_FORMATS = {torch.float8_e4m3fn: (1, 3, 7, 448.0), torch.float8_e5m2: (2, 2, 15, 57344.0)}
+# pool dtype -> the kernels' FP8 constexpr (0: not fp8); each format's constants live in fp8_bytes
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def fp8_code(dtype: torch.dtype) -> int:
     """The FP8 constexpr of a pool of `dtype`: 0 not fp8, 1 e4m3fn, 2 e5m2."""
-    return FP8_FORMATS[dtype][0] if dtype in FP8_FORMATS else 0
+    return FP8_FORMATS.get(dtype, 0)
 
 
 def as_kernel_pool(kv_cache: torch.Tensor) -> torch.Tensor:
-    """What a kernel is handed of a pool: an fp8 pool's bytes, any other pool as it is."""
+    """What a kernel is handed of a pool: an fp8 pool's bytes, any other pool as it is (kv_quant.as_bytes, which
+    this layer cannot import)."""
     return kv_cache.view(torch.uint8) if kv_cache.dtype in FP8_FORMATS else kv_cache
 
 
