@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.run import BLOCK_SIZE, PLANS, QUICK, THREADS, Plan, headline_workload
-from benchmarks.worker import _sampling, _warm
+from benchmarks.worker import _warm, workload_params
 
 
 def _setup(plan: Plan) -> tuple[Any, Any]:
@@ -29,10 +29,10 @@ def _setup(plan: Plan) -> tuple[Any, Any]:
     path, _, _, wl = headline_workload(plan)
     torch.set_num_threads(THREADS)
     llm = LLM(str(path), dtype=plan.dtype, device="cpu", num_kv_blocks=wl.blocks_needed(BLOCK_SIZE),
-              block_size=BLOCK_SIZE)
+              block_size=BLOCK_SIZE, **plan.batchrun_kwargs)  # the plan's own settings (quantization, drafts off)
     _warm(llm)
-    for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens)):
-        llm.engine.add_request(f"r{i}", None, p, _sampling(o), i)
+    for i, (p, params) in enumerate(zip(wl.prompts, workload_params(wl))):  # the plan's decoding (chat: to EOS)
+        llm.engine.add_request(f"r{i}", None, p, params, i)
     return llm, wl
 
 
@@ -57,8 +57,8 @@ def step_breakdown(plan: Plan) -> None:
         (pre if last.get("prefill") else dec[min(eng.metrics.num_running // 8 * 8, 128)]).append(row)
         steps += 1
     wall = time.perf_counter() - t0
-    print(f"{plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, {wl.output_tokens / wall:.1f} gen tok/s, "
-          f"{steps} steps")
+    generated = eng.metrics.generation_tokens
+    print(f"{plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, {generated / wall:.1f} gen tok/s, {steps} steps")
     print(f"  steps with prefill: {len(pre)}, {sum(r[0] for r in pre):.2f} s (model {sum(r[1] for r in pre):.2f} s)")
     n = sum(len(v) for v in dec.values())
     m = eng.metrics
