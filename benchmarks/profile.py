@@ -89,14 +89,93 @@ def op_tables(plan: Plan) -> None:
     print("ten decode steps:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
+    """The C kernels' share of the step: every function of the CPU kernel library timed, around each call, over
+    `steps` steps taken after `warm_steps` (the batch still full); the rest of the step's time is Python and torch
+    between them. Linears also by shape, against this CPU's multiply-add ceiling (benchmarks.isa_peak) when it has
+    one for the model's dtype."""
+    import ctypes
+
+    from batchrun.model import cpu_kernels
+
+    llm, _ = _setup(plan)
+    eng = llm.engine
+    for _ in range(warm_steps):
+        if eng.scheduler.has_unfinished():
+            eng.step()
+    lib = cpu_kernels._shared()
+    if lib is None:
+        print("no C kernels here")
+        return
+    seconds: dict[str, float] = collections.defaultdict(float)
+    shapes: dict[tuple[int, int], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # seconds, MACs
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            t = time.perf_counter()
+            result = fn(*args)
+            took = time.perf_counter() - t
+            seconds[name] += took
+            if name in ("linear_bf16", "linear_f32"):  # (x, [ldx,] rows, packed, n, k, ...)
+                rows, n, k = (args[1], args[3], args[4]) if name == "linear_bf16" else (args[2], args[4], args[5])
+                shapes[(n, k)][0] += took
+                shapes[(n, k)][1] += rows * n * k
+            return result
+        return call
+
+    originals = {name: fn for name, fn in vars(lib).items() if isinstance(fn, ctypes._CFuncPtr)}
+    for name, fn in originals.items():
+        setattr(lib, name, timed(name, fn))
+    try:
+        t0, rows, taken = time.perf_counter(), 0, 0
+        while taken < steps and eng.scheduler.has_unfinished():
+            rows += eng.metrics.num_running
+            eng.step()
+            taken += 1
+        wall = time.perf_counter() - t0
+    finally:
+        for name, fn in originals.items():
+            setattr(lib, name, fn)
+    if not taken:
+        print("the workload ended in the warm-up steps: nothing timed")
+        return
+    in_c = sum(seconds.values())
+    print(f"{plan.key}: {taken} steps of {rows / taken:.1f} sequences, {1e3 * wall / taken:.1f} ms a step, "
+          f"{in_c / wall:.1%} of it in the C kernels")
+    for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        print(f"    {name:22s} {1e3 * s / taken:7.2f} ms a step ({s / wall:5.1%})")
+    ceiling = {"bfloat16": "vdpbf16ps", "float32": "vfmadd231ps"}.get(plan.dtype)
+    peak = _isa_peak(ceiling) if ceiling else None
+    for (n, k), (s, macs) in sorted(shapes.items()):
+        share = f", {macs / s / peak:.0%} of {ceiling}'s ceiling on {THREADS} cores" if peak else ""
+        print(f"    linear {n:6d} x {k:5d}: {macs / s * 1e-9:6.1f} G multiply-adds/s{share}")
+
+
+def _isa_peak(instruction: str) -> float | None:
+    """THREADS cores' multiply-adds/s for `instruction` (benchmarks.isa_peak, one core's, times the cores)."""
+    import subprocess
+
+    from benchmarks import isa_peak
+
+    try:
+        per_core = isa_peak.measure()
+    except (RuntimeError, OSError, subprocess.CalledProcessError):  # no compiler, or no such instructions here
+        return None
+    return per_core[instruction][1] * 1e9 * THREADS if instruction in per_core else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(PLANS), default="tiny")
     ap.add_argument("--ops", action="store_true", help="also print torch profiler tables")
     ap.add_argument("--quick", action="store_true", help="the toy workload of `benchmarks.run --quick`")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also time each C kernel inside the engine's steps (kernel_times)")
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else PLANS[args.model]
     step_breakdown(plan)
+    if args.kernels:
+        kernel_times(plan, *((2, 8) if args.quick else ()))
     if args.ops:
         op_tables(plan)
     return 0

@@ -7,6 +7,7 @@ baseline's.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -157,6 +158,19 @@ def test_profile_breaks_down_steps(capsys):
     # both op tables ran (the tiny model's linears are batchrun's C kernel in the default float32 batch-invariant
     # mode, which torch's profiler does not see: the tables hold the torch ops around them)
     assert out.count("Self CPU time total") == 2 and "aten::index_select" in out
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
+def test_profile_times_the_c_kernels_inside_the_steps(capsys):
+    from benchmarks import profile
+
+    assert profile.main(["--quick", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    share = float(out.split("% of it in the C kernels")[0].rsplit(" ", 1)[1])
+    assert 0 < share < 100
+    # the tiny model's linears are the C kernel's, timed by shape; the library's functions are restored after
+    assert "linear_f32" in out and "G multiply-adds/s" in out and "paged_attention" in out
+    assert isinstance(cpu_kernels._shared().linear_f32, ctypes._CFuncPtr)
 
 
 def test_vllm_requirements_leave_out_the_torch_family(tmp_path):
