@@ -93,7 +93,8 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
     """The C kernels' share of the step: every function of the CPU kernel library timed, around each call, over
     `steps` steps taken after `warm_steps` (the batch still full); the rest of the step's time is Python and torch
     between them. Linears also by shape, against this CPU's multiply-add ceiling (benchmarks.isa_peak) when it has
-    one for the model's dtype."""
+    one for the model's dtype; and that rest by where it falls, between which two calls (a linear named by its
+    outputs), the largest first: the Python a fused kernel would take out."""
     import ctypes
 
     from batchrun.model import cpu_kernels
@@ -109,17 +110,24 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
         return
     seconds: dict[str, float] = collections.defaultdict(float)
     shapes: dict[tuple[int, int], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # seconds, MACs
+    gaps: dict[tuple[str, str], float] = collections.defaultdict(float)  # (previous call, next call): seconds
+    last = {"name": "step start", "at": 0.0}
 
     def timed(name: str, fn: Any) -> Any:
         def call(*args: Any) -> Any:
             t = time.perf_counter()
-            result = fn(*args)
-            took = time.perf_counter() - t
-            seconds[name] += took
+            label = name
             if name in ("linear_bf16", "linear_f32"):  # (x, [ldx,] rows, packed, n, k, ...)
                 rows, n, k = (args[1], args[3], args[4]) if name == "linear_bf16" else (args[2], args[4], args[5])
-                shapes[(n, k)][0] += took
+                label = f"{name} {n}"
+            gaps[(last["name"], label)] += t - last["at"]
+            result = fn(*args)
+            done = time.perf_counter()
+            seconds[name] += done - t
+            if label != name:
+                shapes[(n, k)][0] += done - t
                 shapes[(n, k)][1] += rows * n * k
+            last["name"], last["at"] = label, done
             return result
         return call
 
@@ -130,7 +138,9 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
         t0, rows, taken = time.perf_counter(), 0, 0
         while taken < steps and eng.scheduler.has_unfinished():
             rows += eng.metrics.num_running
+            last["name"], last["at"] = "step start", time.perf_counter()
             eng.step()
+            gaps[(last["name"], "step end")] += time.perf_counter() - last["at"]
             taken += 1
         wall = time.perf_counter() - t0
     finally:
@@ -149,6 +159,9 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
     for (n, k), (s, macs) in sorted(shapes.items()):
         share = f", {macs / s / peak:.0%} of {ceiling}'s ceiling on {THREADS} cores" if peak else ""
         print(f"    linear {n:6d} x {k:5d}: {macs / s * 1e-9:6.1f} G multiply-adds/s{share}")
+    print(f"  outside them, {1e3 * sum(gaps.values()) / taken:.2f} ms a step, between:")
+    for (before, after), s in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {before:22s} -> {after:22s} {1e3 * s / taken:6.2f} ms a step")
 
 
 def _isa_peak(instruction: str) -> float | None:

@@ -170,6 +170,9 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys):
     assert 0 < share < 100
     # the tiny model's linears are the C kernel's, timed by shape; the library's functions are restored after
     assert "linear_f32" in out and "G multiply-adds/s" in out and "paged_attention" in out
+    # the time between the calls, by where it falls: "<call> -> <call>   x ms a step"
+    between = out.split("outside them, ")[1].splitlines()[1:]
+    assert between and all(" -> " in line and line.endswith("ms a step") for line in between)
     assert isinstance(cpu_kernels._shared().linear_f32, ctypes._CFuncPtr)
 
 
