@@ -173,7 +173,7 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys):
     # the time between the calls, by where it falls: "<call> -> <call>   x ms a step"
     between = out.split("outside them, ")[1].splitlines()[1:]
     assert between and all(" -> " in line and line.endswith("ms a step") for line in between)
-    assert isinstance(cpu_kernels._shared().linear_f32, ctypes._CFuncPtr)
+    assert isinstance(cpu_kernels.library({}).linear_f32, ctypes._CFuncPtr)
 
 
 def test_vllm_requirements_leave_out_the_torch_family(tmp_path):
@@ -416,8 +416,6 @@ def test_quant_plans_pass_engine_args_batchrun_declares():
     from benchmarks.run import PLANS, QUANT_PLANS
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    if not {"quantization", "kv_cache_dtype"} <= fields:
-        pytest.skip("EngineArgs has no quantization / kv_cache_dtype field yet (issue 33's engine side not merged)")
     for k in QUANT_PLANS:
         assert set(PLANS[k].batchrun_kwargs) <= fields, k
 

@@ -89,13 +89,37 @@ void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset,
         }
 }
 
-/* Row r of x (fp32 or bf16) -> xq[r] (-127..127, as int8),
+/* The vector tiles read the quantized rows interleaved by tile (quantize_row writes them so, `tiled`): for the
+ * tile of QROWS rows from r0 (a multiple of QROWS) and k-step t (4 inputs), the rows' 4 bytes side by side,
+ * XTILE(xt, r0, k, t) + 4 r for row r0 + r. A tile's activations are then one sequential stream of 16 bytes per k-step, where in rows of k bytes
+ * they were QROWS streams k bytes apart, from L2 once a block of rows outgrows L1. Measured on Llama-3.2-1B's
+ * linears, 2 threads, Zen 4 (`python -m benchmarks.quant_linears --preset llama-1b --rows 16,64,256`, old and new
+ * alternating, 2026-12-04): int8 at 16 / 64 / 256 rows took 0.89-0.91x / 0.92-0.95x / 0.90-0.91x the time it
+ * took from rows; int4 the same time (its nibbles' unpacking bounds it; unpacking each weight group once for all
+ * the tiles of a block, into int8's layout, was slower at 8-16 rows and no faster at 64-256); the AVX2 kernels
+ * (--march x86-64-v3) int8 0.96x at 64 rows, else the same. The integer sums are the same, so every result is. */
+#define XTILE(xt, r0, k, t) ((xt) + (((r0) / QROWS) * ((k) / 4) + (t)) * (4 * QROWS))
+
+/* Where row r's 4 bytes of k-step t go: interleaved by tile (tiled) or row after row. */
+static inline uint8_t *xq_at(uint8_t *xq, int64_t r, int64_t k, int64_t t, const int tiled) {
+    return tiled ? XTILE(xq, r / QROWS * QROWS, k, t) + 4 * (r % QROWS) : xq + r * k + 4 * t;
+}
+
+#if defined(__AVX2__) /* the vector paths of quantize_row */
+/* The low `steps` k-steps (4 bytes each) of b, from input i of row r, to where xq_at puts them. */
+ALWAYS void put_steps(uint8_t *xq, int64_t r, int64_t k, int64_t i, __m128i b, const int steps, const int tiled) {
+    int32_t w[4];
+    _mm_storeu_si128((__m128i *)w, b);
+    for (int j = 0; j < steps; j++) memcpy(xq_at(xq, r, k, i / 4 + j, tiled), &w[j], 4);
+}
+#endif
+
+/* Row r of x (fp32 or bf16) -> xq[r] (-127..127, as int8; in the tiles' order where tiled),
  * per group of gs inputs its scale xs[r][g] = max |x| / 127 (0 for a zero group) and the sum of its xq (without
  * the bias) xsum[r][g]. rint: round to nearest even, as torch.round (the tests emulate it). */
 ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_t *xq, float *xs,
-                         int32_t *xsum, const int bf) {
+                         int32_t *xsum, const int tiled, const int bf) {
     const void *row = at(x, r * k, bf);
-    uint8_t *dst = xq + r * k;
     for (int64_t g = 0; g < k / gs; g++) {
         const int64_t end = (g + 1) * gs;
         int64_t i = g * gs;
@@ -126,7 +150,7 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             const __m512 c = _mm512_min_ps(_mm512_max_ps((__m512)v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
             const __m512i qi = _mm512_cvtps_epi32(c);
             sv = _mm512_add_epi32(sv, qi);
-            _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(qi));
+            put_steps(xq, r, k, i, _mm512_cvtepi32_epi8(qi), 4, tiled);
         }
         s += _mm512_reduce_add_epi32(sv);
 #elif defined(__AVX2__) && VW == 8
@@ -141,8 +165,8 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             const __m256i qi = _mm256_cvtps_epi32(c);
             sv = _mm256_add_epi32(sv, qi);
             const __m256i b = _mm256_shuffle_epi8(qi, low_bytes);
-            _mm_storel_epi64((__m128i *)(dst + i),
-                             _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+            put_steps(xq, r, k, i, _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)), 2,
+                      tiled);
         }
         const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
         const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -157,7 +181,7 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             }
             for (int j = 0; j < VW; j++) {
                 s += qi[j];
-                dst[i + j] = (uint8_t)(int8_t)qi[j];
+                xq_at(xq, r, k, (i + j) / 4, tiled)[(i + j) % 4] = (uint8_t)(int8_t)qi[j];
             }
         }
         for (; i < end; i++) {
@@ -165,49 +189,22 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
             const int32_t qi = (int32_t)rintf(v);
             s += qi;
-            dst[i] = (uint8_t)(int8_t)qi;
+            xq_at(xq, r, k, i / 4, tiled)[i % 4] = (uint8_t)(int8_t)qi;
         }
         xsum[r * (k / gs) + g] = s;
     }
 }
 
 static void quantize_rows(const void *x, int64_t rows, int64_t k, int64_t gs, uint8_t *xq, float *xs, int32_t *xsum,
-                          int bf) {
+                          int tiled, int bf) {
 #pragma omp parallel for if (rows * k > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) BY_DTYPE(bf, quantize_row, x, r, k, gs, xq, xs, xsum);
-}
-
-/* The vector tiles read the quantized rows interleaved by tile (interleave_tiles): for the tile of QROWS rows from
- * r0 (a multiple of QROWS), k-step t (4 inputs), the rows' 4 bytes side by side, XTILE(xt, r0, k, t) + 4 r for row
- * r0 + r. A tile's activations are then one sequential stream of 16 bytes per k-step, where in rows of k bytes
- * they were QROWS streams k bytes apart, from L2 once a block of rows outgrows L1. Measured on Llama-3.2-1B's
- * linears, 2 threads, Zen 4 (`python -m benchmarks.quant_linears --preset llama-1b --rows 16,64,256`, old and new
- * alternating, 2026-12-04): int8 at 16 / 64 / 256 rows took 0.89-0.91x / 0.92-0.95x / 0.90-0.91x the time it
- * took from rows; int4 the same time (its nibbles' unpacking bounds it; unpacking each weight group once for all
- * the tiles of a block, into int8's layout, was slower at 8-16 rows and no faster at 64-256); the AVX2 kernels
- * (--march x86-64-v3) int8 0.96x at 64 rows, else the same. The integer sums are the same, so every result is. */
-#define XTILE(xt, r0, k, t) ((xt) + (((r0) / QROWS) * ((k) / 4) + (t)) * (4 * QROWS))
-
-#if HAVE_VNNI || HAVE_AVX2_QUANT
-/* xq [rows, k] -> xt in the tile order above; the rows past `rows` in the last tile are zero. */
-static void interleave_tiles(const uint8_t *xq, int64_t rows, int64_t k, uint8_t *xt) {
-    const int64_t tiles = (rows + QROWS - 1) / QROWS;
-#pragma omp parallel for if (rows * k > 16 * PAR_MIN_WORK)
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        const int64_t r0 = tile * QROWS;
-        for (int r = 0; r < QROWS; r++) {
-            const uint8_t *src = xq + (r0 + r) * k;
-            for (int64_t t = 0; t < k / 4; t++) {
-                uint8_t *dst = XTILE(xt, r0, k, t) + 4 * r;
-                if (r0 + r < rows)
-                    memcpy(dst, src + 4 * t, 4);
-                else
-                    memset(dst, 0, 4);
-            }
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        if (tiled)
+            BY_DTYPE(bf, quantize_row, x, r, k, gs, xq, xs, xsum, 1);
+        else
+            BY_DTYPE(bf, quantize_row, x, r, k, gs, xq, xs, xsum, 0);
     }
 }
-#endif
 
 /* The finished outputs of one row: acc[j] (fp32, the QP outputs from col) plus the bias, stored in the output
  * dtype; only the first `left` when the panel is the last one. */
@@ -575,7 +572,8 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
     const int simd = (HAVE_VNNI || HAVE_AVX2_QUANT) && !plain;
     const int64_t groups = k / gs, wgroups = k / wgs, per = wgs / gs, panels = (n + QP - 1) / QP;
     const int64_t panel_bytes = bits == 8 ? k * QP : k / 2 * QP;
-    uint8_t *xq = malloc((size_t)(rows * k));
+    /* the vector tiles read xq in their own order (XTILE), its last tile padded to QROWS rows */
+    uint8_t *xq = malloc((size_t)((simd ? (rows + QROWS - 1) / QROWS * QROWS : rows) * k));
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(rows * groups));
     float *xw = malloc(sizeof(float) * (size_t)(rows * wgroups));
@@ -583,19 +581,8 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
         free(xq), free(xs), free(xsum), free(xw);
         return 1;
     }
-    quantize_rows(x, rows, k, gs, xq, xs, xsum, xbf);
+    quantize_rows(x, rows, k, gs, xq, xs, xsum, simd, xbf);
     weight_group_sums(rows, groups, per, xs, xsum, xw);
-#if HAVE_VNNI || HAVE_AVX2_QUANT
-    uint8_t *xt = NULL; /* the vector tiles' order of xq (interleave_tiles) */
-    if (simd) {
-        xt = malloc((size_t)((rows + QROWS - 1) / QROWS * QROWS * k));
-        if (xt == NULL) {
-            free(xq), free(xs), free(xsum), free(xw);
-            return 1;
-        }
-        interleave_tiles(xq, rows, k, xt);
-    }
-#endif
 #pragma omp parallel for schedule(static) if (rows * n * k > PAR_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *panel = packed + p * panel_bytes;
@@ -605,17 +592,14 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
 #if HAVE_VNNI || HAVE_AVX2_QUANT
         if (simd) {
             if (bits == 8)
-                panel_simd8(rows, xt, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_simd8(rows, xq, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             else
-                panel_simd4(rows, xt, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
+                panel_simd4(rows, xq, xw, xs, xsum, k, gs, per, panel, ps, po, bias, col, n, y, ybf);
             continue;
         }
 #endif
         tile_plain(rows, 0, xq, xw, xs, k, gs, per, bits, panel, ps, po, bias, col, n, y, ybf);
     }
-#if HAVE_VNNI || HAVE_AVX2_QUANT
-    free(xt);
-#endif
     free(xq), free(xs), free(xsum), free(xw);
     return 0;
 }
