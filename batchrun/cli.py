@@ -129,7 +129,7 @@ def merge(output: str, dest: str | None, count: int | None) -> None:
     from batchrun.distributed.merge import merge as merge_shards
 
     _setup_logging(quiet=True)
-    from batchrun.io.files import SinkError
+    from batchrun.output.files import SinkError
 
     try:
         result = merge_shards(output, dest, count)
@@ -146,7 +146,7 @@ def merge(output: str, dest: str | None, count: int | None) -> None:
 def verify(output: str) -> None:
     """Check OUTPUT fully: every part's size, checksum, footer and rows, the ids once each and in input order,
     _metrics.json and _SUCCESS. Exit 1 with one line per problem when anything is wrong."""
-    from batchrun.verify import verify as verify_output
+    from batchrun.output.verify import verify as verify_output
 
     _setup_logging(quiet=True)
     try:
@@ -220,7 +220,7 @@ def show(output: str, rows: int, columns: str | None) -> None:
 @main.command()
 def models() -> None:
     """List the model families batchrun runs, with what the test suite verifies for each."""
-    from batchrun.model.registry import models_table  # no torch
+    from batchrun.model.arch.registry import models_table  # no torch
 
     click.echo(models_table())
 

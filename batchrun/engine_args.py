@@ -132,7 +132,7 @@ def _setting(default: Any, kind: str, job_key: str | None, **rule: Any) -> Any:
 # ---------------------------------------------------------------- the settings
 
 
-# model.quantization's values (batchrun/model/quant_linear.py: QuantSpec.parse reads them)
+# model.quantization's values (batchrun/model/quant/linear.py: QuantSpec.parse reads them)
 QUANTIZATIONS = ("none", "int8", "int4", "int4-g32", "gguf")
 
 # Spellings LLM(dtype=...) also takes (vLLM's); the job file names the canonical ones only.
@@ -150,14 +150,14 @@ class EngineArgs:
     preemption.
     """
 
-    # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.locate)
+    # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.weights.locate)
     model: str = _setting(MISSING, "str", "model.path",
         doc='The model: `builtin:NAME`, a local Hugging Face checkpoint folder, a `.gguf` file (or a folder '
             'holding one), or a Hub id already in the local Hugging Face cache. Nothing is downloaded.')
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
     dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
         doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
-    # weight-only quantized linears (batchrun/model/quant_linear.py, docs/quantization.md): C kernels on a CPU,
+    # weight-only quantized linears (batchrun/model/quant/linear.py, docs/quantization.md): C kernels on a CPU,
     # Triton on CUDA; the lm_head, embeddings and norms stay in `dtype`
     quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
         doc="Weight-only quantized linears: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
@@ -168,7 +168,7 @@ class EngineArgs:
             "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
             "file). `none`: the weights in `dtype`, or a checkpoint quantized already (compressed-tensors int8 / int4) "
             "as it is stored. docs/quantization.md has the accuracy measured per format.")
-    # the lm_head in int8 on a CPU (batchrun/model/quant_linear.py: int8_lm_head); each row's top logits then
+    # the lm_head in int8 on a CPU (batchrun/model/quant/linear.py: int8_lm_head); each row's top logits then
     # recomputed from the plain weights, so greedy tokens hold unless the true argmax falls out of the int8 top 8
     quantize_lm_head: bool = _setting(False, "bool", "model.quantize_lm_head",
         doc="The lm_head in int8 too (CPU only; with any `quantization`): a decode step of Llama-3.2-1B reads a sixth "
@@ -177,7 +177,7 @@ class EngineArgs:
             "token changes only where the model's own first choice is not among the int8 logits' 8 largest; sampling "
             "sees the int8 logits of the rest. Memory: the int8 copy beside the plain weight, which stays for that "
             "(in a bf16 model it replaces the packed copy of a tied lm_head). docs/quantization.md.")
-    # GPTQ over a calibration text at load (batchrun/model/calibration.py) instead of round to nearest
+    # GPTQ over a calibration text at load (batchrun/model/quant/calibration.py) instead of round to nearest
     calibration: str = _setting("none", "str", "model.calibration",
         doc="How `quantization` int8 / int4 / int4-g32 rounds the weights: `none` rounds each to nearest; "
             "`builtin` (batchrun's own chat text, ~4k tokens) or the path of a UTF-8 text file (passages split by "
@@ -200,7 +200,7 @@ class EngineArgs:
             "forward.")
     num_kv_blocks: int | None = _setting(None, "int", "engine.num_kv_blocks", nullable=True, min=1,
         doc='The KV pool in blocks; overrides `kv_cache_memory`.')
-    # how the KV pool stores K and V (batchrun/model/kv_quant.py); auto: the model's dtype
+    # how the KV pool stores K and V (batchrun/kernels/layouts/kv_rows.py); auto: the model's dtype
     kv_cache_dtype: str = _setting("auto", "str", "engine.kv_cache_dtype", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
         doc="How the KV cache stores keys and values. auto: in the model's dtype. int8: one byte per value plus a "
             "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
@@ -208,7 +208,7 @@ class EngineArgs:
             "(coarser than int8) (docs/kv-cache.md).")
     # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
     # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
-    # free beside the weights (batchrun.model.memory).
+    # free beside the weights (batchrun.model.runner.memory).
     kv_cache_tokens: int | None = _setting(None, "int", None, nullable=True, min=1)
     gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0,
         doc="CUDA, when neither `kv_cache_memory` nor `num_kv_blocks` is set: the share of the GPU's memory the "
@@ -249,7 +249,7 @@ class EngineArgs:
     speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1,
         doc='A step adds drafts only while its decode rows plus drafts stay within this many rows.')
     # CPU threads of torch, OpenMP and the C kernels; None: the CPUs this process may use (affinity mask, cgroup
-    # CPU quota, SLURM_CPUS_PER_TASK; or OMP_NUM_THREADS when set), logged at start (batchrun/model/threads.py)
+    # CPU quota, SLURM_CPUS_PER_TASK; or OMP_NUM_THREADS when set), logged at start (batchrun/kernels/cpu/threads.py)
     num_threads: int | None = _setting(None, "int", "engine.num_threads", nullable=True, min=1,
         doc='CPU threads; null: the CPUs this process may use (affinity mask, cgroup CPU quota, '
             '`SLURM_CPUS_PER_TASK`; `OMP_NUM_THREADS` when set), logged at start.')

@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
-from batchrun.io.files import SinkError, WriteFailure, remove_file, write_bytes_atomic, write_json_atomic
-from batchrun.io.lock import OutputBusy, OutputLock
-from batchrun.io.sinks import JOB_FILE, METRICS, SUCCESS, Sink, clear_output
+from batchrun.output.files import SinkError, WriteFailure, remove_file, write_bytes_atomic, write_json_atomic
+from batchrun.output.lock import OutputBusy, OutputLock
+from batchrun.output.sinks import JOB_FILE, METRICS, SUCCESS, Sink, clear_output
 from batchrun.model.errors import InsufficientMemoryError, ModelLoadError
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV, engine_factory
 from batchrun.pipeline.executor import Executor
 from batchrun.pipeline.local import LocalExecutor
-from batchrun.pipeline.signals import JobInterrupted, JobStopped
-from batchrun.pipeline.slicing import RowSlice
-from batchrun.pipeline.writer import OrderedWriter, RowFailure
+from batchrun.output.signals import JobInterrupted, JobStopped
+from batchrun.io.slicing import RowSlice
+from batchrun.output.writer import OrderedWriter, RowFailure
 from batchrun.plan import (
     JobPlan,
     ShardSpec,

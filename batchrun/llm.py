@@ -15,14 +15,14 @@ from batchrun.collect import beam_search_output, in_input_order
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
-from batchrun.model.backends import resolve_batch_invariant
-from batchrun.model.cpu_kernels.linears import bf16_kernel
-from batchrun.model.cpu_linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
+from batchrun.model.layers.backends import resolve_batch_invariant
+from batchrun.kernels.cpu.linears import bf16_kernel
+from batchrun.model.layers.linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
 from batchrun.model.errors import InsufficientMemoryError
-from batchrun.model.kv_quant import KV_CACHE_DTYPES
-from batchrun.model.loader import load_config, load_model, model_max_len, resolve_path
-from batchrun.model.locate import locate_model
-from batchrun.model.memory import (
+from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
+from batchrun.model.weights.loader import load_config, load_model, model_max_len, resolve_path
+from batchrun.model.weights.locate import locate_model
+from batchrun.model.runner.memory import (
     WORKING_BYTES,
     MemoryPlan,
     available_memory,
@@ -33,9 +33,9 @@ from batchrun.model.memory import (
     plan_cpu_memory,
     profile_cuda_kv_bytes,
 )
-from batchrun.model.quant_linear import LM_HEAD_SPEC, QuantSpec, quantized_params
-from batchrun.model.runner import ModelRunner, cache_shape
-from batchrun.model.threads import configure_threads
+from batchrun.model.quant.linear import LM_HEAD_SPEC, QuantSpec, quantized_params
+from batchrun.model.runner.model_runner import ModelRunner, cache_shape
+from batchrun.kernels.cpu.threads import configure_threads
 from batchrun.outputs import RequestOutput
 from batchrun.prompts import (
     PreparedRequest,
@@ -162,7 +162,7 @@ class LLM:
             if own_kernel(loaded.model, self.batch_invariant, room):
                 kernel = f"batchrun's panel kernel ({bf16_kernel()})" if self.dtype == torch.bfloat16 else \
                     "batchrun's panel kernel"
-            log.info("%d linear layers reordered for %s%s (see batchrun/model/cpu_linear.py)",
+            log.info("%d linear layers reordered for %s%s (see batchrun/model/layers/linear.py)",
                      reorder_linears(loaded.model, self.batch_invariant, room), kernel,
                      ", batch invariant" if self.batch_invariant else "")
         on_cuda = self.device.type == "cuda"
@@ -185,7 +185,7 @@ class LLM:
 
     def _plan_memory(self, args: EngineArgs, path, config) -> MemoryPlan:
         """The CPU memory of this engine, from the checkpoint's headers and the config, before anything loads:
-        the KV pool's size, or InsufficientMemoryError (one line) when the model cannot fit (batchrun.model.memory)."""
+        the KV pool's size, or InsufficientMemoryError (one line) when the model cannot fit (batchrun.model.runner.memory)."""
         element_size = torch.empty(0, dtype=self.dtype).element_size()
         per_token = kv_bytes_per_token(config, element_size, self.kv_dtype)
         kv_bytes = args.kv_cache_bytes
@@ -202,7 +202,7 @@ class LLM:
         memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
                                  max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
                                  swap=args.swap_space_bytes, available=available_memory(), model=args.model)
-        if args.calibration != "none":  # GPTQ holds the checkpoint whole in the dtype first (model/calibration.py)
+        if args.calibration != "none":  # GPTQ holds the checkpoint whole in the dtype first (model/quant/calibration.py)
             full = checkpoint_weight_bytes(path, element_size)
             if full + WORKING_BYTES > memory.available.free:
                 raise InsufficientMemoryError(

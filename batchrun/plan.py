@@ -1,7 +1,7 @@
 """plan_job(): everything about a job that can be checked without the model, and how its rows are sliced.
 
 Checks the model and engine settings against this machine and where the model path points (the same checks
-LLM makes, batchrun.model.locate), opens the input (readable, the columns exist), picks this shard's slice of
+LLM makes, batchrun.model.weights.locate), opens the input (readable, the columns exist), picks this shard's slice of
 rows, checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
 another one (refused, exit 2). Nothing is loaded, nothing is written.
 """
@@ -19,8 +19,8 @@ import pyarrow as pa
 
 from batchrun.config import EngineSettings, JobConfig, JobError
 from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
-from batchrun.io.openai_sink import OpenAIBatchSink
-from batchrun.io.sinks import (
+from batchrun.output.openai_sink import OpenAIBatchSink
+from batchrun.output.sinks import (
     AHEAD,
     AHEAD_JSONL,
     PROGRESS,
@@ -35,8 +35,8 @@ from batchrun.io.sinks import (
 )
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.locate import ModelSource, locate_model
-from batchrun.pipeline.slicing import RowSlice
+from batchrun.model.weights.locate import ModelSource, locate_model
+from batchrun.io.slicing import RowSlice
 from batchrun.sampling_params import SamplingParams
 from batchrun.shards import ShardSpec
 
@@ -93,7 +93,7 @@ def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
     spec = cfg.sampling.get("structured_outputs")
     if spec is None:
         return
-    from batchrun.model.loader import eos_ids, load_config, load_tokenizer, resolve_path
+    from batchrun.model.weights.loader import eos_ids, load_config, load_tokenizer, resolve_path
     from batchrun.sampling_params import SamplingParams
 
     try:
@@ -284,7 +284,7 @@ def plan_resume(plan: JobPlan) -> None:
     """What the output folder holds: fresh, resume (after plan.committed rows), complete, or retry
     (--retry-errors on a complete output). Run once when planning and again by the run once it holds the
     folder's lock (another run may have written since). The parts are checked against their manifest here
-    (batchrun.io.manifest): a damaged part makes a complete output resume, to compute it again."""
+    (batchrun.output.manifest): a damaged part makes a complete output resume, to compute it again."""
     out = plan.out_dir
     plan.damaged = []
     if not plan.resume:

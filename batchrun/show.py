@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
-from batchrun.io.sinks import OPENAI_OUTPUT, part_files
+from batchrun.output.sinks import OPENAI_OUTPUT, part_files
 
 SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 QUESTION_COLUMNS = ("messages", "prompt")  # the first one present is shown as the question

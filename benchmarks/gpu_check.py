@@ -120,8 +120,7 @@ BW_HEADS, BW_KV_HEADS, BW_HEAD_DIM, BW_BLOCK_SIZE = 32, 8, 128, 16
 def bandwidth_point(batch: int, context: int, variants: list[tuple[int, int]], device: torch.device,
                     dry_run: bool) -> dict[tuple[int, int], float]:
     """GB/s of K/V read by one decode step at each (block_n, partition_size), blocks shuffled in the pool."""
-    from batchrun.kernels import paged_decode_attention
-
+    from batchrun.kernels.triton import paged_decode_attention
     blocks_per_seq = context // BW_BLOCK_SIZE
     num_blocks = batch * blocks_per_seq
     cache = torch.randn(2, num_blocks, BW_BLOCK_SIZE, BW_KV_HEADS, BW_HEAD_DIM, dtype=torch.bfloat16,
@@ -183,7 +182,7 @@ class Workload:
 def sharegpt_like(tokenizer, num_prompts: int, seed: int, max_prompt: int, max_output: int) -> Workload:
     """Prompt and output lengths log-normal like ShareGPT conversations (means ~240 and ~175 tokens,
     long tails), prompts cut from English-like text. No dataset download: the GPU box is offline."""
-    from batchrun.model.builtin import synthetic_corpus
+    from batchrun.model.weights.builtin import synthetic_corpus
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -321,7 +320,7 @@ def count_parameters(path: Path) -> int:
 
 
 def end_to_end(args: argparse.Namespace, report: Report, deadline: float) -> dict:
-    from batchrun.model.builtin import make_checkpoint, train_tokenizer
+    from batchrun.model.weights.builtin import make_checkpoint, train_tokenizer
 
     device = "cpu" if args.dry_run else "cuda"
     shape = TINY if args.dry_run else LLAMA_1B
@@ -396,7 +395,7 @@ QUANT_FORMATS = [(8, 32), (8, 0), (4, 32), (4, 128)]  # group 0: a whole row
 def random_quantized_weight(bits: int, group_size: int, out_features: int, in_features: int,
                             device: torch.device):
     """A QuantizedWeight of random integers, scales and (4 bits) offsets; group_size 0: a whole row."""
-    from batchrun.model.quant import QuantizedWeight
+    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
     group = group_size or in_features
     groups = (out_features, in_features // group)
@@ -419,9 +418,9 @@ def quant_matmul_point(bits: int, group_size: int, rows: int, out_features: int,
                        device: torch.device, dry_run: bool) -> dict:
     """Each of quantized_linear's three products (the CUDA-core GEMV, the MMA kernel, the weight dequantized for
     torch's matmul) checked against the reference and timed, beside torch's bf16 matmul of the same shape."""
-    from batchrun.kernels import quantized_linear
-    from batchrun.kernels.quant_matmul import PATHS, choose_path
-    from batchrun.model.quant import linear_ref
+    from batchrun.kernels.triton import quantized_linear
+    from batchrun.kernels.triton.quant_matmul import PATHS, choose_path
+    from batchrun.kernels.layouts.quant_weight import linear_ref
 
     weight = random_quantized_weight(bits, group_size, out_features, in_features, device)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
@@ -472,8 +471,8 @@ MANY_ROW_TILES = [(64, 128, 1, 4, 3), (64, 64, 1, 4, 3), (128, 128, 1, 8, 3), (6
 def quant_sweep(dry_run: bool, peak_gbps: float) -> list[dict]:
     """The quantized matmul at tile choices besides the default (pick_tiles), each checked against the reference
     once: what a tuning of pick_tiles reads."""
-    from batchrun.kernels.quant_matmul import block_k_for, pick_tiles, quantized_matmul
-    from batchrun.model.quant import linear_ref
+    from batchrun.kernels.triton.quant_matmul import block_k_for, pick_tiles, quantized_matmul
+    from batchrun.kernels.layouts.quant_weight import linear_ref
 
     device = torch.device("cpu" if dry_run else "cuda")
     shapes = [(48, 64)] if dry_run else [(14336, 4096), (4096, 14336)]

@@ -30,16 +30,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import attention as cpu_attention
-from batchrun.model.cpu_kernels.attention import AMX_PREFILL_LANES
-from batchrun.model.kv_quant import FP8, KV_CACHE_DTYPES, encode_rows
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import attention as cpu_attention
+from batchrun.kernels.cpu.attention import AMX_PREFILL_LANES
+from batchrun.kernels.layouts.kv_rows import FP8, KV_CACHE_DTYPES, encode_rows
 from benchmarks.cli_args import parser
 
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # paged_decode reports a failed allocation
 _OLD_DECODE = {"paged_decode": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _B])}
-_CSRC = "batchrun/model/csrc"
+_CSRC = "batchrun/kernels/cpu/csrc"
 _REPO = Path(__file__).resolve().parents[1]
 
 

@@ -73,7 +73,7 @@ def write_checkpoint(folder: Path, shape: dict[str, Any], seed: int = 0) -> Path
     import transformers
     from safetensors.torch import save_file
 
-    from batchrun.model.builtin import train_tokenizer
+    from batchrun.model.weights.builtin import train_tokenizer
 
     if (folder / "model.safetensors.index.json").is_file():
         return folder
@@ -122,7 +122,7 @@ def write_job(folder: Path, model: Path, requests: int, max_tokens: int) -> Path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchrun.model.builtin import synthetic_corpus
+    from batchrun.model.weights.builtin import synthetic_corpus
 
     lines = synthetic_corpus(requests * 8, seed=1)
     prompts = [" ".join(lines[8 * i : 8 * i + 8]) for i in range(requests)]
@@ -197,8 +197,8 @@ def generate(engine: str, model: Path, work: Path, max_tokens: int, extra: dict[
 def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the job in a child process; its exit code, wall time, tokens/s, peak RSS and the bound."""
     from batchrun.engine_args import EngineArgs
-    from batchrun.model.loader import weight_files
-    from batchrun.model.memory import checkpoint_weight_bytes
+    from batchrun.model.weights.loader import weight_files
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
 
     job = write_job(work, model, requests, max_tokens)
     peak_file = work / "peak_rss"

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import OneDNNLinear
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import OneDNNLinear
 from benchmarks.cli_args import parser
 from benchmarks.kernels import mentions, revision_source
 

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from batchrun.model.paths import cache_dir
+from batchrun.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def bench_checkpoint(name: str) -> Path:
     """The checkpoint folder of SHAPES[name] in bf16, made on first use (a minute and a few GB of memory once)."""
     import torch
 
-    from batchrun.model.builtin import make_checkpoint
+    from batchrun.model.weights.builtin import make_checkpoint
 
     path = cache_dir() / "bench-models" / name
     if (path / "config.json").is_file():

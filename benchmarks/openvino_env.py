@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from batchrun.model.paths import cache_dir
+from batchrun.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         if args:
             ckpt = args[0]
             if ckpt.startswith("builtin:"):
-                from batchrun.model.builtin import builtin_path
+                from batchrun.model.weights.builtin import builtin_path
 
                 ckpt = str(builtin_path(ckpt.removeprefix("builtin:")))
             print(export(ckpt, args[1] if len(args) > 1 else "fp32"))

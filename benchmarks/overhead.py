@@ -25,7 +25,7 @@ from benchmarks.run import BLOCK_SIZE, THREADS
 
 def measure(model: str, num_seqs: int, steps: int, prompt_len: int = 16) -> dict[str, float]:
     from batchrun import LLM, SamplingParams
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
 
     out_len = steps + 8
     blocks = num_seqs * -(-(prompt_len + out_len + 4) // BLOCK_SIZE)

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_batchrun if args.system == "batchrun" else run_vllm
         print(json.dumps(run(args.model_path, args.dtype, args.repeats)))
         return 0
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
     from benchmarks.run import PLANS
 
     model = str(builtin_path(PLANS[args.model].builtin))

@@ -97,8 +97,7 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
     outputs), the largest first: the Python a fused kernel would take out."""
     import ctypes
 
-    from batchrun.model import cpu_kernels
-
+    from batchrun.kernels import cpu as cpu_kernels
     llm, _ = _setup(plan)
     eng = llm.engine
     for _ in range(warm_steps):

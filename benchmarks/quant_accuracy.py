@@ -24,7 +24,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
-from batchrun.model.builtin import builtin_path
+from batchrun.model.weights.builtin import builtin_path
 from benchmarks import openvino_env
 from benchmarks.cli_args import parser
 

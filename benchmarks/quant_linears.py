@@ -28,9 +28,9 @@ import time
 import torch
 from torch import nn
 
-from batchrun.model.cpu_kernels import quant as quant_kernels
-from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
-from batchrun.model.quant_linear import QuantSpec, quantize_linear
+from batchrun.kernels.cpu import quant as quant_kernels
+from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
+from batchrun.model.quant.linear import QuantSpec, quantize_linear
 from benchmarks.cli_args import parser
 from benchmarks.linears import _shapes
 

@@ -193,7 +193,7 @@ PLANS: dict[str, Plan] = {
                         note="bf16 weights, 8-bit KV cache: batchrun kv_cache_dtype int8, OpenVINO GenAI "
                              "KV_CACHE_PRECISION u8, vLLM CPU kv_cache_dtype fp8 (e4m3). The KV budget is the bf16 "
                              "row's bytes: every system holds the whole workload at once."),
-    # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/builtin.py):
+    # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/weights/builtin.py):
     # a Gemma (sliding and global layers, GeGLU, a 262k vocabulary) and a mixture of experts. Asked for by name.
     "gemma3-270m": Plan("gemma3-270m", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
                         scenarios=(), note="Gemma 3 270M's shape, random weights"),
@@ -288,7 +288,7 @@ def _vocab_for_prompts(path: Path, shape: ModelShape) -> int:
 
 def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
     """The plan's model (path, shape), the vocabulary its prompts draw from, and its workload."""
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
 
     if plan.checkpoint:
         from benchmarks.models import bench_checkpoint
@@ -431,7 +431,7 @@ def select_plans(spec: str) -> tuple[str, ...]:
 def run_scenarios(plan: Plan, runner: Runner, todo: list[str], wl: Workload, shape: ModelShape, vocab: int,
                   llm_kwargs: dict[str, Any]) -> dict[str, Any]:
     """batchrun-only scenarios; each in its own process, its variants one after another in that process."""
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
     from benchmarks.report import compare_outputs
 
     out: dict[str, Any] = {}

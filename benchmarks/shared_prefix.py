@@ -27,7 +27,7 @@ from benchmarks.workload import LengthDist, shared_prefix
 def measure(model: str, rows: int, prefix_len: int, suffix_len: int, output_len: int, caching: bool,
             max_num_batched_tokens: int, block_size: int) -> tuple[dict[str, float], list[list[int]]]:
     from batchrun import LLM, SamplingParams
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
 
     path = builtin_path(model)
     max_len = prefix_len + suffix_len + output_len

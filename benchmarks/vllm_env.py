@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from batchrun.model.paths import cache_dir
+from batchrun.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

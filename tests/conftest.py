@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# LLM() sizes torch's threads itself (batchrun/model/threads.py); OMP_NUM_THREADS keeps it at the tests' count.
+# LLM() sizes torch's threads itself (batchrun/kernels/cpu/threads.py); OMP_NUM_THREADS keeps it at the tests' count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # Built-in models are made into a cache folder of the test session, not the user's, and it goes when the session
 # ends: each holds ~560 MB (the built-in real model converted), and hundreds of runs left behind filled a disk.
@@ -54,7 +54,7 @@ ARCH_SPECS = {
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from batchrun.model.builtin import train_tokenizer
+    from batchrun.model.weights.builtin import train_tokenizer
 
     return train_tokenizer()
 
@@ -62,7 +62,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory, tokenizer):
     """make_ckpt(arch, **overrides) -> path of a tiny random checkpoint (cached per arguments)."""
-    from batchrun.model.builtin import make_checkpoint
+    from batchrun.model.weights.builtin import make_checkpoint
 
     made = {}
 
@@ -84,7 +84,7 @@ def tiny_llama_path(make_ckpt):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """builtin:smollm2-135m-instruct, dequantized once per test session into the session's cache."""
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
 
     return builtin_path("smollm2-135m-instruct")
 

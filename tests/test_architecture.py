@@ -8,9 +8,9 @@
 - batchrun/serve/ is a top layer: only the CLI imports it; only its app and server import the ASGI stack.
 - every module sits in one layer of LAYERS (docs/architecture.md) and imports nothing from a layer above its own.
 
-Imports under `if TYPE_CHECKING:` do not run, so they are left out. A package's __init__ is a module like any
-other (its imports are edges); importing batchrun.x.y is an edge to batchrun.x.y, not to its parents, whose
-__init__ Python runs first anyway.
+Imports under `if TYPE_CHECKING:` count like any other: a type a module names is a dependency of its reader. A
+package's __init__ is a module like any other (its imports are edges); importing batchrun.x.y is an edge to
+batchrun.x.y, not to its parents, whose __init__ Python runs first anyway.
 """
 
 from __future__ import annotations
@@ -36,30 +36,19 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom node, wherever it is, except under `if TYPE_CHECKING:`."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        stack.extend(ast.iter_child_nodes(node))
+    """Every Import / ImportFrom node, wherever it is (functions and `if TYPE_CHECKING:` included)."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
-def imports_of(module: str) -> set[str]:
-    """Dotted names `module` imports: `from a.b import c` is a.b.c when that is a module, else a.b."""
-    path = MODULES[module]
+def imports_of(module: str, source: str | None = None) -> set[str]:
+    """Dotted names `module` imports: `from a.b import c` is a.b.c when that is a module, else a.b. source: the
+    module's text (default: its file)."""
+    path = MODULES.get(module, ROOT / (module.replace(".", "/") + ".py"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    text = path.read_text() if source is None else source
+    for node in _import_nodes(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
             continue
@@ -74,8 +63,8 @@ def imports_of(module: str) -> set[str]:
     return found
 
 
-def project_imports(module: str) -> set[str]:
-    return {name for name in imports_of(module) if name.split(".")[0] in PACKAGES}
+def project_imports(module: str, source: str | None = None) -> set[str]:
+    return {name for name in imports_of(module, source) if name.split(".")[0] in PACKAGES}
 
 
 def _under(module: str, package: str) -> bool:
@@ -84,8 +73,8 @@ def _under(module: str, package: str) -> bool:
 
 def test_the_parser_sees_function_level_imports():
     # the runner imports the CUDA-graph module inside a method: it must be an edge
-    assert "batchrun.model.cuda_graphs" in project_imports("batchrun.model.runner")
-    assert "batchrun.engine.contract" in project_imports("batchrun.model.runner")
+    assert "batchrun.model.runner.cuda_graphs" in project_imports("batchrun.model.runner.model_runner")
+    assert "batchrun.engine.contract" in project_imports("batchrun.model.runner.model_runner")
 
 
 def test_engine_imports_no_torch():
@@ -153,6 +142,12 @@ def test_no_import_cycle_in_engine_and_model():
     assert _cycles(layer) == []
 
 
+def test_the_cycle_check_sees_a_cycle(monkeypatch):
+    edges = {"batchrun.plan": {"batchrun.io.slicing"}, "batchrun.io.slicing": {"batchrun.plan"}}
+    monkeypatch.setitem(globals(), "project_imports", lambda m, source=None: edges[m])
+    assert _cycles(set(edges)) == [["batchrun.io.slicing", "batchrun.plan"]]
+
+
 def test_no_import_cycle_anywhere():
     assert _cycles(set(MODULES)) == []
 
@@ -174,19 +169,30 @@ def test_serve_is_a_top_layer():
 LAYERS: list[tuple[str, ...]] = [
     ("batchrun.cli",),
     ("batchrun.serve",),
-    ("batchrun.job", "batchrun.report", "batchrun.verify"),
+    ("batchrun.job", "batchrun.report", "batchrun.show"),
     ("batchrun.distributed",),
-    ("batchrun.plan", "batchrun.shards", "batchrun.show"),
-    ("batchrun.pipeline", "batchrun.progress", "batchrun.timeseries"),
+    ("batchrun.pipeline",),
+    ("batchrun.plan", "batchrun.shards"),
+    ("batchrun.output",),
     ("batchrun.io",),
     ("batchrun.config",),
     ("batchrun.llm", "batchrun.prompts", "batchrun.chat", "batchrun.collect"),
     ("batchrun.engine", "batchrun.structured"),
+    # the model's rooms, top to bottom
+    ("batchrun.model.runner",),
+    ("batchrun.model.weights",),
+    ("batchrun.model.arch",),
+    ("batchrun.model.sampling",),
+    ("batchrun.model.quant",),
+    ("batchrun.model.layers",),
     ("batchrun.model",),
-    ("batchrun.engine_args", "batchrun.kernels"),
-    # leaves: plain data shared by every layer above (the package root imports its API names lazily)
+    ("batchrun.engine_args",),
+    # the kernels: C and Triton over the layouts both share
+    ("batchrun.kernels.cpu", "batchrun.kernels.triton"),
+    ("batchrun.kernels",),
+    # leaves: plain data and helpers shared by every layer above (the package root imports its API names lazily)
     ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.outputs", "batchrun.beam_search",
-     "batchrun"),
+     "batchrun.progress", "batchrun.timeseries", "batchrun.paths", "batchrun"),
 ]
 
 
@@ -223,8 +229,8 @@ def test_the_layer_check_sees_an_upward_import():
     # the import this rule removed (plan.py used batchrun.distributed's Ray check) would be reported
     assert upward_imports("batchrun.plan", {"batchrun.distributed", "batchrun.io.sources"}) == ["batchrun.distributed"]
     # the model takes the contract, a leaf below it, not the engine above it
-    assert upward_imports("batchrun.model.runner", {"batchrun.engine.contract"}) == []
-    assert upward_imports("batchrun.model.runner", {"batchrun.engine.scheduler"}) == ["batchrun.engine.scheduler"]
+    assert upward_imports("batchrun.model.runner.model_runner", {"batchrun.engine.contract"}) == []
+    assert upward_imports("batchrun.model.runner.model_runner", {"batchrun.engine.scheduler"}) == ["batchrun.engine.scheduler"]
 
 
 def test_no_import_name_is_shared_with_another_distribution():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.loader import ModelLoadError
+from batchrun.model.weights.loader import ModelLoadError
 
 BAD_FIELDS = [
     ("n", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5),

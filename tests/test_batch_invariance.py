@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun import LLM, SamplingParams
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import attention as cpu_attention
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import attention as cpu_attention
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # bf16 models have invariant linears through batchrun's bf16 panels (cpu_linear.own_kernel): oneDNN's bf16 kernels
@@ -148,7 +148,7 @@ ROW_COUNTS = (*range(1, 19), 24, 31, 32, 33, 47, 64, 65, 129, 257, 300)
 
 def _invariant_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
     """The module the batch-invariant mode puts in a model's place of nn.Linear(in, out) (cpu_linear)."""
-    from batchrun.model.cpu_linear import reorder_linears, use_onednn
+    from batchrun.model.layers.linear import reorder_linears, use_onednn
 
     torch.manual_seed(in_features + out_features)
     model = nn.Module()
@@ -214,7 +214,7 @@ def test_sampler_rows_do_not_depend_on_the_batch():
     """Every row's draw in a mixed batch (greedy, temperatures, top-k, top-p, min-p, penalties, logprobs) is
     the draw it makes alone, over many steps."""
     from batchrun.engine.contract import SamplingRequest
-    from batchrun.model.sampling_batch import plan_sampling, sample_step
+    from batchrun.model.sampling.step import plan_sampling, sample_step
 
     rng = random.Random(0)
     vocab = 4096
@@ -242,7 +242,7 @@ def test_sampler_rows_do_not_depend_on_the_batch():
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
 def test_norm_silu_rope_rows_do_not_depend_on_the_row_count(dtype, kernels):
     """RMSNorm (with its residual add), SiLU-and-multiply and RoPE give each row the bits it gets alone."""
-    from batchrun.model.ops import CpuKernelOps, Rotary, TorchOps
+    from batchrun.model.layers.ops import CpuKernelOps, Rotary, TorchOps
 
     if kernels and not cpu_kernels.available():
         pytest.skip("the CPU kernels are not built here")
@@ -289,7 +289,7 @@ def test_c_decode_attention_rows_do_not_depend_on_the_batch():
 
 
 def test_the_mode_defaults_on_in_float32_on_a_cpu(make_ckpt, caplog):
-    from batchrun.model.backends import resolve_batch_invariant
+    from batchrun.model.layers.backends import resolve_batch_invariant
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_batch_invariant(None, cpu, torch.float32) is True

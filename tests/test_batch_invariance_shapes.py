@@ -21,8 +21,8 @@ import torch
 from draft_helpers import FreeRows
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import PackedLinear
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 BF16_MODEL = cpu_linears.has_panel_linears()  # bf16's invariant linears are batchrun's panels

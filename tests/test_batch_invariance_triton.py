@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from batchrun.kernels import paged_decode_attention, paged_prefill_attention
-from batchrun.kernels._common import interpreting
+from batchrun.kernels.triton import paged_decode_attention, paged_prefill_attention
+from batchrun.kernels.triton._common import interpreting
 
 TILE = 16
 PARTITION = 32  # a 100-token context is split into 4 partitions
@@ -126,7 +126,7 @@ def test_unsplit_decode_equals_prefill_and_chunks_with_a_window(window, softcap)
 
 
 def test_backend_split_follows_the_mode() -> None:
-    from batchrun.model.backends import select_backend
+    from batchrun.model.layers.backends import select_backend
 
     assert select_backend("triton", DEVICE, torch.float32).partition_size == 512
     assert select_backend("triton", DEVICE, torch.float32, batch_invariant=True).partition_size is None

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import linears as cpu_linears
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import linears as cpu_linears
 from benchmarks.report import compare_outputs
 from benchmarks.worker import metrics_delta
 from benchmarks.workload import (
@@ -274,7 +274,7 @@ def _commit(repo, files: dict[str, bytes]) -> str:
     """A commit of repo whose csrc/ holds exactly `files`; its hash."""
     import subprocess
 
-    csrc = repo / "batchrun/model/csrc"
+    csrc = repo / "batchrun/kernels/cpu/csrc"
     if csrc.exists():
         for old in csrc.iterdir():
             old.unlink()
@@ -298,7 +298,7 @@ def test_a_baseline_builds_from_the_single_file_layout_and_the_split_one(tmp_pat
     """--baseline REF reads REF's csrc/ whatever its layout: one cpu_kernels.c (before the kernels were split by
     family) or a .c file per family and common.h. Both build, and give the current library's bits: here the
     sampling family alone, as one file (common.h pasted in front of sampling.c) and as two."""
-    from batchrun.model.cpu_kernels import sampling as cpu_sampling
+    from batchrun.kernels.cpu import sampling as cpu_sampling
     from benchmarks.kernels import mentions, revision_source
 
     now = cpu_kernels.sources()

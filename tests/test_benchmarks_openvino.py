@@ -201,7 +201,7 @@ def test_openvino_worker_matches_transformers_greedy_and_ends_at_eos(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
     from benchmarks.run import Runner
 
     path = builtin_path("tiny-llama")
@@ -253,7 +253,7 @@ def test_openvino_teacher_forcing_matches_transformers_in_fp32():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from batchrun.model.builtin import builtin_path
+    from batchrun.model.weights.builtin import builtin_path
 
     path = builtin_path("tiny-llama")
     sequences = [([5 + i, 17, 301, 44, 1000 + i, 9], [12, 400 + i, 7, 88, 3]) for i in range(2)]

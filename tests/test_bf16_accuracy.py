@@ -16,8 +16,8 @@ from test_real_model import QUESTIONS, TEXTS, chat_text
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import PackedLinear
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import PackedLinear
 
 NEW_TOKENS = 64  # x 16 prompts = 1,024 positions
 BLOCK = 16

@@ -1,4 +1,4 @@
-"""Checkpoints quantized in compressed-tensors' int8 and int4 layouts run as stored (batchrun.model.compressed_tensors).
+"""Checkpoints quantized in compressed-tensors' int8 and int4 layouts run as stored (batchrun.model.weights.compressed_tensors).
 
 The copies are written by benchmarks.vllm_checkpoint (the layouts vLLM's CPU build reads: int-quantized int8 per
 output channel, pack-quantized int4 in groups of 128). On a model whose linears all have 128 inputs, those are
@@ -14,12 +14,13 @@ from safetensors import safe_open
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine_args import EngineArgsError
-from batchrun.model import compressed_tensors, memory
+from batchrun.model.weights import compressed_tensors
+from batchrun.model.runner import memory
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.loader import load_model, weight_files
-from batchrun.model.locate import locate_model
-from batchrun.model.quant import dequantize, unpack_int4
-from batchrun.model.quant_linear import QuantLinear, quantized_bytes
+from batchrun.model.weights.loader import load_model, weight_files
+from batchrun.model.weights.locate import locate_model
+from batchrun.kernels.layouts.quant_weight import dequantize, unpack_int4
+from batchrun.model.quant.linear import QuantLinear, quantized_bytes
 
 FORMATS = {"int8": "w8a8-int8", "int4": "w4a16-g128"}
 

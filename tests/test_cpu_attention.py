@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from batchrun.model import cpu_kernels
-from batchrun.model.attention import AttentionMetadata, TorchBackend
-from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.model.layers.attention import AttentionMetadata, TorchBackend
+from batchrun.kernels.cpu import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
@@ -226,8 +226,8 @@ def test_sliding_window_and_softcap_match_the_torch_path(dtype, hq, hkv, d, bs, 
 def test_the_backend_choice_keeps_every_row_on_the_kernel():
     """Every dtype and mode sends prefill rows to the kernel too (SDPA was slower for them inside the engine), and
     only the batch-invariant mode keeps decode rows on AMX."""
-    from batchrun.model import cpu_kernels
-    from batchrun.model.backends import select_backend
+    from batchrun.kernels import cpu as cpu_kernels
+    from batchrun.model.layers.backends import select_backend
 
     cpu = torch.device("cpu")
     for dtype in (BF, torch.float32):

@@ -1,4 +1,4 @@
-"""How the CPU kernel library is put together (batchrun/model/cpu_kernels/__init__.py): one library from every C
+"""How the CPU kernel library is put together (batchrun/kernels/cpu/__init__.py): one library from every C
 file of csrc/, cached by all of its sources, and a Python module per kernel family that declares exactly the
 kernels of its C file."""
 
@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import attention, elementwise, gptq, linears, quant, sampling
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import attention, elementwise, gptq, linears, quant, sampling
 
 FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": sampling, "linears": linears,
             "quant_linears": quant, "gptq": gptq}

@@ -1,12 +1,14 @@
-"""The C kernels against the torch paths they replace (batchrun/model/ops.py, attention.py)."""
+"""The C kernels against the torch paths they replace (batchrun/model/layers/ops.py, attention.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from batchrun.model import cpu_kernels, ops
-from batchrun.model.attention import TorchBackend, store_kv_torch
-from batchrun.model.cpu_kernels import attention as cpu_attention
+from batchrun.kernels import cpu as cpu_kernels
+
+from batchrun.model.layers import ops
+from batchrun.model.layers.attention import TorchBackend, store_kv_torch
+from batchrun.kernels.cpu import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 
@@ -14,7 +16,7 @@ KERNELS, TORCH = ops.CpuKernelOps(), ops.TorchOps()
 
 
 def test_fp32_and_bf16_cpu_models_get_the_kernels_chosen_once():
-    from batchrun.model.backends import select_backend
+    from batchrun.model.layers.backends import select_backend
 
     cpu = torch.device("cpu")
     assert isinstance(ops.select_ops(cpu, torch.float32), ops.CpuKernelOps)
@@ -109,7 +111,7 @@ def test_tanh_cap_in_place_and_row_invariant():
     it gets alone."""
     x = torch.randn(7, 1003, generator=torch.Generator().manual_seed(3)) * 40
     ref = torch.tanh(x / 30.0) * 30.0
-    from batchrun.model.cpu_kernels import elementwise
+    from batchrun.kernels.cpu import elementwise
 
     got = elementwise.tanh_cap_(x.clone(), 30.0)
     assert (got - ref).abs().max() < 1e-5 and got.abs().max() < 30.0

@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchrun.model import cpu_kernels, ops
-from batchrun.model.attention import TorchBackend, store_kv_torch
-from batchrun.model.cpu_kernels import attention as cpu_attention
-from batchrun.model.cpu_kernels import sampling as cpu_sampling
+from batchrun.kernels import cpu as cpu_kernels
+
+from batchrun.model.layers import ops
+from batchrun.model.layers.attention import TorchBackend, store_kv_torch
+from batchrun.kernels.cpu import attention as cpu_attention
+from batchrun.kernels.cpu import sampling as cpu_sampling
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 

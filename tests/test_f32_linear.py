@@ -10,8 +10,8 @@ from test_parity import LENGTHS, hf_reference  # transformers' greedy tokens, on
 from torch import nn
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import PackedLinear
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(not cpu_linears.has_panel_linears(),
                                 reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
@@ -50,7 +50,7 @@ def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
 
 
 def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch):
-    from batchrun.model.cpu_linear import ONEDNN_MIN_BYTES, own_kernel
+    from batchrun.model.layers.linear import ONEDNN_MIN_BYTES, own_kernel
 
     small = nn.Sequential(nn.Linear(64, 64))
     def big(dtype=torch.float32):  # exactly the threshold's bytes of fp32 weights (no memory: on the meta device)

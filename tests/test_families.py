@@ -1,6 +1,6 @@
 """Every model family against transformers on tiny random checkpoints of odd shapes (conftest.ARCH_SPECS: GQA
 ratios 1 to 6, head dims 16 to 48, windows shorter than the prompts, each family's switches away from their
-defaults). The families and what each one is verified for are batchrun/model/registry.py's: every test here is
+defaults). The families and what each one is verified for are batchrun/model/arch/registry.py's: every test here is
 parametrized over `families_verifying(check)`, so a claim there is a test here (test_models_registry.py holds
 the two together).
 
@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
-from batchrun.model.registry import families_verifying
+from batchrun.model.arch.registry import families_verifying
 
 # (family) -> (make_ckpt arch, overrides): a family's tiny checkpoint. Mistral's has a sliding window shorter
 # than most prompts (the llama family's other members are test_parity.py's too).
@@ -253,7 +253,7 @@ def test_phi3_longrope_switches_to_the_long_factors_past_the_original_context(to
     from its first position: docs/models.md, limits.)"""
     from conftest import ARCH_SPECS
 
-    from batchrun.model.builtin import make_checkpoint
+    from batchrun.model.weights.builtin import make_checkpoint
 
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 160,
             "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.registry import families_verifying
+from batchrun.model.arch.registry import families_verifying
 
 # family -> (make_ckpt arch, overrides of conftest.ARCH_SPECS, GGUF architecture name). An eps that float32 holds
 # exactly (GGUF stores it in float32); the settings GGUF does not carry back at transformers' defaults.

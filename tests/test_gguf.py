@@ -11,10 +11,10 @@ from test_job_fakes import write_job
 
 from batchrun import LLM, SamplingParams
 from batchrun.cli import main
-from batchrun.model.builtin import BUILTIN_MODELS
+from batchrun.model.weights.builtin import BUILTIN_MODELS
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.loader import load_config, resolve_path
-from batchrun.model.locate import locate_model
+from batchrun.model.weights.loader import load_config, resolve_path
+from batchrun.model.weights.locate import locate_model
 
 PROMPTS = ["The capital of France is", "Here is a short poem about the moon:",
            "<|im_start|>user\nHow do plants grow?<|im_end|>\n<|im_start|>assistant\n", "1, 2, 3, 4,"]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchrun.model.gguf_blocks import STORED_TYPES, quantized_weight
-from batchrun.model.quant import dequantize
+from batchrun.model.weights.gguf_blocks import STORED_TYPES, quantized_weight
+from batchrun.kernels.layouts.quant_weight import dequantize
 
 gguf = pytest.importorskip("gguf")
 GGMLType = gguf.GGMLQuantizationType
@@ -101,10 +101,10 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
     Q8_0 embedding (an embedding, not a linear: dequantized)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from batchrun.model.cpu_kernels.quant import packed_nbytes
-    from batchrun.model.gguf import gguf_config, read_quantized
-    from batchrun.model.memory import checkpoint_weight_bytes
-    from batchrun.model.quant import QuantizedWeight
+    from batchrun.kernels.cpu.quant import packed_nbytes
+    from batchrun.model.weights.gguf import gguf_config, read_quantized
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
+    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
     rng = np.random.default_rng(0)
     hidden, inter = 256, 512
@@ -147,9 +147,9 @@ def test_the_builtin_file_reads_as_its_dequantized_checkpoint(smollm2_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from batchrun.model.builtin import BUILTIN_MODELS
-    from batchrun.model.gguf import iter_quantized
-    from batchrun.model.quant import QuantizedWeight
+    from batchrun.model.weights.builtin import BUILTIN_MODELS
+    from batchrun.model.weights.gguf import iter_quantized
+    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
     file = BUILTIN_MODELS["smollm2-135m-instruct"].locate("smollm2-135m-instruct")
     seen, stored = set(), 0
@@ -170,7 +170,7 @@ def test_only_a_processor_that_reorders_rows_is_applied_to_stored_rows():
     changed, a transpose, a rename) sends the tensor through transformers' dequantizing path."""
     from transformers.modeling_gguf_pytorch_utils import GGUFTensor, LlamaTensorProcessor
 
-    from batchrun.model.gguf import _row_order
+    from batchrun.model.weights.gguf import _row_order
 
     class Processor:
         def __init__(self, change):
@@ -193,10 +193,10 @@ def test_only_a_processor_that_reorders_rows_is_applied_to_stored_rows():
 def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
     """llama.cpp files store output.weight quantized (Q6_K in Q4_K_M files): the engine keeps the lm_head in the
     model's dtype (quant_linear.KEPT), so it comes dequantized, and the memory plan counts it so."""
-    from batchrun.model.cpu_kernels.quant import packed_nbytes
-    from batchrun.model.gguf import read_quantized
-    from batchrun.model.memory import checkpoint_weight_bytes
-    from batchrun.model.quant import QuantizedWeight
+    from batchrun.kernels.cpu.quant import packed_nbytes
+    from batchrun.model.weights.gguf import read_quantized
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
+    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
     rng = np.random.default_rng(1)
     hidden, inter = 256, 512
@@ -218,10 +218,10 @@ def test_a_fused_linear_whose_parts_differ_in_type_runs_as_stored(tmp_path):
     """llama.cpp's Q4_K_M files keep v in Q6_K beside q and k in Q4_K (here gate|up mixes the two as well):
     the fused q|k|v and gate|up run as one kernel call per type (quant_linear.MixedQuantLinear), each part on the
     file's own integers, their rows where the plain fused weight has them."""
-    from batchrun.model.gguf import gguf_config, iter_quantized, read_quantized
-    from batchrun.model.loader import architecture, load_weights
-    from batchrun.model.quant_linear import MixedQuantLinear, QuantLinear
-    from batchrun.model.registry import model_class
+    from batchrun.model.weights.gguf import gguf_config, iter_quantized, read_quantized
+    from batchrun.model.weights.loader import architecture, load_weights
+    from batchrun.model.quant.linear import MixedQuantLinear, QuantLinear
+    from batchrun.model.arch.registry import model_class
 
     rng = np.random.default_rng(2)
     hidden, inter = 256, 512

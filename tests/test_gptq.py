@@ -1,4 +1,4 @@
-"""GPTQ calibration (EngineArgs.calibration; batchrun/model/gptq.py, batchrun/model/calibration.py).
+"""GPTQ calibration (EngineArgs.calibration; batchrun/model/quant/gptq.py, batchrun/model/quant/calibration.py).
 
 - gptq_quantize with H the identity is round to nearest bit for bit (nothing to move errors onto); on inputs whose
   channels are correlated and unequal, its outputs' error is well below round to nearest's, on the calibration
@@ -18,11 +18,11 @@ from torch import nn
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine_args import EngineArgs, EngineArgsError
-from batchrun.model import quant
-from batchrun.model.calibration import BUILTIN, calibrate, calibration_tokens
-from batchrun.model.cpu_kernels import gptq as gptq_kernels
-from batchrun.model.gptq import gptq_quantize
-from batchrun.model.quant_linear import QuantLinear, QuantSpec
+from batchrun.kernels.layouts import quant_weight as quant
+from batchrun.model.quant.calibration import BUILTIN, calibrate, calibration_tokens
+from batchrun.kernels.cpu import gptq as gptq_kernels
+from batchrun.model.quant.gptq import gptq_quantize
+from batchrun.model.quant.linear import QuantLinear, QuantSpec
 from tests.test_quant_accuracy import assert_greedy_is_the_references
 
 
@@ -141,7 +141,7 @@ def test_the_setting_is_checked_before_anything_loads(tmp_path):
     from click.testing import CliRunner
 
     from batchrun.cli import main
-    from batchrun.model.locate import locate_model
+    from batchrun.model.weights.locate import locate_model
 
     with pytest.raises(EngineArgsError, match="calibrates quantization int8, int4 or int4-g32, not none"):
         EngineArgs("builtin:tiny-llama", calibration="builtin")
@@ -166,7 +166,7 @@ def test_a_model_that_cannot_be_held_whole_for_calibration_is_refused_before_it_
     """Free memory between the two: the quantized weights, a small KV cache and the working memory fit, the
     checkpoint whole in fp32 and the working memory do not; one line, before anything loads."""
     import batchrun.llm as llm_module
-    from batchrun.model.memory import GIB, Available, InsufficientMemoryError, checkpoint_weight_bytes
+    from batchrun.model.runner.memory import GIB, Available, InsufficientMemoryError, checkpoint_weight_bytes
 
     path = make_ckpt("llama")
     full, quantized = checkpoint_weight_bytes(path, 4), checkpoint_weight_bytes(path, 4, QuantSpec.parse("int4"))

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchrun.kernels.quant_matmul import PATHS
+from batchrun.kernels.triton.quant_matmul import PATHS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.io.openai_sink import OpenAIBatchSink
+from batchrun.output.openai_sink import OpenAIBatchSink
 from batchrun.io.rows import RowTask
-from batchrun.io.sinks import (
+from batchrun.output.sinks import (
     OutputSpec,
     ParquetSink,
     SinkError,
@@ -158,7 +158,7 @@ def test_openai_batch_output_and_truncation_on_resume(tmp_path):
 def test_openai_lines_carry_logprobs_in_openai_shapes():
     """A request that asked for logprobs gets OpenAI's objects: chat `content` entries, completions' parallel
     lists; the top N are the first N of each token's dict (the engine puts them first, best first)."""
-    from batchrun.io.openai_sink import openai_line
+    from batchrun.output.openai_sink import openai_line
     from batchrun.sampling_params import SamplingParams
 
     words = {0: "Hi", 1: " there", 7: "é", 8: "!"}

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from batchrun.kernels import (
+from batchrun.kernels.triton import (
     copy_blocks,
     copy_blocks_ref,
     paged_decode_attention,
@@ -24,9 +24,9 @@ from batchrun.kernels import (
     store_kv,
     store_kv_ref,
 )
-from batchrun.model.attention import AttentionMetadata, TorchBackend
-from batchrun.model.triton_backend import TritonBackend
-from batchrun.model.triton_backend import copy_blocks as backend_copy_blocks
+from batchrun.model.layers.attention import AttentionMetadata, TorchBackend
+from batchrun.model.layers.triton_backend import TritonBackend
+from batchrun.model.layers.triton_backend import copy_blocks as backend_copy_blocks
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -98,8 +98,7 @@ def test_kernels_run_interpreted_exactly_without_cuda() -> None:
     runs, i.e. when `kernels` is imported, so conftest has to set it before that."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from batchrun.kernels import decode_attention
-
+    from batchrun.kernels.triton import decode_attention
     assert isinstance(decode_attention._decode_partition_kernel, InterpretedFunction) == (not HAS_CUDA)
 
 

@@ -1,4 +1,4 @@
-"""The int8 KV cache (`kv_cache_dtype: int8`, batchrun/model/kv_quant.py).
+"""The int8 KV cache (`kv_cache_dtype: int8`, batchrun/kernels/layouts/kv_rows.py).
 
 The format (a row's values within half a step, the C store's bytes equal to the torch store's), the C kernel
 against the torch reference on int8 pools (GQA, sliding windows, soft-capping, several and partial blocks,
@@ -21,10 +21,10 @@ from test_cpu_attention import Seq, close_bf16, make_seq, place, run_step_
 from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine_args import EngineArgs, EngineArgsError
-from batchrun.model import cpu_kernels
-from batchrun.model.attention import TorchBackend, store_kv_torch
-from batchrun.model.kv_quant import as_bytes, dequantize, encode_rows, quantize_rows, scales, to_fp8
-from batchrun.model.runner import ModelRunner, cache_shape
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.model.layers.attention import TorchBackend, store_kv_torch
+from batchrun.kernels.layouts.kv_rows import as_bytes, dequantize, encode_rows, quantize_rows, scales, to_fp8
+from batchrun.model.runner.model_runner import ModelRunner, cache_shape
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 BF = torch.bfloat16
@@ -58,7 +58,7 @@ def test_a_row_comes_back_within_half_a_step(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_the_c_store_writes_the_torch_stores_bytes(dtype):
-    from batchrun.model.cpu_kernels import attention as cpu_attention
+    from batchrun.kernels.cpu import attention as cpu_attention
 
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(9, 3 * 2 * 48, generator=g).to(dtype)  # k and v as strided views of one fused row
@@ -183,7 +183,7 @@ def _library_for(march: str):
     this one): "native" is the library itself; x86-64-v3 is an AVX2 + FMA + F16C machine (8-float vectors, fp8
     through fp16), x86-64 one with no SIMD the kernels use (generic vectors, fp8 decoded by moving bits). None where
     it cannot be built or run here."""
-    from batchrun.model.cpu_kernels import attention as cpu_attention
+    from batchrun.kernels.cpu import attention as cpu_attention
 
     if march == "native":
         return cpu_attention._library()
@@ -200,7 +200,7 @@ KV_8BIT = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8
 
 
 def _attend_8bit(lib, q, pool, tables, row_seq, row_len, window=0, softcap=0.0):
-    from batchrun.model.cpu_kernels import attention as cpu_attention
+    from batchrun.kernels.cpu import attention as cpu_attention
 
     rs, rl = torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
     if pool.dtype == torch.int8:
@@ -470,8 +470,7 @@ def test_the_triton_store_writes_the_torch_stores_bytes(dtype, kind):
     format's largest clamped, ties between two fp8 neighbours to even."""
     from test_kernels import DEVICE
 
-    from batchrun.kernels import store_kv
-
+    from batchrun.kernels.triton import store_kv
     g = torch.Generator().manual_seed(2)
     k, v = (torch.randn(11, 3, 48, generator=g) for _ in range(2))
     if kind != "int8":
@@ -500,9 +499,9 @@ def test_triton_8bit_attention_matches_its_reference(block_size, d, group, dtype
     int8 or fp8 pool against the fp64 references, which read the pool's values as float32."""
     from test_kernels import DEVICE, TOL
 
-    from batchrun.kernels import paged_decode_attention, paged_prefill_attention
-    from batchrun.kernels.decode_attention import paged_decode_attention_ref
-    from batchrun.kernels.prefill_attention import paged_prefill_attention_ref
+    from batchrun.kernels.triton import paged_decode_attention, paged_prefill_attention
+    from batchrun.kernels.triton.decode_attention import paged_decode_attention_ref
+    from batchrun.kernels.triton.prefill_attention import paged_prefill_attention_ref
 
     hkv, seq_lens = 2, [1, 13, 40, 70]
     pool = _8bit_pool(kind, block_size, hkv, d, dtype, seq_lens)
@@ -530,8 +529,8 @@ def test_the_triton_backend_on_an_8bit_pool_matches_the_torch_backend(dtype, kin
     copy-on-write block copy (the Triton kernel) moves values (and int8's scales) whole."""
     from test_kernels import PARTITION, TILE, TOL, mixed_step
 
-    from batchrun.model.triton_backend import TritonBackend
-    from batchrun.model.triton_backend import copy_blocks as triton_copy_blocks
+    from batchrun.model.layers.triton_backend import TritonBackend
+    from batchrun.model.layers.triton_backend import copy_blocks as triton_copy_blocks
 
     q, k, v, cache, meta = mixed_step(16, 2, 4, 64, dtype)
     cache = as_pool(cache, kind)

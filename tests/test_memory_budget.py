@@ -18,9 +18,9 @@ from test_job_fakes import cli_env, run_cli, write_job
 from transformers import AutoConfig
 
 from batchrun import LLM
-from batchrun.model import memory
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.memory import GIB, Available, InsufficientMemoryError, available_memory, plan_cpu_memory
+from batchrun.model.runner import memory
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.runner.memory import GIB, Available, InsufficientMemoryError, available_memory, plan_cpu_memory
 
 REPO = Path(__file__).resolve().parent.parent
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -133,7 +133,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(bf16_ckpt, monkeypat
 def test_a_kv_pool_that_no_longer_fits_is_one_line(bf16_ckpt, monkeypatch):
     """On CUDA the pool is sized from the free memory, and another process may take some before it is allocated
     (two jobs starting on one GPU): the allocation's OutOfMemoryError becomes one line naming the settings."""
-    from batchrun.model.runner import CacheShape
+    from batchrun.model.runner.model_runner import CacheShape
 
     def out_of_memory(self, num_blocks, device, pin=False):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 116.79 GiB")
@@ -185,8 +185,8 @@ def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, 
     by default (faster than oneDNN there at every row count: cpu_linear.own_kernel); BATCHRUN_CPU_MATMUL=onednn
     asks for oneDNN instead."""
     import batchrun.llm as llm_module
-    from batchrun.model.cpu_kernels import linears as cpu_linears
-    from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear
+    from batchrun.kernels.cpu import linears as cpu_linears
+    from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
 
     def layers(llm):
         model = llm.engine.runner.model
@@ -213,8 +213,8 @@ def test_quantized_linears_are_planned_at_their_packed_size(bf16_ckpt, quantizat
     """The memory plan counts quantized linears as the load will hold them (from the headers alone): never less,
     and no more than 2% over; the linears' share at under 60% of their bf16 bytes. (GGUF's linears as stored:
     test_gguf_stored.py.)"""
-    from batchrun.model.loader import load_model
-    from batchrun.model.quant_linear import QuantSpec, quantized_bytes, quantized_params
+    from batchrun.model.weights.loader import load_model
+    from batchrun.model.quant.linear import QuantSpec, quantized_bytes, quantized_params
 
     spec = QuantSpec.parse(quantization)
     planned = memory.checkpoint_weight_bytes(bf16_ckpt, 2, spec)
@@ -228,7 +228,7 @@ def test_quantized_linears_are_planned_at_their_packed_size(bf16_ckpt, quantizat
 
 def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, monkeypatch):
     import batchrun.llm as llm_module
-    from batchrun.model.quant_linear import QuantSpec
+    from batchrun.model.quant.linear import QuantSpec
 
     config = AutoConfig.from_pretrained(bf16_ckpt)
 
@@ -281,7 +281,7 @@ def test_a_bf16_load_and_job_hold_the_weights_once(big_ckpt, bf16_ckpt, settings
     """Peak RSS beyond the process's baseline <= 1.15 x the weights + the KV pool + 0.25 GiB (the issue's bound
     leaves 1 GiB for the baseline too). The few-row copy is turned off in the oneDNN case: it is the one second
     copy the engine may keep, where it fits (the test above)."""
-    from batchrun.model.memory import checkpoint_weight_bytes
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
 
     env = {**cli_env(fake=False), "BATCHRUN_SMALL_BF16_LINEAR": "0"}
     proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(big_ckpt), str(bf16_ckpt), json.dumps(settings)], env=env,

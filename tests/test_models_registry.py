@@ -1,4 +1,4 @@
-"""The model registry (batchrun/model/registry.py) and `batchrun models` stay true: every family's definition loads,
+"""The model registry (batchrun/model/arch/registry.py) and `batchrun models` stay true: every family's definition loads,
 every claim of `verified` is a test that is parametrized over exactly the families claiming it, and the CLI prints
 the registry."""
 
@@ -12,7 +12,7 @@ import test_families_gguf
 from click.testing import CliRunner
 
 from batchrun.cli import main
-from batchrun.model.registry import (
+from batchrun.model.arch.registry import (
     FAMILIES,
     SUPPORTED_ARCHITECTURES,
     VERIFIED_CHECKS,
@@ -71,7 +71,7 @@ def test_batchrun_models_prints_the_registry():
 
 def test_an_unsupported_architecture_names_every_supported_one(tmp_path):
     from batchrun.model.errors import ModelLoadError
-    from batchrun.model.locate import locate_model
+    from batchrun.model.weights.locate import locate_model
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
     with pytest.raises(ModelLoadError) as e:

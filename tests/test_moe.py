@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchrun import LLM
-from batchrun.kernels import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
+from batchrun.kernels.triton import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
 from batchrun.model.arch.moe import GROUPED_BLOCK_M, SparseMoE, combine
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from test_job_fakes import batchrun_cmd, cli_env, read_rows, run_cli, write_job
 
 from batchrun.cli import main
-from batchrun.io.lock import LOCK_FILE, Holder, OutputBusy, OutputLock
+from batchrun.output.lock import LOCK_FILE, Holder, OutputBusy, OutputLock
 
 N_ROWS = 24
 

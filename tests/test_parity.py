@@ -98,7 +98,7 @@ def test_prefill_logits_match_transformers(make_ckpt, prompts, arch):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch):
-    from batchrun.model.cpu_linear import OneDNNLinear
+    from batchrun.model.layers.linear import OneDNNLinear
 
     path = make_ckpt(arch)
     _, refs = hf_reference(path, prompts)
@@ -111,8 +111,8 @@ def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch
 
 
 def test_onednn_choice(make_ckpt, monkeypatch):
-    from batchrun.model import cpu_linear
-    from batchrun.model.loader import load_model
+    from batchrun.model.layers import linear as cpu_linear
+    from batchrun.model.weights.loader import load_model
 
     model = load_model(str(make_ckpt("llama")), dtype=torch.float32, device=torch.device("cpu"), max_model_len=None).model
     cpu = torch.device("cpu")

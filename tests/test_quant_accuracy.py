@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from batchrun import LLM, SamplingParams
-from batchrun.model import quant
-from batchrun.model.cpu_kernels import quant as quant_kernels
-from batchrun.model.quant_linear import QuantLinear, QuantSpec
+from batchrun.kernels.layouts import quant_weight as quant
+from batchrun.kernels.cpu import quant as quant_kernels
+from batchrun.model.quant.linear import QuantLinear, QuantSpec
 from benchmarks.quant_accuracy import agreement, chat_prompts, greedy_replies, teacher_forced
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs a C compiler for batchrun's CPU kernels")
@@ -78,7 +78,7 @@ def test_the_setting_is_checked_before_anything_loads(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["validate", str(job)])
     assert result.exit_code == 2 and "model.quantization: must be one of none, int8, int4, int4-g32" in result.output
     assert "Traceback" not in result.output
-    from batchrun.model.locate import locate_model
+    from batchrun.model.weights.locate import locate_model
 
     with pytest.raises(EngineArgsError, match="quantization: gguf keeps a GGUF file's quantized linears"):
         locate_model("builtin:tiny-llama").check_quantization("gguf")  # what plan.check_model and LLM ask
@@ -192,8 +192,8 @@ def test_top1_agreement_with_bf16_on_the_builtin_model(smollm2_path):
 def test_a_tensor_source_may_hand_in_quantized_weights(tiny_llama_path, fmt):
     """The seam for GGUF: QuantizedWeights for q, k, v (and gate, up) separately become the fused QuantLinear the
     loader would have made from the full-precision tensors."""
-    from batchrun.model import loader
-    from batchrun.model.registry import model_class
+    from batchrun.model.weights import loader
+    from batchrun.model.arch.registry import model_class
 
     spec = QuantSpec.parse(fmt)
 

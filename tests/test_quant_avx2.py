@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.model import cpu_kernels, quant
-from batchrun.model.cpu_kernels import quant as qk
-from batchrun.model.quant_linear import QuantSpec, quantize_linear
+from batchrun.kernels import cpu as cpu_kernels
+
+from batchrun.kernels.layouts import quant_weight as quant
+from batchrun.kernels.cpu import quant as qk
+from batchrun.model.quant.linear import QuantSpec, quantize_linear
 from tests.test_quant_kernels import _emulate, _make
 
 

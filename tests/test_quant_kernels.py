@@ -1,4 +1,4 @@
-"""The weight-only quantized linears (csrc/quant_linears.c) against batchrun.model.quant's references.
+"""The weight-only quantized linears (csrc/quant_linears.c) against batchrun.kernels.layouts.quant_weight's references.
 
 Two checks per case. (1) Against an emulation of what the kernel computes (the activations quantized per row the
 kernel's way, the integer sums exact in float64): within fp32 rounding, so an indexing or packing slip fails.
@@ -9,8 +9,8 @@ rounding (fp32, or bf16's 2^-8 relative)."""
 import pytest
 import torch
 
-from batchrun.model import quant
-from batchrun.model.cpu_kernels import quant as qk
+from batchrun.kernels.layouts import quant_weight as quant
+from batchrun.kernels.cpu import quant as qk
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason="needs a C compiler for batchrun's CPU kernels")
 

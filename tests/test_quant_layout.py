@@ -1,9 +1,9 @@
-"""batchrun.model.quant: the plain quantized layout every source is read into and every kernel packs from."""
+"""batchrun.kernels.layouts.quant_weight: the plain quantized layout every source is read into and every kernel packs from."""
 
 import pytest
 import torch
 
-from batchrun.model.quant import (
+from batchrun.kernels.layouts.quant_weight import (
     QuantizedWeight,
     dequantize,
     linear_ref,

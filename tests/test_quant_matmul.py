@@ -1,4 +1,4 @@
-"""The Triton quantized matmul (batchrun/kernels/quant_matmul.py) against quant.linear_ref: 4 and 8 bits, groups
+"""The Triton quantized matmul (batchrun/kernels/triton/quant_matmul.py) against quant.linear_ref: 4 and 8 bits, groups
 of 16, 32, 128 and a whole row, 1, 5 and 33 rows, odd output counts, fp32/fp16/bf16 activations. Without CUDA
 the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so the shapes are small and
 the grid is a cover of those settings, not their product; one CUDA-only test runs production shapes."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.kernels import quantized_linear
-from batchrun.kernels.quant_matmul import (
+from batchrun.kernels.triton import quantized_linear
+from batchrun.kernels.triton.quant_matmul import (
     PATHS,
     Tiles,
     block_k_for,
@@ -20,7 +20,7 @@ from batchrun.kernels.quant_matmul import (
     quantized_gemv,
     quantized_matmul,
 )
-from batchrun.model.quant import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
+from batchrun.kernels.layouts.quant_weight import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -131,7 +131,7 @@ def test_gemv_k_tiles_and_splits(bits, group_size):
 def test_dequantize_weight_equals_the_reference(bits, group_size, dtype):
     """The weight the many-row path hands torch's matmul: quant.dequantize's, rounded once into `dtype`
     (an odd shape: the tiles' masks; a GPU may fuse q * scale + offset, one fp32 rounding fewer)."""
-    from batchrun.model.quant import dequantize
+    from batchrun.kernels.layouts.quant_weight import dequantize
 
     weight = random_weight(bits, 37, 192, group_size, seed=group_size)
     got = dequantize_weight(weight.qweight, weight.scale, weight.offset, group_size, bits, dtype)
@@ -183,7 +183,7 @@ def test_a_models_quantized_linears_on_the_triton_kernel(monkeypatch):
     take (not a multiple of 16) left to the dequantized torch path."""
     from torch import nn
 
-    from batchrun.model.quant_linear import MixedQuantLinear, QuantLinear, quantized_linear_module
+    from batchrun.model.quant.linear import MixedQuantLinear, QuantLinear, quantized_linear_module
 
     monkeypatch.setattr(QuantLinear, "default_kernel", None)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)

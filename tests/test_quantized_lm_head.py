@@ -1,4 +1,4 @@
-"""The lm_head in int8 (EngineArgs.quantize_lm_head; batchrun/model/quant_linear.py: quantize_lm_head).
+"""The lm_head in int8 (EngineArgs.quantize_lm_head; batchrun/model/quant/linear.py: quantize_lm_head).
 
 Its logits are approximate, and each row's 8 largest are recomputed from the plain weights (the embedding when
 tied, the kept weight when not): greedy tokens are the plain lm_head's wherever the model's first choice is among
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.cpu_kernels import quant as quant_kernels
-from batchrun.model.quant_linear import LM_HEAD_SPEC, QuantLinear
+from batchrun.kernels.cpu import quant as quant_kernels
+from batchrun.model.quant.linear import LM_HEAD_SPEC, QuantLinear
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs a C compiler for batchrun's CPU kernels")
 
@@ -97,7 +97,7 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(make_ckpt):
 def test_the_memory_plan_counts_the_int8_copy(make_ckpt):
     """The plan (LLM._plan_memory) adds the int8 lm_head and, for a tied bf16 lm_head, drops the packed bf16
     copy that cpu_linear would otherwise make of the embedding."""
-    from batchrun.model.loader import load_config, resolve_path
+    from batchrun.model.weights.loader import load_config, resolve_path
 
     for arch, dtype in (("llama", "float32"), ("qwen2", "bfloat16")):
         path = make_ckpt(arch)

@@ -12,7 +12,7 @@ from test_job_fakes import REPO
 
 from batchrun import SamplingParams
 from batchrun.cli import main
-from batchrun.model.builtin import BUILTIN_MODELS, PackagedGGUF
+from batchrun.model.weights.builtin import BUILTIN_MODELS, PackagedGGUF
 from batchrun.model.errors import ModelLoadError
 
 IM_END = 2  # <|im_end|>: the model's end of turn, its EOS

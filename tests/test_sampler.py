@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchrun import LLM, SamplingParams
-from batchrun.model.sampler import SamplingBatch, sample, uniform
+from batchrun.model.sampling.sampler import SamplingBatch, sample, uniform
 
 
 def batch(rows, *, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, counters=None):

@@ -1,14 +1,14 @@
-"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: batchrun/kernels/sampling.py, interpreted without CUDA) against the
-sorted definition of the kept set (model/sampler.py's docstring): the same threshold and token on rows with ties,
+"""The sampling kernels without a sort (CPU: csrc/sampling.c; GPU: batchrun/kernels/triton/sampling.py, interpreted without CUDA) against the
+sorted definition of the kept set (model/sampling/sampler.py's docstring): the same threshold and token on rows with ties,
 flat and peaked rows, top_p 1 and tiny, top_k 1, min_p; the draws' distribution; rows independent of their batch."""
 
 import numpy as np
 import pytest
 import torch
 
-from batchrun.model import cpu_kernels
-from batchrun.model.cpu_kernels import sampling as cpu_sampling
-from batchrun.model.sampler import SamplingBatch, argmax_rows, draw_reference, uniform
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.sampling.sampler import SamplingBatch, argmax_rows, draw_reference, uniform
 
 needs_c = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
 
@@ -166,7 +166,7 @@ def test_the_triton_kernel_draws_what_the_torch_reference_draws():
     reference sums in fp64), never a token outside the kept set."""
     from test_kernels import DEVICE
 
-    from batchrun.kernels.sampling import sample_rows
+    from batchrun.kernels.triton.sampling import sample_rows
 
     def sample_on_device(logits, temperature, top_k, top_p, min_p, u):  # the kernel's inputs there, its tokens back
         on = [None if t is None else t.to(DEVICE) for t in (logits, temperature, top_k, top_p, min_p, u)]

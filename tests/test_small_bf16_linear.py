@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.model.cpu_kernels import linears as cpu_linears
-from batchrun.model.cpu_linear import OneDNNLinear, PackedLinear, own_kernel, reorder_linears
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.model.layers.linear import OneDNNLinear, PackedLinear, own_kernel, reorder_linears
 
 pytestmark = pytest.mark.skipif(not cpu_linears.has_panel_linears(),
                                 reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")

@@ -218,7 +218,7 @@ def test_penalized_logprob_and_n_rows_do_not_draft(tiny_llama_path, prompts):
 
 
 def test_sampled_rows_draw_the_same_tokens_with_and_without_drafts(tiny_llama_path, prompts):
-    """A seeded row's token at output position i is drawn from (seed, i) alone (model/sampler.py), and a draft's row
+    """A seeded row's token at output position i is drawn from (seed, i) alone (model/sampling/sampler.py), and a draft's row
     has the bits its decode row would have (fp32 is batch invariant): checking a draft is drawing that position's
     token, so drafts change no token of a sampled row, whatever its filters."""
     filters = [dict(temperature=0.8), dict(temperature=0.6, top_p=0.9), dict(temperature=1.0, top_k=5),
@@ -265,8 +265,8 @@ def test_drafts_next_to_admissions_preemption_and_the_prefix_cache(tiny_llama_pa
 
 
 def test_bf16_drafts_change_no_token_when_run_batch_invariant(tiny_llama_path, prompts):
-    from batchrun.model import cpu_kernels
-    from batchrun.model.cpu_kernels import linears as cpu_linears
+    from batchrun.kernels import cpu as cpu_kernels
+    from batchrun.kernels.cpu import linears as cpu_linears
 
     if not cpu_kernels.available() or not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
                                            or cpu_linears.has_panel_linears()):

@@ -13,9 +13,9 @@ from batchrun import LLM, SamplingParams
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.contract import SamplingRequest, ScheduledSeq, SchedulerOutput
 from batchrun.engine.detokenizer import Detokenizer
-from batchrun.model.block_tables import BlockTableRows
-from batchrun.model.sampler import argmax_rows
-from batchrun.model.sampling_batch import plan_sampling
+from batchrun.model.runner.block_tables import BlockTableRows
+from batchrun.model.sampling.sampler import argmax_rows
+from batchrun.model.sampling.step import plan_sampling
 
 
 def _padded(tables: list[list[int]], width: int) -> list[list[int]]:

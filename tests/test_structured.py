@@ -226,8 +226,8 @@ def test_the_cpu_bitmask_kernel_bans_exactly_the_tokens_whose_bit_is_off(vocab):
     words; xgrammar 0.2.9.)"""
     import torch
 
-    from batchrun.model import cpu_kernels
-    from batchrun.model.cpu_kernels import sampling as cpu_sampling
+    from batchrun.kernels import cpu as cpu_kernels
+    from batchrun.kernels.cpu import sampling as cpu_sampling
 
     if not cpu_kernels.available():
         pytest.skip("no C compiler: the CPU kernels are not built")

@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_job_fakes import REPO
 
-from batchrun.model.threads import allowed_cpus, cgroup_cpu_quota, thread_count
+from batchrun.kernels.cpu.threads import allowed_cpus, cgroup_cpu_quota, thread_count
 
 ALL = len(os.sched_getaffinity(0))
 

@@ -21,7 +21,7 @@ from batchrun.cli import main
 from batchrun.config import JobError, load_job
 from batchrun.engine_args import EngineArgs, EngineArgsError, job_key
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.locate import locate_model
+from batchrun.model.weights.locate import locate_model
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 with one line naming the file and the cause, no traceback, no temporary file left, every committed row kept,
 and a rerun once the cause is gone completes every row once, in order.
 
-The failures are injected where batchrun.io.files meets the operating system (its `os`), in-process on the
+The failures are injected where batchrun.output.files meets the operating system (its `os`), in-process on the
 fake engine; one test fills a real tiny tmpfs where mounting one is permitted."""
 
 import errno
@@ -18,15 +18,15 @@ from click.testing import CliRunner
 from test_job_fakes import cli_env, read_rows, run_cli, write_job
 
 from batchrun.cli import main
-from batchrun.io import files
-from batchrun.io.sinks import TMP_RE
+from batchrun.output import files
+from batchrun.output.sinks import TMP_RE
 
 N_ROWS = 22
 IDS = [f"r{i:02d}" for i in range(N_ROWS)]
 
 
 class FailingOs:
-    """`os` as batchrun.io.files sees it, with one operation failing on files whose name contains `target`,
+    """`os` as batchrun.output.files sees it, with one operation failing on files whose name contains `target`,
     after `after` calls of that operation on them have gone through."""
 
     def __init__(self, op: str, target: str, err: int, after: int = 0) -> None:

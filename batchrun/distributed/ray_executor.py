@@ -31,7 +31,7 @@ from batchrun.distributed.workers import CALLS, GEN, METRICS, POS, REPLICA, RESU
 from batchrun.io.rows import input_columns
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV
 from batchrun.pipeline.executor import Executor, RowReceiver
-from batchrun.pipeline.slicing import RowSlice
+from batchrun.io.slicing import RowSlice
 
 if TYPE_CHECKING:
     from batchrun.plan import JobPlan

@@ -27,7 +27,7 @@ import pyarrow as pa
 from batchrun.io.rows import RequestBuilder, RowTask
 from batchrun.pipeline.engine_api import engine_factory
 from batchrun.pipeline.executor import EngineLoop, max_in_flight
-from batchrun.pipeline.slicing import RowSlice
+from batchrun.io.slicing import RowSlice
 
 log = logging.getLogger(__name__)
 

@@ -136,7 +136,7 @@ class RunnerTimers:
 
 
 class StepExecutor(Protocol):
-    """What the engine needs of the model runner (batchrun.model.runner.ModelRunner)."""
+    """What the engine needs of the model runner (batchrun.model.runner.model_runner.ModelRunner)."""
 
     model_time_s: float  # seconds spent in forwards so far (for the engine-overhead metric)
     timers: RunnerTimers

@@ -45,7 +45,7 @@ def _decodes_only(s: ScheduledSeq) -> bool:
 
 def _drafts_are_exact(params: SamplingParams) -> bool:
     """Whether a draft's check (the token its row draws at its position: the argmax, or the counter-based draw
-    for that position, model/sampler.py) is what decoding would draw: no penalty (it would depend on the drafts
+    for that position, model/sampling/sampler.py) is what decoding would draw: no penalty (it would depend on the drafts
     before it), no logprobs to report."""
     return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
             and params.logprobs is None)

@@ -6,7 +6,7 @@ last n tokens (n = MAX_N down to 1) and proposes the tokens that followed it; wh
 the context (a loop shorter than the draft), it repeats them, as an earlier turn of the loop would read. The scheduler puts them after
 the sequence's decode token; one forward then checks them all, and the engine keeps the drafts that match
 what decoding draws at each position (the argmax, or for a sampled row its seeded draw of that position, which
-is a function of the seed and the position only: model/sampler.py), plus the model's own next token: one to 1 + k tokens for
+is a function of the seed and the position only: model/sampling/sampler.py), plus the model's own next token: one to 1 + k tokens for
 one pass over the weights. A wrong draft costs only its row of compute.
 
 The index maps every n-gram of the context to where its latest occurrence ends; it is extended by the tokens

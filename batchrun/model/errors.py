@@ -10,4 +10,4 @@ class ModelLoadError(ValueError):
 
 class InsufficientMemoryError(ModelLoadError):
     """The model and its KV cache do not fit the memory this machine has available (raised before loading:
-    batchrun.model.memory)."""
+    batchrun.model.runner.memory)."""

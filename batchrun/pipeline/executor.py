@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from batchrun.io.rows import RowTask
 from batchrun.outputs import CompletionOutput
 from batchrun.pipeline.engine_api import JobEngine
-from batchrun.pipeline.slicing import RowSlice
+from batchrun.io.slicing import RowSlice
 
 FinishedRow = tuple[RowTask, list[CompletionOutput]]
 
@@ -26,7 +26,7 @@ def max_in_flight(max_num_seqs: int) -> int:
 
 
 class RowReceiver(Protocol):
-    """Where an executor pushes its rows (batchrun.pipeline.writer.OrderedWriter)."""
+    """Where an executor pushes its rows (batchrun.output.writer.OrderedWriter)."""
 
     @property
     def buffered(self) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from batchrun.io.rows import RequestBuilder
 from batchrun.pipeline.engine_api import JobEngine
 from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
-from batchrun.pipeline.slicing import RowSlice
+from batchrun.io.slicing import RowSlice
 
 if TYPE_CHECKING:
     from batchrun.plan import JobPlan

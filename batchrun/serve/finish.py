@@ -1,5 +1,5 @@
 """The end of a batch: its job's output.jsonl (one line per request, in input order, from
-batchrun.io.openai_sink.OpenAIBatchSink) split into the batch's output file (the requests answered, status 200)
+batchrun.output.openai_sink.OpenAIBatchSink) split into the batch's output file (the requests answered, status 200)
 and error file (the others), with the request counts and token usage.
 
 A cancelled or expired batch also gets an error line, `response: null` and `error.code` batch_cancelled or
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchrun.io.sinks import OPENAI_OUTPUT, PROGRESS
+from batchrun.output.sinks import OPENAI_OUTPUT, PROGRESS
 from batchrun.serve import shapes
 from batchrun.serve.checks import Checked
 from batchrun.serve.store import StateStore

@@ -9,6 +9,6 @@ enough) and hands out one grammar matcher per sequence. Where the state lives an
   is, and the finish or abort that drops it). The engine holds it as an opaque `contract.GrammarState`:
   it calls `accept_token`, `is_terminated`, `is_completed` and `fork` and never imports torch or xgrammar.
 - the runner reads the matchers of the step's constrained rows (SamplingRequest.grammar) to fill and apply
-  the token bitmask, a tensor, in one vectorized call (model/grammar_mask.py).
+  the token bitmask, a tensor, in one vectorized call (model/sampling/grammar_mask.py).
 So there is no second copy of per-sequence state to keep in step with the engine's.
 """

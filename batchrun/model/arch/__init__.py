@@ -1,2 +1,2 @@
 """Model families, one module each, composed from the shared blocks (blocks.py). Which architecture names each
-one loads, and what is verified for it, is batchrun/model/registry.py."""
+one loads, and what is verified for it, is batchrun/model/arch/registry.py."""

@@ -22,12 +22,12 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from batchrun.model import cpu_kernels
-from batchrun.model.context import ForwardContext
-from batchrun.model.cpu_kernels import elementwise
-from batchrun.model.cpu_kernels import sampling as cpu_sampling
-from batchrun.model.ops import Rotary, TorchOps
-from batchrun.model.quant_linear import QuantLinear
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.model.layers.context import ForwardContext
+from batchrun.kernels.cpu import elementwise
+from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.layers.ops import Rotary, TorchOps
+from batchrun.model.quant.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):

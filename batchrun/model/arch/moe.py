@@ -8,7 +8,7 @@ A step runs each expert once, over all the rows routed to it (never token by tok
   puts them on batchrun's C kernels (fp32 panels, bf16 panels / oneDNN bf16, cpu_linear.py) like any other layer's:
   the grouping is in torch, the matmuls are the C kernels' (a grouped C kernel over all experts is not written);
 - on CUDA (`group_experts`), the experts' weights are stacked into one [E, N, K] tensor per projection and the rows
-  go through the Triton grouped GEMM (batchrun/kernels/grouped_gemm.py): two launches per layer, no host sync.
+  go through the Triton grouped GEMM (batchrun/kernels/triton/grouped_gemm.py): two launches per layer, no host sync.
 Each token's expert outputs are weighted and summed in ascending expert order, as transformers' index_add loop
 does, so fp32 results follow transformers' and a row's result depends on that row only.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from batchrun.model.arch.blocks import CausalLM, GatedMLP
-from batchrun.model.ops import TorchOps
+from batchrun.model.layers.ops import TorchOps
 
 GROUPED_BLOCK_M = 16  # rows per tile of the grouped GEMM (an expert's rows are padded to a multiple of it)
 
@@ -94,7 +94,7 @@ class SparseMoE(nn.Module):
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """The same through the grouped GEMM: every expert's rows in one launch per projection."""
-        from batchrun.kernels import (  # imports triton: only where the experts are grouped
+        from batchrun.kernels.triton import (  # imports triton: only where the experts are grouped
             grouped_gemm,
             moe_align,
         )

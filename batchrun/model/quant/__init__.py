@@ -1,0 +1,1 @@
+"""Quantized linears: the module on the kernels, GPTQ rounding and calibration."""

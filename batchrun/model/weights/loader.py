@@ -1,0 +1,291 @@
+"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors (a
+compressed-tensors checkpoint's quantized linears as stored: batchrun.model.weights.compressed_tensors), or a GGUF file
+dequantized through transformers (batchrun.model.weights.gguf).
+
+The model is made in its dtype with its weights unallocated, and each checkpoint tensor is copied into its place
+as it is read, so a load holds the model once plus one tensor (issue 33). safetensors maps a file whole and its
+pages count in the process's memory until the file is closed: reading a 512 MB file through one open handle
+took the peak RSS to the model plus the file, one handle per tensor to the model plus one tensor (measured), so
+each tensor is read through its own handle."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from batchrun.model.weights import compressed_tensors, gguf
+from batchrun.model.arch.blocks import CausalLM
+from batchrun.model.errors import ModelLoadError
+from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
+from batchrun.model.quant.linear import (
+    QuantSpec,
+    int8_lm_head,
+    linear_targets,
+    quantize_linear,
+    quantized_bytes,
+    quantized_linear_module,
+)
+from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, model_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: PretrainedConfig
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    path: Path
+
+
+def resolve_path(model: str, gguf_file: bool = False) -> Path:
+    """A local checkpoint folder, a `.gguf` file (or a folder holding one), or `builtin:NAME` (made on
+    first use in the cache folder). A GGUF checkpoint resolves to its file; with `gguf_file`, a built-in made
+    from a packaged GGUF file too (its quantized linears are then read as stored)."""
+    if model.startswith("builtin:"):
+        from batchrun.model.weights.builtin import builtin_path, packaged_gguf
+
+        name = model.split(":", 1)[1]
+        packaged = packaged_gguf(name) if gguf_file else None
+        return packaged.locate(name) if packaged is not None else builtin_path(name)
+    path = Path(model).expanduser()
+    file = gguf.find_gguf(path)
+    if file is not None:
+        return file
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {model!r} is not a folder or a .gguf file (batchrun loads local "
+                             "checkpoints and 'builtin:NAME'; it downloads nothing)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {model!r} has no config.json (nor a .gguf file)")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == gguf.GGUF_SUFFIX
+
+
+def architecture(config: PretrainedConfig) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else type(config).__name__
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = gguf.gguf_config(path) if is_gguf(path) else AutoConfig.from_pretrained(path)
+    arch = architecture(config)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r}; batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def stored_scheme(path: Path) -> compressed_tensors.StoredScheme | None:
+    """The quantization a checkpoint folder's config.json declares (compressed-tensors), None for a full-precision
+    checkpoint or a GGUF file."""
+    if is_gguf(path):
+        return None
+    return compressed_tensors.stored_scheme(json.loads((path / "config.json").read_text()), str(path))
+
+
+def model_max_len(config: PretrainedConfig) -> int:
+    """Longest context the model takes: its max_position_embeddings (sliding windows are implemented in every
+    attention backend, so a windowed model is not capped at its window)."""
+    return int(config.max_position_embeddings)
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json)")
+
+
+def _read_tensor(file: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, through a handle of its own (its mapping goes when it closes)."""
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _safetensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read it) for every tensor of the checkpoint: a tensor is read only when it has a place."""
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            yield name, functools.partial(_read_tensor, file, name)
+
+
+def _given(value):
+    """A tensor source's reader for a value already read (gguf.iter_quantized yields values)."""
+    return value
+
+
+def load_weights(model: CausalLM, path: Path,
+                 tensors: Iterable[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]] | None = None,
+                 quantization: QuantSpec | None = None, device: torch.device | str = "cpu") -> None:
+    """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
+    and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target).
+
+    Quantized linears (batchrun.model.quant.linear): with `quantization`, each linear of the layers is quantized
+    as soon as its rows are all in, and its full-precision weight released. A source may also hand in a
+    QuantizedWeight for a linear's weight (a GGUF or compressed-tensors reader): its parts are gathered and the
+    linear becomes quantized_linear_module(parts, bias) when they are all in; its full-precision parameter is
+    never written. A QuantizedWeight for a module that stays in the model's dtype (lm_head, routers) is
+    dequantized into it. `device`: where the quantized linears run (their kernel follows: QuantLinear), which
+    may differ from where the model is built (load_model builds a quantized CUDA model on the CPU)."""
+    params = dict(model.named_parameters())
+    shapes = {n: p.shape for n, p in params.items()}
+    rows_filled = dict.fromkeys(params, 0)
+    targets = linear_targets(model)
+    quantized_parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    for name, read in model.checkpoint_tensors(_safetensors(path) if tensors is None else tensors):
+        target = model.weight_target(name)
+        if target is None:
+            continue
+        dst, offset = target
+        if dst not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.config.model_type} model")
+        t = read()
+        shape = shapes[dst]
+        if t.shape[1:] != shape[1:] or offset + t.shape[0] > shape[0]:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                                 f"which does not fit {dst} {tuple(shape)}")
+        if isinstance(t, QuantizedWeight) and dst not in targets:
+            # a module the engine keeps in the model's dtype (a quantized lm_head or router): dequantized once
+            t = dequantize(t).to(params[dst].dtype)
+        if isinstance(t, QuantizedWeight):
+            quantized_parts.setdefault(dst, []).append((offset, t))
+        else:
+            with torch.no_grad():
+                params[dst].data[offset : offset + t.shape[0]].copy_(t)
+        rows_filled[dst] += t.shape[0]
+        del t  # before the next one is read
+        if dst in targets and rows_filled[dst] == shape[0] and (quantization is not None or dst in quantized_parts):
+            parent, attr = targets[dst]
+            linear = getattr(parent, attr)
+            if dst in quantized_parts:
+                if sum(part.shape[0] for _, part in quantized_parts[dst]) != shape[0]:
+                    raise ModelLoadError(f"{dst} has quantized and plain parts: batchrun takes one or the other")
+                parts = [part for _, part in sorted(quantized_parts.pop(dst), key=lambda p: p[0])]
+                setattr(parent, attr, quantized_linear_module(parts, linear.bias, device))
+                del parts
+            else:
+                setattr(parent, attr, quantize_linear(linear, quantization, device))
+            del linear
+            params.pop(dst)  # the last references to the full-precision weight: its memory goes now
+    missing = [n for n, shape in shapes.items() if rows_filled[n] != shape[0]]
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
+
+
+def load_tokenizer(path: Path):
+    return gguf.gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+
+
+def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        gen = gguf.gguf_generation_config(config) if is_gguf(path) else GenerationConfig.from_pretrained(path)
+        e = gen.eos_token_id
+        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    except OSError:
+        pass
+    e = getattr(config, "eos_token_id", None)
+    ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _calibrated(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], calibrated: dict[str, QuantizedWeight]
+                ) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
+    """The checkpoint's tensors with the calibrated linears' weights in place of theirs."""
+    for name, read in tensors:
+        yield name, (functools.partial(_given, calibrated.pop(name)) if name in calibrated else read)
+    if calibrated:  # names transformers gave its modules that the checkpoint does not use: rounded to nearest
+        log.warning("%d calibrated linears have no checkpoint tensor of their name (e.g. %s): those take round to "
+                    "nearest", len(calibrated), next(iter(calibrated)))
+
+
+def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+               quantization: QuantSpec | None = None, gguf_as_stored: bool = False,
+               quantize_lm_head: bool = False, calibration: str = "none") -> LoadedModel:
+    """gguf_as_stored: a GGUF file's Q8_0 / Q6_K / Q4_0 / Q4_1 / Q4_K linears become quantized linears on the
+    file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor. quantize_lm_head: the
+    lm_head in int8 (quant_linear.int8_lm_head), once the weights are in the model's dtype. calibration
+    (`builtin` or a text file; with `quantization`, on a safetensors checkpoint): the linears rounded by GPTQ
+    over that text (batchrun.model.quant.calibration) rather than to nearest."""
+    path = resolve_path(model, gguf_file=gguf_as_stored)
+    if gguf_as_stored and not is_gguf(path):
+        raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
+    config = load_config(path)
+    limit = model_max_len(config)
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
+    tokenizer = load_tokenizer(path)
+    stored = None if gguf_as_stored or is_gguf(path) else stored_scheme(path)
+    quantized = quantization is not None or gguf_as_stored or stored is not None
+    calibrated = None
+    if calibration != "none":
+        if quantization is None or is_gguf(path) or stored is not None:
+            raise ModelLoadError(f"calibration rounds a full-precision safetensors checkpoint to int8 or int4, and "
+                                 f"{path.name} with quantization {'gguf' if gguf_as_stored else 'none'} is not that")
+        from batchrun.model.quant.calibration import calibrate  # transformers' model classes, only where asked for
+
+        calibrated = calibrate(path, quantization, dtype, calibration, tokenizer)
+    # A quantized model bound for a GPU is built in host memory and moved once its linears are quantized: built on
+    # the GPU, every linear would take its full-precision size there first (host pages of an empty tensor are not
+    # resident until written; a GPU allocation is).
+    build_device = torch.device("cpu") if quantized and device.type != "cpu" else device
+    with torch.device("meta"):
+        m = model_class(architecture(config))(config).to(dtype)  # in the job's dtype from the start: no fp32 copy
+    m = m.to_empty(device=build_device)  # unwritten pages are not resident: each fills as its tensors are copied in
+    m.tie_weights()
+    if gguf_as_stored:
+        stored_tensors = gguf.iter_quantized(path, dtype, config)
+        load_weights(m, path, ((name, functools.partial(_given, value)) for name, value in stored_tensors),
+                     device=device)
+        log.info("GGUF %s: its quantized linears run as stored: %.1f MiB", path.name, quantized_bytes(m) / 2**20)
+    elif is_gguf(path):
+        # Dequantized straight to the job's dtype: no quantized kernels, so the speed is that dtype's. transformers
+        # returns them all at once; each goes as it is copied into the model, so two copies are never held whole.
+        tensors = gguf.gguf_tensors(path, config, dtype)
+        load_weights(m, path, ((name, functools.partial(tensors.pop, name)) for name in list(tensors)),
+                     quantization, device)
+        del tensors
+        log.info("GGUF %s: %s weights dequantized to %s at load (it runs at %s speed, not at the quantized "
+                 "format's)", path.name, "/".join(gguf.quantization_types(path)), str(dtype).removeprefix("torch."),
+                 str(dtype).removeprefix("torch."))
+    elif stored is not None:
+        if quantization is not None:
+            raise ModelLoadError(f"{path} is quantized already ({stored.describe()}): leave quantization at none")
+        load_weights(m, path, compressed_tensors.stored_tensors(weight_files(path)), device=device)
+        log.info("%s: its quantized linears run as stored (%s): %.1f MiB", path.name, stored.describe(),
+                 quantized_bytes(m) / 2**20)
+    else:
+        tensors = None if calibrated is None else _calibrated(_safetensors(path), calibrated)
+        load_weights(m, path, tensors, quantization=quantization, device=device)
+    if quantization is not None:
+        log.info("linears quantized to int%d (groups of %d inputs%s) at load: %.1f MiB", quantization.bits,
+                 quantization.group_size, ", GPTQ" if calibrated is not None else "", quantized_bytes(m) / 2**20)
+    m.finish_load()
+    m = m.to(device=device, dtype=dtype).eval().requires_grad_(False)  # (QuantLinears are on `device` already)
+    if quantize_lm_head:
+        log.info("lm_head quantized to int8 at load: %.1f MiB (its top logits recomputed from the plain weights)",
+                 int8_lm_head(m) / 2**20)
+    m.prepare(max_model_len)
+    return LoadedModel(m, config, tokenizer, eos_ids(path, config, tokenizer), max_model_len, path)

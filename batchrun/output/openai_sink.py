@@ -1,0 +1,164 @@
+"""OpenAI batch output (`input.format: openai-batch`): `output.jsonl`, one line per request in OpenAI's batch
+output format, resumable.
+
+Lines are appended to ``output.jsonl`` and fsynced, then ``_progress.json`` (input position and byte length) is
+replaced atomically; a rerun cuts ``output.jsonl`` back to the recorded length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from batchrun.output.files import (
+    SinkError,
+    WriteFailure,
+    remove_file,
+    write_at,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from batchrun.output.openai_logprobs import Decode, chat_logprobs, completion_logprobs, token_decoder
+from batchrun.io.rows import RowTask
+from batchrun.output.sinks import AHEAD_JSONL, OPENAI_OUTPUT, PROGRESS, Counts, OutputSpec, Sink, StoredRow
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIBatchSink(Sink):
+    """OpenAI batch output: one JSON line per request, {id, custom_id, response: {status_code, body}, error}."""
+
+    def __init__(self, out_dir: Path, spec: OutputSpec, rows_per_part: int, fp_hash: str) -> None:
+        super().__init__(out_dir, spec, rows_per_part, fp_hash)
+        self.lines: list[str] = []
+        self.length = 0
+
+    def scan(self) -> Counts:
+        path = self.out_dir / PROGRESS
+        if not path.exists():
+            return Counts()
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SinkError(f"{path} is unreadable ({e}); rerun with --no-resume") from None
+        if info.get("fingerprint") != self.fp_hash:
+            raise SinkError(f"{self.out_dir / OPENAI_OUTPUT} was written by a different job")
+        out = self.out_dir / OPENAI_OUTPUT
+        if not out.exists() or out.stat().st_size < info["bytes"]:
+            raise SinkError(f"{out} is shorter than {path} records; rerun with --no-resume")
+        c = Counts(end=info["end"], rows=info["rows"], errors=info["errors"],
+                   prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"])
+        self.length = info["bytes"]
+        return c
+
+    def open(self) -> Counts:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.committed = self.scan()
+        self.pending = Counts(end=self.committed.end)
+        out = self.out_dir / OPENAI_OUTPUT
+        try:
+            with open(out, "ab") as f:
+                f.truncate(self.length)
+        except OSError as e:
+            raise WriteFailure(out, e) from None
+        return self.committed
+
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
+        wants_logprobs = outputs is not None and task.params is not None and task.params.logprobs is not None
+        decode = token_decoder(self.spec.model) if wants_logprobs else None
+        return [json.dumps(openai_line(task, outputs, self.spec.model, decode), ensure_ascii=False)]
+
+    def _add_payload(self, row: StoredRow) -> None:
+        self.lines += row.payload
+        self.pending.rows += len(row.payload)
+
+    def save_ahead(self, rows: list[StoredRow]) -> None:
+        path = self.out_dir / AHEAD_JSONL
+        if not rows:
+            remove_file(path)
+            return
+        text = "".join(json.dumps({"pos": r.pos, "index": r.index, "id": r.id_text, "error": r.error,
+                                   "counts": [r.counts.errors, r.counts.prompt_tokens, r.counts.completion_tokens],
+                                   "lines": r.payload, "fingerprint": self.fp_hash}) + "\n" for r in rows)
+        write_bytes_atomic(path, text.encode("utf-8"))
+
+    def load_ahead(self) -> list[StoredRow]:
+        path = self.out_dir / AHEAD_JSONL
+        rows = []
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    d = json.loads(line)
+                    if d["fingerprint"] == self.fp_hash and d["pos"] >= self.committed.end:
+                        errors, prompt, completion = d["counts"]
+                        rows.append(StoredRow(d["pos"], d["index"], d["id"], d["error"], Counts(
+                            errors=errors, prompt_tokens=prompt, completion_tokens=completion, inputs=1), d["lines"]))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s is unreadable (%s): the rows it kept are computed again", path, e)
+            return []
+        return rows
+
+    def commit(self) -> None:
+        if self.pending.end == self.committed.end:
+            return
+        data = "".join(line + "\n" for line in self.lines).encode("utf-8")
+        write_at(self.out_dir / OPENAI_OUTPUT, self.length, data)  # a rerun cuts it to _progress.json's length
+        self.length += len(data)
+        self._committed_pending()
+        write_json_atomic(self.out_dir / PROGRESS, {**self._progress(), "bytes": self.length})
+        self.lines = []
+
+    def _progress(self) -> dict[str, Any]:
+        c = self.committed
+        return {"end": c.end, "rows": c.rows, "errors": c.errors, "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
+
+
+def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: Decode | None = None) -> dict[str, Any]:
+    """One request's output line. decode (token id -> text) renders the logprobs a request asked for."""
+    extra = task.extra or {}
+    cid = extra.get("custom_id")  # None for a line that has none (not JSON, or no custom_id)
+    digest = hashlib.sha256(f"{cid}:{task.index}".encode()).hexdigest()
+    request_id = digest[:32]
+    line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": cid}
+    if outputs is None and task.skipped is not None:
+        line["response"] = None
+        line["error"] = {"code": "skipped", "message": task.skipped}
+        return line
+    if outputs is None:
+        line["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": {
+            "message": task.error, "type": "invalid_request_error", "param": None, "code": None}}}
+        line["error"] = None
+        return line
+    chat = "chat" in (extra.get("url") or "")
+    top_n = task.params.logprobs if task.params is not None else None
+    choices = []
+    for j, out in enumerate(outputs):
+        reason = out.finish_reason or "length"
+        logprobs = None
+        if decode is not None and top_n is not None and out.logprobs is not None:
+            render = chat_logprobs if chat else completion_logprobs
+            logprobs = render(list(out.token_ids), out.logprobs, top_n, decode)
+        if chat:
+            choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": logprobs, "finish_reason": reason})
+        else:
+            choices.append({"index": j, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = task.prompt_tokens or 0
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:24]}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    errors = [o.error for o in outputs if getattr(o, "error", None)]
+    line["error"] = {"code": "structured_output_incomplete", "message": errors[0]} if errors else None
+    return line
