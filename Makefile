@@ -46,6 +46,7 @@ lint: setup
 # docs/jobs.md's key tables, from the settings' declarations (tests/test_docs.py fails when they are stale).
 docs: setup
 	$(PY) docs/gen_jobs.py
+	$(PY) docs/gen_kernels.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

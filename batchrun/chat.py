@@ -1,8 +1,4 @@
-"""Chat templating for `LLM.chat`: conversations rendered to prompts with the tokenizer's template.
-
-The job side renders a row's messages in batchrun/io/rows.py (a bad row becomes a row error there); here a bad
-conversation is the caller's mistake, a ValueError naming it.
-"""
+"""Chat templating for `LLM.chat` (a job's rows: io/rows.py); a bad conversation is a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ def render_conversations(tokenizer, messages: Conversation | list[Conversation],
                          chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                          add_generation_prompt: bool = True,
                          continue_final_message: bool = False) -> list[dict[str, Any]]:
-    """One prompt ({"prompt", "prompt_token_ids"}) per conversation. The rendered text already holds the
-    template's special tokens, so it is tokenized without adding more."""
+    """One {"prompt", "prompt_token_ids"} per conversation, tokenized without adding special tokens again."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     if not isinstance(messages, (list, tuple)) or not messages:

@@ -1,7 +1,4 @@
-"""Output assembly for `LLM`: the engine finishes requests in any order; the API answers in input order.
-
-Apart from the class so that `generate` and `beam_search` put results back the same way, with one progress bar.
-"""
+"""Output assembly for `LLM`: results in input order, whatever order the engine finishes them in."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ T = TypeVar("T")
 
 
 def in_input_order(finished: Iterable[tuple[int, T]], count: int, *, desc: str, use_tqdm: bool) -> list[T]:
-    """`finished` yields (input index, result) in completion order; the list has each result at its index."""
     results: list[T | None] = [None] * count
     bar = tqdm(total=count, desc=desc, disable=not use_tqdm, unit="req")
     try:
@@ -30,6 +26,6 @@ def in_input_order(finished: Iterable[tuple[int, T]], count: int, *, desc: str, 
 
 
 def beam_search_output(prompt_token_ids: list[int], out: RequestOutput) -> BeamSearchOutput:
-    """A finished beam request's beams (the engine's forked sequences), each with its prompt in front."""
+    """A finished beam request's beams, each with its prompt in front."""
     return BeamSearchOutput([BeamSearchSequence(prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
                                                 c.finish_reason) for c in out.outputs])

@@ -87,8 +87,6 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "on_error": Key("record", "str", ("record", "skip", "fail"), doc=(
             "A row that cannot run: record (an output row with `finish_reason: error` and `error` saying why), "
             "skip (no output row), fail (exit 1 after committing every row before it).")),
-        # a prompt longer than the model takes: a row error (error), cut to fit with max_tokens (its start, or
-        # its end), or not run and written with finish_reason "skipped" (skip)
         "on_too_long": Key("error", "str", ("error", "truncate_left", "truncate_right", "skip"), doc=(
             "A prompt longer than the model takes: error (a row error), truncate_left (keep its end) or "
             "truncate_right (keep its start) so that it and `max_tokens` fit, skip (written with "

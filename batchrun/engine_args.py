@@ -1,13 +1,6 @@
-"""EngineArgs: every model and engine setting, declared once, with its default, type and rule.
-
-`LLM(model, **kwargs)` builds one from its keyword arguments, and the job file's `model:` and `engine:`
-sections are derived from its fields (the way `sampling:` is derived from SamplingParams), so a setting's
-default, type and allowed values are written here and nowhere else. A bad value raises EngineArgsError (a
-ValueError) naming the field; the job file reports the same problem under its key path.
-
-This module imports no torch: `batchrun validate` checks a job in a fraction of a second. Only
-`check_environment` (is CUDA there when a job asks for it) imports torch, and only when it has to.
-"""
+"""EngineArgs: every model and engine setting, declared once with its default, type, rule and user doc (`doc=`,
+rendered into docs/jobs.md). `LLM(model, **kwargs)` and the job file's `model:` and `engine:` sections derive from
+it. No torch import, so `batchrun validate` stays light: only check_environment imports it, when it must."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ _SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(value: int | str | None) -> int | None:
-    """Bytes from an int or a string like '2GiB', '512MiB', '1.5GB' (K/M/G/T: powers of 1000, Ki/Mi/Gi/Ti:
-    of 1024). Raises ValueError for anything else."""
+    """Bytes from an int or a size like '2GiB' or '1.5GB' (K/M/G/T: powers of 1000, Ki/Mi/Gi/Ti: of 1024)."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -141,24 +133,17 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 
 @dataclass
 class EngineArgs:
-    """How to load the model and size the engine. Invalid values raise EngineArgsError at construction.
+    """How to load the model and size the engine (the KV pool: docs/memory.md). Invalid values raise
+    EngineArgsError at construction."""
 
-    On CPU with neither `num_kv_blocks` nor `kv_cache_memory`, the KV pool holds `kv_cache_tokens` (a job's need)
-    or else takes 2 GiB (or an eighth of the machine's memory if less), within what is free beside the weights;
-    a model that cannot fit is refused before it loads (docs/memory.md). On CUDA it takes `gpu_memory_utilization`
-    of the GPU less the weights and a profiled peak forward. `swap_space` sizes the host pool used by swap
-    preemption.
-    """
-
-    # builtin:NAME, a checkpoint folder, a .gguf file, or a Hub id in the local HF cache (batchrun.model.weights.locate)
+    # resolved by batchrun.model.weights.locate
     model: str = _setting(MISSING, "str", "model.path",
         doc='The model: `builtin:NAME`, a local Hugging Face checkpoint folder, a `.gguf` file (or a folder '
             'holding one), or a Hub id already in the local Hugging Face cache. Nothing is downloaded.')
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
     dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
         doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
-    # weight-only quantized linears (batchrun/model/quant/linear.py, docs/quantization.md): C kernels on a CPU,
-    # Triton on CUDA; the lm_head, embeddings and norms stay in `dtype`
+    # batchrun/model/quant/linear.py, docs/quantization.md
     quantization: str = _setting("none", "str", "model.quantization", choices=QUANTIZATIONS,
         doc="Weight-only quantized linears: `int8` (a scale per group of 128 inputs), `int4` (groups of 128 "
             "inputs, a scale and an offset each) or `int4-g32` (groups of 32: closer to bf16, a little larger). "
@@ -168,8 +153,7 @@ class EngineArgs:
             "same kernels; its other tensors in `dtype`; `builtin:smollm2-135m-instruct` then runs from its Q4_1 "
             "file). `none`: the weights in `dtype`, or a checkpoint quantized already (compressed-tensors int8 / int4) "
             "as it is stored. docs/quantization.md has the accuracy measured per format.")
-    # the lm_head in int8 on a CPU (batchrun/model/quant/linear.py: int8_lm_head); each row's top logits then
-    # recomputed from the plain weights, so greedy tokens hold unless the true argmax falls out of the int8 top 8
+    # batchrun/model/quant/linear.py: int8_lm_head
     quantize_lm_head: bool = _setting(False, "bool", "model.quantize_lm_head",
         doc="The lm_head in int8 too (CPU only; with any `quantization`): a decode step of Llama-3.2-1B reads a sixth "
             "fewer bytes with int8 layers, a quarter fewer with int4 (the lm_head is then its largest matrix). Each "
@@ -177,7 +161,7 @@ class EngineArgs:
             "token changes only where the model's own first choice is not among the int8 logits' 8 largest; sampling "
             "sees the int8 logits of the rest. Memory: the int8 copy beside the plain weight, which stays for that "
             "(in a bf16 model it replaces the packed copy of a tied lm_head). docs/quantization.md.")
-    # GPTQ over a calibration text at load (batchrun/model/quant/calibration.py) instead of round to nearest
+    # GPTQ at load: batchrun/model/quant/calibration.py
     calibration: str = _setting("none", "str", "model.calibration",
         doc="How `quantization` int8 / int4 / int4-g32 rounds the weights: `none` rounds each to nearest; "
             "`builtin` (batchrun's own chat text, ~4k tokens) or the path of a UTF-8 text file (passages split by "
@@ -206,9 +190,8 @@ class EngineArgs:
             "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
             "float32) at a small cost in accuracy. fp8_e4m3 / fp8_e5m2: one byte per value, cast on its own with no scale "
             "(coarser than int8) (docs/kv-cache.md).")
-    # tokens the CPU KV pool is sized for when neither of the two above is set: a job passes what its rows need
-    # (batchrun.plan: job_kv_tokens); None: 2 GiB, or an eighth of the memory if less. Either shrinks to what is
-    # free beside the weights (batchrun.model.runner.memory).
+    # tokens the CPU KV pool is sized for when neither of the two above is set (a job's: batchrun.plan:
+    # job_kv_tokens); None: 2 GiB, or an eighth of the memory if less; either within what is free (runner/memory.py)
     kv_cache_tokens: int | None = _setting(None, "int", None, nullable=True, min=1)
     gpu_memory_utilization: float = _setting(0.9, "number", "engine.gpu_memory_utilization", min=0.01, max=1.0,
         doc="CUDA, when neither `kv_cache_memory` nor `num_kv_blocks` is set: the share of the GPU's memory the "
@@ -231,29 +214,22 @@ class EngineArgs:
         doc="auto: torch with batchrun's C kernels on a CPU, Triton on CUDA.")
     enforce_eager: bool = _setting(False, "bool", "engine.enforce_eager",
         doc='CUDA: run without CUDA graphs.')
-    # a row's output a function of its own prompt, parameters and seed only, whatever else shares its batch
-    # (row-invariant linears, attention without a batch-dependent split); None: on where it is nearly free
-    # (float32 on a CPU), off elsewhere. What each mode guarantees: docs/reproducibility.md.
+    # None: on where it is nearly free (float32 on a CPU)
     batch_invariant: bool | None = _setting(None, "bool", "engine.batch_invariant", nullable=True,
         doc="A row's output independent of what else runs in its batch; null: on in float32 on a CPU, off "
             'elsewhere. What each mode guarantees: docs/reproducibility.md.')
-    # speculative decoding by prompt lookup (batchrun/engine/ngram.py). Off by default: on make bench's chat rows
-    # (natural replies) they cost up to 10% on a CPU, where a step is bound by compute (docs/performance.md).
-    # Outputs are the same tokens either way in the batch-invariant mode (docs/reproducibility.md).
+    # batchrun/engine/ngram.py; the same tokens either way in the batch-invariant mode (docs/reproducibility.md)
     num_speculative_tokens: int | None = _setting(0, "int", "engine.num_speculative_tokens", nullable=True, min=0,
         doc='Speculative decoding by prompt lookup: up to this many draft tokens per sequence (greedy or seeded), '
             'checked in the same forward, each step only those expected to pay for their rows; 0 or null: off '
-            '(the default: on natural replies they cost up to 10% on a CPU). They pay on repetitive text '
+            '(the default: on natural replies they do not pay on a CPU). They pay on repetitive text '
             '(extraction, quoting, code edits): try 8.')
-    # a step adds drafts only while its decode rows plus drafts stay within this many rows
     speculative_max_rows: int = _setting(128, "int", "engine.speculative_max_rows", min=1,
         doc='A step adds drafts only while its decode rows plus drafts stay within this many rows.')
-    # CPU threads of torch, OpenMP and the C kernels; None: the CPUs this process may use (affinity mask, cgroup
-    # CPU quota, SLURM_CPUS_PER_TASK; or OMP_NUM_THREADS when set), logged at start (batchrun/kernels/cpu/threads.py)
+    # threads of torch, OpenMP and the C kernels: batchrun/kernels/cpu/threads.py
     num_threads: int | None = _setting(None, "int", "engine.num_threads", nullable=True, min=1,
         doc='CPU threads; null: the CPUs this process may use (affinity mask, cgroup CPU quota, '
             '`SLURM_CPUS_PER_TASK`; `OMP_NUM_THREADS` when set), logged at start.')
-    # how long one structured-output grammar may take to compile before it is refused (a row error)
     grammar_compile_timeout_s: float = _setting(30.0, "number", "engine.grammar_compile_timeout_s", min=0.001,
         doc='Seconds one structured-output grammar may take to compile; a slower one is refused (a row error; '
             "exit 2 for the job's own `sampling.structured_outputs`).")
@@ -282,8 +258,7 @@ class EngineArgs:
                                                      "path of a text file)")
 
     def check_environment(self) -> None:
-        """What depends on this machine rather than on the values: CUDA is there when asked for. Imports
-        torch only when the settings ask for CUDA or Triton, so checking a CPU job stays light."""
+        """What depends on this machine: CUDA is there when asked for (torch is imported only then)."""
         wants_cuda = self.device.startswith("cuda")
         # CPU only: an int8 lm_head
         may_be_cuda = self.device == "auto" and self.quantize_lm_head

@@ -15,13 +15,13 @@ from batchrun.collect import beam_search_output, in_input_order
 from batchrun.engine.engine import Engine, EngineConfig
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
-from batchrun.model.layers.backends import resolve_batch_invariant
 from batchrun.kernels.cpu.linears import bf16_kernel
-from batchrun.model.layers.linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
-from batchrun.model.errors import InsufficientMemoryError
+from batchrun.kernels.cpu.threads import configure_threads
 from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
-from batchrun.model.weights.loader import load_config, load_model, model_max_len, resolve_path
-from batchrun.model.weights.locate import locate_model
+from batchrun.model.errors import InsufficientMemoryError
+from batchrun.model.layers.backends import resolve_batch_invariant
+from batchrun.model.layers.linear import few_rows_copy_bytes, own_kernel, reorder_linears, use_onednn
+from batchrun.model.quant.linear import LM_HEAD_SPEC, QuantSpec, quantized_params
 from batchrun.model.runner.memory import (
     WORKING_BYTES,
     MemoryPlan,
@@ -33,9 +33,9 @@ from batchrun.model.runner.memory import (
     plan_cpu_memory,
     profile_cuda_kv_bytes,
 )
-from batchrun.model.quant.linear import LM_HEAD_SPEC, QuantSpec, quantized_params
 from batchrun.model.runner.model_runner import ModelRunner, cache_shape
-from batchrun.kernels.cpu.threads import configure_threads
+from batchrun.model.weights.loader import load_config, load_model, model_max_len, resolve_path
+from batchrun.model.weights.locate import locate_model
 from batchrun.outputs import RequestOutput
 from batchrun.prompts import (
     PreparedRequest,

@@ -19,28 +19,17 @@ import pyarrow as pa
 
 from batchrun.config import EngineSettings, JobConfig, JobError
 from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
-from batchrun.output.openai_sink import OpenAIBatchSink
-from batchrun.output.sinks import (
-    AHEAD,
-    AHEAD_JSONL,
-    PROGRESS,
-    SUCCESS,
-    OutputSpec,
-    ParquetSink,
-    Sink,
-    SinkError,
-    fingerprint_hash,
-    part_files,
-    read_job_file,
-)
+from batchrun.io.slicing import RowSlice
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.weights.locate import ModelSource, locate_model
-from batchrun.io.slicing import RowSlice
+from batchrun.output.folder import check_output_dir
+from batchrun.output.sink import OutputSpec
+from batchrun.output.state import OutputStatus, OutputTarget, read_status
 from batchrun.sampling_params import SamplingParams
 from batchrun.shards import ShardSpec
 
-__all__ = ["ShardSpec", "JobPlan", "plan_job", "plan_resume", "make_sink", "describe_plan"]
+__all__ = ["ShardSpec", "JobPlan", "plan_job", "describe_plan"]
 
 FINGERPRINT_VERSION = 1
 # Job keys beyond the fingerprint's model, input, sampling and output that change what the model computes (other
@@ -114,29 +103,6 @@ def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
         raise JobError(f"sampling.structured_outputs: {why}")
 
 
-def check_output_dir(path: Path) -> None:
-    """The folder exists and is writable, or can be created."""
-    p = path
-    while not p.exists():
-        if p.parent == p:
-            break
-        p = p.parent
-    if p.exists() and not p.is_dir():
-        raise JobError(f"output.path: {path} cannot be created: {p} is not a folder")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise JobError(f"output.path: {path} is not writable ({p} is read-only for this user)")
-
-
-def probe_output_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}.batchrun-tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise JobError(f"output.path: {path} is not writable ({e.strerror or e})") from None
-
-
 # ---------------------------------------------------------------- plan
 
 
@@ -146,8 +112,7 @@ class JobPlan:
     source: Source
     shard: ShardSpec | None
     limit: int | None
-    out_dir: Path
-    fingerprint: dict[str, Any]
+    output: OutputTarget
     id_column: str | None
     model: ModelSource | None = None  # where model.path points (checked, nothing loaded)
     lo: int = 0  # global index of this shard's first row (contiguous slices)
@@ -155,19 +120,20 @@ class JobPlan:
     strided: bool = False  # slice i % N == I instead (when the row count is unknown)
     resume: bool = True  # False: --no-resume (start afresh whatever is committed)
     retry_errors: bool = False  # --retry-errors: compute again the rows of a complete output with an error
-    state: str = "fresh"  # fresh | resume | complete | retry
-    damaged: list[str] = field(default_factory=list)  # committed parts found damaged (computed again)
-    accepted: frozenset[str] = frozenset()  # earlier fingerprints of this output's parts (kept by a retry)
-    checksums: str = "last"  # parts whose checksum the run checks: "last" on a resume, "all" on a complete output
-    unrecorded: int = 0  # sound parts the manifest has no entry for (the run records them)
-    committed: int = 0  # input rows already committed
+    status: OutputStatus = field(default_factory=OutputStatus)  # what the output folder holds for this job
     total: int | None = None  # rows this shard covers (after --limit), when known
-    notes: list[str] = field(default_factory=list)
     kv_cache_tokens: int | None = None  # what the run's rows need of the KV pool (job_kv_tokens), None: unknown
 
     @property
-    def fp_hash(self) -> str:
-        return fingerprint_hash(self.fingerprint)
+    def out_dir(self) -> Path:
+        return self.output.out_dir
+
+    def row_slice(self, start: int = 0) -> RowSlice:
+        """This shard's slice (contiguous or strided, --limit), resuming at position `start`."""
+        if self.strided:
+            return RowSlice(base=self.shard.index, stride=self.shard.count, start=start, limit=self.limit)
+        length = None if self.hi is None else self.hi - self.lo
+        return RowSlice(base=self.lo, start=start, length=length, limit=self.limit)
 
 
 def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
@@ -178,22 +144,6 @@ def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
     if inp["on_too_long"] != "error":  # absent at its default: outputs written before the key existed resume
         fp["on_too_long"] = inp["on_too_long"]
     return fp
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    a, b = _flatten(old), _flatten(new)
-    diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-             if a.get(k) != b.get(k) and k != "version"]
-    return "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "") or "unknown change"
 
 
 def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | None = None,
@@ -248,12 +198,13 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
         value = getattr(cfg, section)[name]
         if value != EngineArgs.__dataclass_fields__[field_of(key)].default:
             fingerprint.setdefault(section, {})[name] = value
-    plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, out_dir=out_dir,
-                   fingerprint=fingerprint, id_column=id_column, model=model, resume=resume,
-                   retry_errors=retry_errors)
+    target = OutputTarget(out_dir, _output_spec(cfg, source, id_column), cfg.output["rows_per_part"], fingerprint,
+                          openai=source.format == "openai-batch")
+    plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, output=target, id_column=id_column, model=model,
+                   resume=resume, retry_errors=retry_errors)
     _plan_slice(plan)
-    plan_resume(plan)
-    if plan.state != "complete":
+    plan.status = read_status(target, resume=resume, retry_errors=retry_errors)
+    if plan.status.state != "complete":
         plan.kv_cache_tokens = job_kv_tokens(plan)
     return plan
 
@@ -278,59 +229,6 @@ def _plan_slice(plan: JobPlan) -> None:
     if plan.limit is not None:
         total = plan.limit if total is None else min(total, plan.limit)
     plan.total = total
-
-
-def plan_resume(plan: JobPlan) -> None:
-    """What the output folder holds: fresh, resume (after plan.committed rows), complete, or retry
-    (--retry-errors on a complete output). Run once when planning and again by the run once it holds the
-    folder's lock (another run may have written since). The parts are checked against their manifest here
-    (batchrun.output.manifest): a damaged part makes a complete output resume, to compute it again."""
-    out = plan.out_dir
-    plan.damaged = []
-    if not plan.resume:
-        plan.state = "fresh"
-        return
-    old = read_job_file(out)
-    committed_parts = bool(part_files(out)) or any((out / name).exists() for name in (PROGRESS, AHEAD, AHEAD_JSONL))
-    if not committed_parts:
-        if plan.retry_errors:
-            raise JobError(f"--retry-errors: {out} holds no output yet; run the job without it first")
-        plan.state = "fresh"
-        return
-    earlier = set(old.get("earlier_fingerprints", [])) if old else set()
-    if old is not None and fingerprint_hash(old.get("fingerprint", {})) != plan.fp_hash:
-        changes = _describe_changes(old.get("fingerprint", {}), plan.fingerprint)
-        if not plan.retry_errors:
-            raise JobError(f"output.path: {out} holds rows of a different job ({changes}); rerun with "
-                           "--no-resume to start afresh, or choose another output.path")
-        earlier.add(fingerprint_hash(old.get("fingerprint", {})))  # a job fixed before retrying its errors
-        note = f"the job changed since the output was written ({changes}); the rows with an error are " \
-               "computed again with the new one"
-        if note not in plan.notes:
-            plan.notes.append(note)
-    plan.accepted = frozenset(earlier - {plan.fp_hash})
-    # A resume must start fast, and what an interruption can damage is the last part; a complete output is
-    # checked whole (docs/durability.md: "What a rerun checks").
-    plan.checksums = "all" if (out / SUCCESS).exists() else "last"
-    sink = make_sink(plan)
-    try:
-        counts = sink.scan()
-    except SinkError as e:
-        raise JobError(f"output.path: cannot resume: {e}") from None
-    inspection = getattr(sink, "inspection", None)
-    plan.damaged = [f"{p.path.name} ({p.damage})" for p in inspection.damaged] if inspection else []
-    plan.unrecorded = len(inspection.unrecorded()) if inspection else 0
-    plan.committed = counts.end
-    done = (out / SUCCESS).exists()
-    if plan.retry_errors:
-        if plan.source.format == "openai-batch":
-            raise JobError("--retry-errors: not available for openai-batch output yet (Parquet outputs only)")
-        if not done:
-            raise JobError(f"--retry-errors: {out} is not complete (no _SUCCESS); run the job without "
-                           "--retry-errors to finish it first")
-        plan.state = "retry"
-    else:
-        plan.state = "complete" if done and not plan.damaged else "resume"
 
 
 # ---------------------------------------------------------------- what the rows need of the KV cache
@@ -363,7 +261,7 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
     max_len = cfg.model["max_model_len"] or (plan.model.max_position_embeddings if plan.model else None)
     max_tokens = sampling.get("max_tokens", SamplingParams().max_tokens)
     n = 1 if "n" in columns else int(sampling.get("n", 1))
-    rows = None if plan.total is None else max(0, plan.total - plan.committed)
+    rows = None if plan.total is None else max(0, plan.total - plan.status.committed)
     seqs = min(cfg.engine["max_num_seqs"], rows * n if rows is not None else cfg.engine["max_num_seqs"])
     if seqs == 0:
         return None
@@ -373,7 +271,7 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
             (cfg.input["messages_column"] or cfg.input["prompt_column"])
         read = 0
         try:
-            for batch in RowSlice.of_plan(plan, plan.committed).read(plan.source, [key] if key else None):
+            for batch in plan.row_slice(plan.status.committed).read(plan.source, [key] if key else None):
                 longest = max([longest, *(_prompt_bytes(row, key) for _, _, row in batch)])
                 read += len(batch)
                 if read >= KV_SAMPLE_ROWS:
@@ -389,32 +287,28 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
     return None if per_seq is None else seqs * per_seq
 
 
-def make_sink(plan: JobPlan) -> Sink:
-    cfg, source = plan.cfg, plan.source
+def _output_spec(cfg: JobConfig, source: Source, id_column: str | None) -> OutputSpec:
     sampling_cols = cfg.input["sampling_columns"]
     types = source.arrow_types()
     spec = OutputSpec(
         keep_columns=list(cfg.input["keep_columns"]), known_types=types,
-        id_type=types.get(plan.id_column) if plan.id_column else None,
+        id_type=types.get(id_column) if id_column else None,
         include_prompt=cfg.output["include_prompt"], include_token_ids=cfg.output["include_token_ids"],
         sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
         logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
         truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"])
-    if plan.id_column is None and source.format != "openai-batch":
+    if id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
-    cls = OpenAIBatchSink if source.format == "openai-batch" else ParquetSink
-    sink = cls(plan.out_dir, spec, cfg.output["rows_per_part"], plan.fp_hash)
-    sink.accepted, sink.checksums = plan.accepted, plan.checksums
-    return sink
+    return spec
 
 
 def describe_plan(plan: JobPlan) -> str:
     src = plan.source
     rows = plan.total if plan.total is not None else "?"
-    what = {"fresh": "starts afresh", "resume": f"resumes after {plan.committed} committed rows",
-            "complete": "is already complete", "retry": "retries its rows with an error"}[plan.state]
-    if plan.damaged:
-        what += f"; damaged parts computed again: {', '.join(plan.damaged)}"
+    what = {"fresh": "starts afresh", "resume": f"resumes after {plan.status.committed} committed rows",
+            "complete": "is already complete", "retry": "retries its rows with an error"}[plan.status.state]
+    if plan.status.damaged:
+        what += f"; damaged parts computed again: {', '.join(plan.status.damaged)}"
     shard = f", shard {plan.shard}" if plan.shard else ""
     ex = plan.cfg.executor
     n = ex["replicas"]

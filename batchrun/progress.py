@@ -1,8 +1,5 @@
-"""Progress of a job: a tqdm bar on a terminal, a plain log line every few seconds otherwise (cluster logs).
-
-Both show rows done (of the total when known), generated tokens per second, KV blocks in use and the
-engine's running / waiting / swapped counts, read from `LLM.metrics()` at most a few times a second.
-"""
+"""Progress of a job: a tqdm bar on a terminal, else a log line every few seconds (cluster logs), with rows done,
+tokens per second, KV blocks in use and the engine's running / waiting / swapped counts from `LLM.metrics()`."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ COUNTS = ("running", "waiting", "swapped")  # sequences, read from EngineMetrics
 
 
 def engine_gauges(m: dict[str, Any]) -> dict[str, Any]:
-    """KV blocks in use (%) and the running / waiting / swapped counts, from the engine's metrics
-    (batchrun.engine.metrics.EngineMetrics' names); a gauge the metrics lack is left out."""
+    """KV blocks in use (%) and the running / waiting / swapped counts the engine's metrics have."""
     out: dict[str, Any] = {}
     for name in COUNTS:
         if f"num_{name}" in m:
@@ -68,8 +64,7 @@ class Progress:
             self.tick(now)
 
     def tick(self, now: float | None = None) -> None:
-        """Called from the run's loop whether or not a row finished: a log line every `interval` seconds,
-        and fresh engine gauges on the bar, also while long requests are still generating."""
+        """Called from the run's loop, rows finished or not: a log line every `interval` s, fresh gauges on the bar."""
         if self.mode == "off":
             return
         now = time.monotonic() if now is None else now

@@ -1,8 +1,5 @@
-"""Request building for `LLM`: a user's prompts and sampling params, checked and tokenized before anything runs.
-
-Apart from the class so that `generate`, `chat`, `stream` and `beam_search` share one set of checks, each with a
-ValueError that names the prompt (`prompts[3]: ...`), and so the rules read in one place.
-"""
+"""Request building for `LLM`: prompts and sampling params checked and tokenized before anything runs, one set of
+checks for `generate`, `chat`, `stream` and `beam_search`, each ValueError naming the prompt (`prompts[3]: ...`)."""
 
 from __future__ import annotations
 
@@ -17,15 +14,13 @@ PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 
 @dataclass
 class PreparedRequest:
-    """One prompt ready for the engine: its text (None when given as token ids only), ids and params."""
-    prompt: str | None
+    prompt: str | None  # None when given as token ids only
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
 def tokenize_prompt(tokenizer, vocab_size: int, prompt: PromptInput, where: str) -> tuple[str | None, list[int]]:
-    """(text, ids) of one prompt; token ids given by the caller are checked against the vocabulary, since an
-    id outside it would index past the embedding table."""
+    """(text, ids) of one prompt; given ids are checked against the vocabulary (the embedding table's rows)."""
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, dict):
@@ -54,7 +49,6 @@ def prompt_problem(prompt_token_ids: list[int], max_model_len: int) -> str | Non
 
 
 def derive_seed(base: int, index: int) -> int:
-    """The seed of a request without its own: a function of the LLM's seed and the request's index."""
     return (base * 0x9E3779B1 + index * 0x85EBCA77 + 1) & ((1 << 62) - 1)
 
 
@@ -62,8 +56,7 @@ def prepare_requests(prompts: PromptInput | list[PromptInput],
                      sampling_params: SamplingParams | list[SamplingParams] | None,
                      tokenize: Callable[[PromptInput, str], tuple[str | None, list[int]]],
                      check: Callable[[list[int], SamplingParams], str | None]) -> list[PreparedRequest]:
-    """Every prompt tokenized and checked (`check`: None or a reason) before any runs, so a bad prompt at the end
-    of a list fails the call before minutes of work on the others."""
+    """Every prompt tokenized and checked (`check`: None or a reason) before any runs."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     prompts = list(prompts)

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import JobError
-from batchrun.output.sinks import METRICS
-from batchrun.show import SHARD_RE
+from batchrun.output.folder import METRICS, SHARD_RE
 
 DEFAULT_SIZE = (1200, 900)  # pixels
 DPI = 100

@@ -1,19 +1,6 @@
-"""`--shard I/N` and `--shard auto`: which slice of the input this task of a job array processes.
-
-`auto` reads the task's index, and the array's size, from the scheduler that started it:
-
-| scheduler | index | size |
-|---|---|---|
-| Slurm arrays | SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, / SLURM_ARRAY_TASK_STEP | SLURM_ARRAY_TASK_COUNT |
-| SGE / Grid Engine (`qsub -t`) | (SGE_TASK_ID - SGE_TASK_FIRST) / SGE_TASK_STEPSIZE | from SGE_TASK_FIRST, _LAST, _STEPSIZE |
-| PBS Pro (`qsub -J 0-7`), Torque (`qsub -t 0-7`) | PBS_ARRAY_INDEX, PBS_ARRAYID | BATCHRUN_SHARD_COUNT |
-| Kubernetes Indexed Jobs | JOB_COMPLETION_INDEX | BATCHRUN_SHARD_COUNT (the Job's completions) |
-| AWS Batch array jobs | AWS_BATCH_JOB_ARRAY_INDEX | AWS_BATCH_JOB_ARRAY_SIZE |
-| anything else | BATCHRUN_SHARD_INDEX | BATCHRUN_SHARD_COUNT |
-
-PBS and Kubernetes tell a task its index but not the array's size, so the job (the manifest, the qsub line)
-sets BATCHRUN_SHARD_COUNT; their indices must start at 0.
-"""
+"""`--shard I/N` and `--shard auto`: which slice of the input this task of a job array processes. `auto` reads the
+index and size from the scheduler's variables (docs/cluster.md has the table); PBS and Kubernetes give no size, so
+the job sets BATCHRUN_SHARD_COUNT, and their indices must start at 0."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ shown row has one. Long cells are wrapped to the terminal's width.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import textwrap
 from collections.abc import Iterator
@@ -19,9 +18,9 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
-from batchrun.output.sinks import OPENAI_OUTPUT, part_files
+from batchrun.output.folder import OPENAI_OUTPUT, SHARD_RE
+from batchrun.output.parts import part_files
 
-SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 QUESTION_COLUMNS = ("messages", "prompt")  # the first one present is shown as the question
 
 

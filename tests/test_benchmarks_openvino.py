@@ -2,7 +2,7 @@
 GenerationConfig, EOS normalisation, KV sizing, warm-up prompt), its failure rows, and the real worker where
 its venv exists.
 
-OpenVINO lives in a venv of its own (`python -m benchmarks.openvino_env` makes it, a 1.8 GB download), which CI
+OpenVINO lives in a venv of its own (`python -m benchmarks.peers.openvino.env` makes it, a 1.8 GB download), which CI
 does not have: the one test that runs the worker is skipped there, and nothing here downloads anything.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import openvino_env
-from benchmarks.openvino_worker import (
+from benchmarks.peers.openvino import env as openvino_env
+from benchmarks.peers.openvino.worker import (
     CPU_BLOCK_SIZE,
     generation_fields,
     kv_block_bytes,
@@ -196,13 +196,13 @@ def test_environment_leaves_the_project_venv_out(monkeypatch):
 
 
 @pytest.mark.skipif(not openvino_env.is_ready(),
-                    reason="no OpenVINO venv in $BATCHRUN_CACHE (`python -m benchmarks.openvino_env` makes it; CI has none)")
+                    reason="no OpenVINO venv in $BATCHRUN_CACHE (`python -m benchmarks.peers.openvino.env` makes it; CI has none)")
 def test_openvino_worker_matches_transformers_greedy_and_ends_at_eos(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
     from batchrun.model.weights.builtin import builtin_path
-    from benchmarks.run import Runner
+    from benchmarks.harness.runner import Runner
 
     path = builtin_path("tiny-llama")
     prompts = [[5 + i, 17, 301, 44, 1000 + i, 9] * 4 for i in range(3)]
@@ -237,7 +237,7 @@ def test_score_reads_each_continuation_position_from_the_position_before():
     import numpy as np
     import torch
 
-    from benchmarks.openvino_accuracy import score
+    from benchmarks.peers.openvino.accuracy import score
 
     logits = torch.randn(9, 50, generator=torch.Generator().manual_seed(0))
     continuation = [7, 3, 41, 0]  # prompt of 5 tokens: position 4 predicts the first
@@ -248,7 +248,7 @@ def test_score_reads_each_continuation_position_from_the_position_before():
 
 
 @pytest.mark.skipif(not openvino_env.is_ready(),
-                    reason="no OpenVINO venv in $BATCHRUN_CACHE (`python -m benchmarks.openvino_env` makes it; CI has none)")
+                    reason="no OpenVINO venv in $BATCHRUN_CACHE (`python -m benchmarks.peers.openvino.env` makes it; CI has none)")
 def test_openvino_teacher_forcing_matches_transformers_in_fp32():
     import torch
     from transformers import AutoModelForCausalLM

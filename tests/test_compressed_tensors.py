@@ -1,6 +1,6 @@
 """Checkpoints quantized in compressed-tensors' int8 and int4 layouts run as stored (batchrun.model.weights.compressed_tensors).
 
-The copies are written by benchmarks.vllm_checkpoint (the layouts vLLM's CPU build reads: int-quantized int8 per
+The copies are written by benchmarks.peers.vllm.checkpoint (the layouts vLLM's CPU build reads: int-quantized int8 per
 output channel, pack-quantized int4 in groups of 128). On a model whose linears all have 128 inputs, those are
 exactly the integers and scales batchrun's own `quantization: int8 | int4` computes at load, so the two runs must
 agree token for token: a slip in the reader (a nibble order, a scale per group) would not."""
@@ -14,13 +14,13 @@ from safetensors import safe_open
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine_args import EngineArgsError
-from batchrun.model.weights import compressed_tensors
-from batchrun.model.runner import memory
+from batchrun.kernels.layouts.quant_weight import dequantize, unpack_int4
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.quant.linear import QuantLinear, quantized_bytes
+from batchrun.model.runner import memory
+from batchrun.model.weights import compressed_tensors
 from batchrun.model.weights.loader import load_model, weight_files
 from batchrun.model.weights.locate import locate_model
-from batchrun.kernels.layouts.quant_weight import dequantize, unpack_int4
-from batchrun.model.quant.linear import QuantLinear, quantized_bytes
 
 FORMATS = {"int8": "w8a8-int8", "int4": "w4a16-g128"}
 
@@ -34,7 +34,7 @@ def plain(make_ckpt):
 @pytest.fixture(scope="module")
 def stored(plain, tmp_path_factory):
     """{"int8" | "int4": the compressed-tensors copy of `plain`}."""
-    from benchmarks.vllm_checkpoint import make_quantized
+    from benchmarks.peers.vllm.checkpoint import make_quantized
 
     root = tmp_path_factory.mktemp("compressed")
     out = {}

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu as cpu_kernels
-from batchrun.model.layers.attention import AttentionMetadata, TorchBackend
 from batchrun.kernels.cpu import attention as cpu_attention
+from batchrun.model.layers.attention import AttentionMetadata, TorchBackend
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 

@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.kernels import cpu as cpu_kernels
-
-from batchrun.model.layers import ops
-from batchrun.model.layers.attention import TorchBackend, store_kv_torch
 from batchrun.kernels.cpu import attention as cpu_attention
 from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.layers import ops
+from batchrun.model.layers.attention import TorchBackend, store_kv_torch
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")
 

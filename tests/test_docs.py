@@ -163,3 +163,32 @@ def test_the_python_api_page_names_every_setting_and_sampling_field():
     names = [f.name for f in dataclasses.fields(EngineArgs) if f.metadata["job_key"] and f.name != "model"]
     names += ["seed", *SamplingParams.field_names()]
     assert [n for n in names if f"`{n}`" not in page] == []
+
+
+def _kernel_generator():
+    spec = importlib.util.spec_from_file_location("gen_kernels", DOCS / "gen_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_kernels_md_is_what_the_generator_writes():
+    gen = _kernel_generator()
+    page = gen.PAGE.read_text(encoding="utf-8")
+    assert gen.render(page) == page, "docs/cpu-kernels.md is out of date: run python docs/gen_kernels.py"
+    assert gen.main(["--check"]) == 0
+
+
+def test_the_kernel_table_follows_the_signatures_and_the_imports(monkeypatch):
+    """A kernel added to a family's SIGNATURES shows in its row; the callers are the modules that import it."""
+    from batchrun.kernels.cpu import sampling
+
+    gen = _kernel_generator()
+    before = gen.generate()
+    row = next(line for line in before.splitlines() if line.startswith("| sampling |"))
+    assert "`model/sampling/sampler.py`" in row and "`model/sampling/grammar_mask.py`" in row
+    monkeypatch.setitem(sampling.SIGNATURES, "sample_new_kernel", (None, []))
+    after = gen.generate()
+    assert "`sample_new_kernel`" in next(line for line in after.splitlines() if line.startswith("| sampling |"))
+    monkeypatch.undo()
+    assert gen.generate() == before

@@ -11,8 +11,8 @@ from test_job_fakes import write_job
 
 from batchrun import LLM, SamplingParams
 from batchrun.cli import main
-from batchrun.model.weights.builtin import BUILTIN_MODELS
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.weights.builtin import BUILTIN_MODELS
 from batchrun.model.weights.loader import load_config, resolve_path
 from batchrun.model.weights.locate import locate_model
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchrun.model.weights.gguf_blocks import STORED_TYPES, quantized_weight
 from batchrun.kernels.layouts.quant_weight import dequantize
+from batchrun.model.weights.gguf_blocks import STORED_TYPES, quantized_weight
 
 gguf = pytest.importorskip("gguf")
 GGMLType = gguf.GGMLQuantizationType
@@ -102,9 +102,9 @@ def test_a_llama_file_reads_as_transformers_dequantizes_it(tmp_path, caplog):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from batchrun.kernels.cpu.quant import packed_nbytes
-    from batchrun.model.weights.gguf import gguf_config, read_quantized
-    from batchrun.model.runner.memory import checkpoint_weight_bytes
     from batchrun.kernels.layouts.quant_weight import QuantizedWeight
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
+    from batchrun.model.weights.gguf import gguf_config, read_quantized
 
     rng = np.random.default_rng(0)
     hidden, inter = 256, 512
@@ -147,9 +147,9 @@ def test_the_builtin_file_reads_as_its_dequantized_checkpoint(smollm2_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
+    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
     from batchrun.model.weights.builtin import BUILTIN_MODELS
     from batchrun.model.weights.gguf import iter_quantized
-    from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
     file = BUILTIN_MODELS["smollm2-135m-instruct"].locate("smollm2-135m-instruct")
     seen, stored = set(), 0
@@ -194,9 +194,9 @@ def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
     """llama.cpp files store output.weight quantized (Q6_K in Q4_K_M files): the engine keeps the lm_head in the
     model's dtype (quant_linear.KEPT), so it comes dequantized, and the memory plan counts it so."""
     from batchrun.kernels.cpu.quant import packed_nbytes
-    from batchrun.model.weights.gguf import read_quantized
-    from batchrun.model.runner.memory import checkpoint_weight_bytes
     from batchrun.kernels.layouts.quant_weight import QuantizedWeight
+    from batchrun.model.runner.memory import checkpoint_weight_bytes
+    from batchrun.model.weights.gguf import read_quantized
 
     rng = np.random.default_rng(1)
     hidden, inter = 256, 512
@@ -218,10 +218,10 @@ def test_a_fused_linear_whose_parts_differ_in_type_runs_as_stored(tmp_path):
     """llama.cpp's Q4_K_M files keep v in Q6_K beside q and k in Q4_K (here gate|up mixes the two as well):
     the fused q|k|v and gate|up run as one kernel call per type (quant_linear.MixedQuantLinear), each part on the
     file's own integers, their rows where the plain fused weight has them."""
+    from batchrun.model.arch.registry import model_class
+    from batchrun.model.quant.linear import MixedQuantLinear, QuantLinear
     from batchrun.model.weights.gguf import gguf_config, iter_quantized, read_quantized
     from batchrun.model.weights.loader import architecture, load_weights
-    from batchrun.model.quant.linear import MixedQuantLinear, QuantLinear
-    from batchrun.model.arch.registry import model_class
 
     rng = np.random.default_rng(2)
     hidden, inter = 256, 512

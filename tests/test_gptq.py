@@ -18,9 +18,9 @@ from torch import nn
 
 from batchrun import LLM, SamplingParams
 from batchrun.engine_args import EngineArgs, EngineArgsError
+from batchrun.kernels.cpu import gptq as gptq_kernels
 from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.model.quant.calibration import BUILTIN, calibrate, calibration_tokens
-from batchrun.kernels.cpu import gptq as gptq_kernels
 from batchrun.model.quant.gptq import gptq_quantize
 from batchrun.model.quant.linear import QuantLinear, QuantSpec
 from tests.test_quant_accuracy import assert_greedy_is_the_references

@@ -1,4 +1,4 @@
-"""benchmarks.gpu_check, the script a session lent a GPU runs (benchmarks/gpu_session.sh), in its CPU dry run:
+"""benchmarks.gpu.check, the script a session lent a GPU runs (benchmarks/gpu/session.sh), in its CPU dry run:
 every part but the kernel tests runs on the tiny model under Triton's interpreter, the end-to-end part with two of
 its configurations (each takes seconds here; the others share their code). Device time is scarce: a script broken here would spend a session's GPU on a
 traceback. Nothing about speed is asserted."""
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_the_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--skip", "tests",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.check", "--dry-run", "--skip", "tests",
                            "--e2e-runs", "graphs,int4,kv-fp8", "--json-out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

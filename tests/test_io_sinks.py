@@ -7,15 +7,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.output.openai_sink import OpenAIBatchSink
 from batchrun.io.rows import RowTask
-from batchrun.output.sinks import (
-    OutputSpec,
-    ParquetSink,
-    SinkError,
-    clear_output,
-    part_files,
-)
+from batchrun.output.files import SinkError
+from batchrun.output.folder import clear_output
+from batchrun.output.openai_sink import OpenAIBatchSink
+from batchrun.output.parquet import ParquetSink
+from batchrun.output.parts import part_files
+from batchrun.output.sink import OutputSpec
 from batchrun.outputs import CompletionOutput
 
 

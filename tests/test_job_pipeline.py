@@ -78,7 +78,7 @@ class ListSink:
         self.kept_aside = [r.pos for r in rows]
 
     def stored(self, task, outputs):
-        from batchrun.output.sinks import Counts, StoredRow
+        from batchrun.output.sink import Counts, StoredRow
 
         return StoredRow(task.pos, task.index, repr(task.id), task.error, Counts(), [])
 
@@ -87,7 +87,7 @@ class ListSink:
             self.pending.append(row.pos)
 
     def open(self):
-        from batchrun.output.sinks import Counts
+        from batchrun.output.sink import Counts
 
         return Counts(end=0)
 

@@ -174,7 +174,7 @@ def test_a_change_of_weights_or_kv_format_refuses_to_resume_other_engine_setting
     assert len(read_rows(out)) == N_ROWS
     # at their defaults the new settings are not in the fingerprint: outputs written before they were added resume
     plan = plan_job(load_job(job_path, [f"output.path={tmp_path / 'other'}"]))
-    assert set(plan.fingerprint["model"]) == {"path", "dtype", "max_model_len"} and "engine" not in plan.fingerprint
+    assert set(plan.output.fingerprint["model"]) == {"path", "dtype", "max_model_len"} and "engine" not in plan.output.fingerprint
 
 
 def test_engine_failure_exits_1_keeps_committed_rows_and_resumes(job, tmp_path):

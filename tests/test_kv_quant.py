@@ -22,8 +22,8 @@ from batchrun import LLM, SamplingParams
 from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.kernels import cpu as cpu_kernels
-from batchrun.model.layers.attention import TorchBackend, store_kv_torch
 from batchrun.kernels.layouts.kv_rows import as_bytes, dequantize, encode_rows, quantize_rows, scales, to_fp8
+from batchrun.model.layers.attention import TorchBackend, store_kv_torch
 from batchrun.model.runner.model_runner import ModelRunner, cache_shape
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler (cc) to build the kernels")

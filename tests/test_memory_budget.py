@@ -18,9 +18,15 @@ from test_job_fakes import cli_env, run_cli, write_job
 from transformers import AutoConfig
 
 from batchrun import LLM
-from batchrun.model.runner import memory
 from batchrun.kernels.cpu import linears as cpu_linears
-from batchrun.model.runner.memory import GIB, Available, InsufficientMemoryError, available_memory, plan_cpu_memory
+from batchrun.model.runner import memory
+from batchrun.model.runner.memory import (
+    GIB,
+    Available,
+    InsufficientMemoryError,
+    available_memory,
+    plan_cpu_memory,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -213,8 +219,8 @@ def test_quantized_linears_are_planned_at_their_packed_size(bf16_ckpt, quantizat
     """The memory plan counts quantized linears as the load will hold them (from the headers alone): never less,
     and no more than 2% over; the linears' share at under 60% of their bf16 bytes. (GGUF's linears as stored:
     test_gguf_stored.py.)"""
-    from batchrun.model.weights.loader import load_model
     from batchrun.model.quant.linear import QuantSpec, quantized_bytes, quantized_params
+    from batchrun.model.weights.loader import load_model
 
     spec = QuantSpec.parse(quantization)
     planned = memory.checkpoint_weight_bytes(bf16_ckpt, 2, spec)
@@ -249,8 +255,8 @@ def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, mon
 
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory):
-    """0.29 GiB of bf16 weights (benchmarks.large_model's small shape), written shard by shard."""
-    from benchmarks.large_model import SHAPES, write_checkpoint
+    """0.29 GiB of bf16 weights (benchmarks.micro.large_model's small shape), written shard by shard."""
+    from benchmarks.micro.large_model import SHAPES, write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("large") / "small-bf16", SHAPES["small"])
 
@@ -296,10 +302,10 @@ def test_a_bf16_load_and_job_hold_the_weights_once(big_ckpt, bf16_ckpt, settings
 
 
 def test_the_large_model_script_runs_a_job_within_the_bound(big_ckpt, tmp_path):
-    """benchmarks.large_model (the lead runs it on the 8B shape) on the small shape: the job through `batchrun run`
+    """benchmarks.micro.large_model (the lead runs it on the 8B shape) on the small shape: the job through `batchrun run`
     with the default settings, its peak RSS within 1.15 x weights + KV pool + 1 GiB. On the CPU where there is a GPU
     too (its job file leaves model.device at auto, and the script has no device option: the child sees no GPU)."""
-    from benchmarks.large_model import run
+    from benchmarks.micro.large_model import run
 
     env = cli_env(fake=False, CUDA_VISIBLE_DEVICES="")
     report = run(big_ckpt, tmp_path / "job", requests=4, max_tokens=4, env=env)

@@ -117,7 +117,7 @@ def test_shared_prefix_benchmark_smoke(tmp_path):
     """The benchmark runs end to end (no timing is asserted: the machine may be loaded)."""
     import json
 
-    from benchmarks.shared_prefix import main
+    from benchmarks.micro.shared_prefix import main
 
     out = tmp_path / "r.json"
     assert main(["--rows", "6", "--prefix-len", "48", "--suffix-len", "3", "--output-len", "2", "--json",

@@ -10,7 +10,7 @@
   TOLERANCE (measured: up to 3e-3).
 - On the built-in SmolLM2-135M-Instruct in bf16: teacher-forced top-1 agreement of each format with the bf16
   model over the bf16 model's own greedy chat replies (issue 33's targets: int8 >= 97%, int4 >= 90%;
-  benchmarks/quant_accuracy.py prints the same figures and a perplexity, docs/quantization.md quotes them).
+  benchmarks/micro/quant_accuracy.py prints the same figures and a perplexity, docs/quantization.md quotes them).
 """
 
 import pytest
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from batchrun import LLM, SamplingParams
-from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.kernels.cpu import quant as quant_kernels
+from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.model.quant.linear import QuantLinear, QuantSpec
-from benchmarks.quant_accuracy import agreement, chat_prompts, greedy_replies, teacher_forced
+from benchmarks.micro.quant_accuracy import agreement, chat_prompts, greedy_replies, teacher_forced
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs a C compiler for batchrun's CPU kernels")
 
@@ -192,8 +192,8 @@ def test_top1_agreement_with_bf16_on_the_builtin_model(smollm2_path):
 def test_a_tensor_source_may_hand_in_quantized_weights(tiny_llama_path, fmt):
     """The seam for GGUF: QuantizedWeights for q, k, v (and gate, up) separately become the fused QuantLinear the
     loader would have made from the full-precision tensors."""
-    from batchrun.model.weights import loader
     from batchrun.model.arch.registry import model_class
+    from batchrun.model.weights import loader
 
     spec = QuantSpec.parse(fmt)
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu as cpu_kernels
-
-from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.kernels.cpu import quant as qk
+from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.model.quant.linear import QuantSpec, quantize_linear
 from tests.test_quant_kernels import _emulate, _make
 

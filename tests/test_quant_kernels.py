@@ -9,8 +9,8 @@ rounding (fp32, or bf16's 2^-8 relative)."""
 import pytest
 import torch
 
-from batchrun.kernels.layouts import quant_weight as quant
 from batchrun.kernels.cpu import quant as qk
+from batchrun.kernels.layouts import quant_weight as quant
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason="needs a C compiler for batchrun's CPU kernels")
 

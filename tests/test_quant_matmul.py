@@ -8,6 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchrun.kernels.layouts.quant_weight import (
+    QuantizedWeight,
+    linear_ref,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
 from batchrun.kernels.triton import quantized_linear
 from batchrun.kernels.triton.quant_matmul import (
     PATHS,
@@ -20,7 +27,6 @@ from batchrun.kernels.triton.quant_matmul import (
     quantized_gemv,
     quantized_matmul,
 )
-from batchrun.kernels.layouts.quant_weight import QuantizedWeight, linear_ref, pack_int4, quantize_int4, quantize_int8
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

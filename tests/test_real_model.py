@@ -12,8 +12,8 @@ from test_job_fakes import REPO
 
 from batchrun import SamplingParams
 from batchrun.cli import main
-from batchrun.model.weights.builtin import BUILTIN_MODELS, PackagedGGUF
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.weights.builtin import BUILTIN_MODELS, PackagedGGUF
 
 IM_END = 2  # <|im_end|>: the model's end of turn, its EOS
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from batchrun import LLM, SamplingParams, StructuredOutputsParams
-from benchmarks.structured import SCHEMA as PERSON  # nested object, enum, integer, array
+from benchmarks.micro.structured import SCHEMA as PERSON  # nested object, enum, integer, array
 
 NAMES = ["Alice", "Bob", "Carla", "Dan", "Eve", "Farid", "Gina", "Hugo"]
 CITIES = ["Paris", "Lima", "Oslo", "Cairo"]

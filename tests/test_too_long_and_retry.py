@@ -18,6 +18,7 @@ from test_write_failures import FailingOs
 
 from batchrun.cli import main
 from batchrun.output import files
+
 N_ROWS = 24
 LONG = {3, 10, 11, 17}  # rows whose prompt is longer than max_model_len (64 tokens)
 IDS = [f"r{i:02d}" for i in range(N_ROWS)]

@@ -19,7 +19,7 @@ from test_job_fakes import cli_env, read_rows, run_cli, write_job
 
 from batchrun.cli import main
 from batchrun.output import files
-from batchrun.output.sinks import TMP_RE
+from batchrun.output.folder import TMP_RE
 
 N_ROWS = 22
 IDS = [f"r{i:02d}" for i in range(N_ROWS)]

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,20 @@ import pyarrow.parquet as pq
 
 from batchrun.config import JobError
 from batchrun.output.files import SinkError, write_bytes_atomic, write_json_atomic
+from batchrun.output.folder import (
+    JOB_FILE,
+    METRICS,
+    OPENAI_OUTPUT,
+    PROGRESS,
+    SHARD_RE,
+    SUCCESS,
+    clear_output,
+    read_job_file,
+)
 from batchrun.output.lock import LOCK_FILE, OutputBusy, OutputLock
 from batchrun.output.manifest import Entry, Manifest, inspect_parts
 from batchrun.output.parts import PartInfo, encode, part_files, part_name, read_info
-from batchrun.output.sinks import JOB_FILE, METRICS, OPENAI_OUTPUT, PROGRESS, SUCCESS, clear_output, read_job_file
 
-SHARD_RE = re.compile(r"^shard-(\d+)-of-(\d+)$")
 _COUNTS = ("input_rows", "output_rows", "row_errors", "prompt_tokens", "completion_tokens")
 
 

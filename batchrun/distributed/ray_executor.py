@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from batchrun.config import JobError
 from batchrun.distributed.workers import CALLS, GEN, METRICS, POS, REPLICA, RESULT, EngineReplica, Indexer
 from batchrun.io.rows import input_columns
+from batchrun.io.slicing import RowSlice
 from batchrun.pipeline.engine_api import LLM_FACTORY_ENV
 from batchrun.pipeline.executor import Executor, RowReceiver
-from batchrun.io.slicing import RowSlice
 
 if TYPE_CHECKING:
     from batchrun.plan import JobPlan

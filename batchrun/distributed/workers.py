@@ -25,9 +25,9 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.io.rows import RequestBuilder, RowTask
+from batchrun.io.slicing import RowSlice
 from batchrun.pipeline.engine_api import engine_factory
 from batchrun.pipeline.executor import EngineLoop, max_in_flight
-from batchrun.io.slicing import RowSlice
 
 log = logging.getLogger(__name__)
 

@@ -1,34 +1,19 @@
-"""Paged KV accounting: which physical blocks each sequence owns. Pure Python, no tensors.
+"""Paged KV accounting: which device and host blocks each sequence owns. Pure Python; `check` holds the invariants.
 
-Device blocks live in one pool, host (swap) blocks in another. A block is shared by reference count
-(prefix-cache hits, forked sequences); a sequence about to write into a block that others share gets a
-private copy first (copy-on-write), reported as a (src, dst) pair for the runner to copy.
-
-Prefix cache: a full block is keyed by a hash chained over (parent key, its token ids). Freed blocks keep
-their key and wait in an LRU free queue, so a later request with the same prefix still finds them; a
-block's key is dropped only when the block is taken for something else. A hit is checked against the
-stored token ids, so a hash collision costs a miss, never a wrong answer.
-
-Same-step sharing: the scheduler publishes the full blocks a step's chunk will fill *before* the step runs
-(`publish_ahead`), so requests admitted later in that step map them instead of computing their common prefix
-again. That is sound because every attention backend stores all of a step's K/V before it attends (per
-layer), and no block of a step's chunks is freed or moved between scheduling and the forward. Such a block
-is pending until `commit` (the step ran) confirms it; `free_seq` of a sequence whose pending blocks were
-never confirmed (a step abandoned half way, then aborted) takes them out of the cache again.
-
-Sliding windows: when every layer of the model attends only its last `sliding_window` keys (Mistral-style; the
-engine passes None for a model with any global layer, whose layers then need every block), no query of a sequence
-ever reads a block that lies wholly before its next token's window again. `release_outside_window` gives such
-blocks back as the sequence advances; its table keeps its length (a position's block is still table[p // bs]) with
-HOLE in their place. A hole is never read (the attention kernels start at the window), never swapped, copied or
-counted; the prefix cache keeps the released blocks' keys like any freed block's.
-"""
+A block's ref count is the number of tables holding it; a block is free (in an LRU queue) when its count is 0. A
+sequence about to write into a shared block gets a private copy first (copy-on-write: a (src, dst) pair the runner
+copies). Prefix cache: a full block is keyed by a hash chained over (parent key, its tokens), and a hit is checked
+against the stored tokens, so a collision is a miss. A freed block keeps its key until it is taken for other work.
+`publish_ahead` keys the blocks a step fills before it runs, so requests admitted later in the step map them: sound
+because every backend stores a step's K/V before it attends, and nothing of the step moves before the forward.
+`commit` confirms them; `free_seq` unpublishes the ones never computed. With a sliding window on every layer,
+blocks wholly before a sequence's window go back (`release_outside_window`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-HOLE = -1  # a table entry whose block fell out of the sliding window and went back
+HOLE = -1  # a released block's entry (sliding window): the table keeps its length; a hole is never read or moved
 
 
 class BlockManager:
@@ -44,8 +29,7 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
 
         self.ref = [0] * num_blocks
-        # Free device blocks, evicted from the front. Unhashed blocks go to the front (reused first),
-        # hashed ones to the back (kept as cache as long as possible).
+        # free blocks, taken from the front: unkeyed ones go to the front, keyed ones to the back (cached longest)
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (hash, tokens)
         self.cached: dict[int, int] = {}  # hash -> device block holding that prefix block
@@ -54,7 +38,7 @@ class BlockManager:
         # seq_id -> blocks it published ahead of the step that computes them, not yet confirmed by `commit`
         self.pending: dict[int, list[int]] = {}
 
-        # the keys every layer sees (None: some layer sees all), and per sequence how many leading entries are HOLE
+        # the keys every layer sees (None: some layer sees all); per sequence, how many leading entries are HOLE
         self.sliding_window = sliding_window
         self.released: dict[int, int] = {}
 
@@ -80,22 +64,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def is_resident(self, seq_id: int) -> bool:
-        """The sequence holds device blocks."""
         return seq_id in self.tables
 
     def is_swapped(self, seq_id: int) -> bool:
-        """The sequence's blocks are in the host pool."""
         return seq_id in self.host_tables
 
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's device block ids, logical order. The live list: callers only read it."""
+        """The sequence's device block ids in order: the live list, read only."""
         return self.tables[seq_id]
 
     def decode_slot(self, seq_id: int, position: int) -> list[int] | None:
-        """The decode fast path: make room for the sequence's token at `position` and return its live
-        table, when that needs no more than `allocate` does in the common case: nothing (the token lands
-        in a block the sequence holds alone) or one free block (it starts a new block). None when
-        `allocate` must decide (a shared block to copy, no free block, a table that does not reach)."""
+        """Decode fast path: room for the token at `position` (in a private block, or one new block) and the
+        live table; None when `allocate` must decide."""
         table = self.tables.get(seq_id)
         if table is None:
             return None
@@ -114,7 +94,7 @@ class BlockManager:
         return len(blocks)
 
     def num_cached_blocks(self, keys: list[int]) -> int:
-        """How many leading prefix-cache keys (from chain_keys) have a block in the cache now."""
+        """How many leading keys (from chain_keys) have a cached block now."""
         n = 0
         for key in keys:
             if key not in self.cached:
@@ -128,7 +108,7 @@ class BlockManager:
         return hash((parent, tokens))
 
     def chain_keys(self, token_ids: list[int]) -> list[int]:
-        """The keys of the full blocks of `token_ids` (the ones `lookup` would consider)."""
+        """The keys of the full blocks `lookup` would consider."""
         keys: list[int] = []
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
@@ -136,8 +116,7 @@ class BlockManager:
         return keys
 
     def lookup(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Leading cached full blocks of `token_ids` (and their keys). At least one token is left to
-        compute, since the step that computes it is the one that yields the next token's logits."""
+        """Leading cached full blocks and their keys; at least one token stays to compute (it yields the logits)."""
         if not self.enable_prefix_caching:
             return [], []
         bs = self.block_size
@@ -156,7 +135,7 @@ class BlockManager:
         return blocks, keys
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Register the sequence's blocks that `num_computed` tokens have filled, so others can reuse them."""
+        """Key the blocks `num_computed` tokens have filled, for reuse; confirms what was published ahead."""
         if not self.enable_prefix_caching:
             return
         if self.pending:  # the step ran: what the sequence published ahead of it is computed now
@@ -167,10 +146,7 @@ class BlockManager:
         self._publish(seq_id, token_ids, num_computed)
 
     def publish_ahead(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int:
-        """Publish now the full blocks that this step fills, up to `num_tokens` (the end of the sequence's
-        scheduled chunk), before the forward computes them, so a request admitted later in the same step maps
-        them (see the module docstring for why that is sound). Call it only once nothing more of the step can
-        be preempted. Returns how many blocks were published."""
+        """Key the blocks this step fills up to `num_tokens` before it runs, once nothing of it can be preempted."""
         if not self.enable_prefix_caching:
             return 0
         published = self._publish(seq_id, token_ids, num_tokens)
@@ -179,7 +155,6 @@ class BlockManager:
         return len(published)
 
     def _publish(self, seq_id: int, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Key the sequence's blocks that `num_tokens` tokens fill; the ones that entered the cache."""
         keys = self.hashes.setdefault(seq_id, [])
         bs = self.block_size
         if len(keys) >= num_tokens // bs:
@@ -198,7 +173,6 @@ class BlockManager:
         return published
 
     def _unpublish(self, b: int) -> None:
-        """Take a block out of the prefix cache (its K/V were never computed)."""
         key = self.block_key[b]
         if key is not None:
             if self.cached.get(key[0]) == b:
@@ -225,11 +199,8 @@ class BlockManager:
 
     def allocate(self, seq_id: int, num_tokens: int, write_from: int, *, prefix: list[int] | None = None,
                  prefix_keys: list[int] | None = None, admit: bool = False) -> list[tuple[int, int]] | None:
-        """Make the sequence's table cover `num_tokens` tokens, writing from position `write_from`.
-
-        `prefix` are cached blocks from `lookup` (first allocation only). `admit` keeps the watermark free.
-        Returns the copy-on-write pairs to perform, or None (and changes nothing) when blocks are short.
-        """
+        """Cover `num_tokens` tokens, writing from `write_from`; `prefix` from `lookup` on a first allocation,
+        `admit` keeps the watermark free. The copy-on-write pairs, or None (nothing changed) when blocks are short."""
         table = self.tables.get(seq_id)
         if table is not None and not prefix:  # the common decode case: room left, nothing shared
             have = len(table) * self.block_size
@@ -267,16 +238,14 @@ class BlockManager:
         return copies
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
-        """Give back the blocks past the first blocks_for(num_tokens) of the sequence's table: blocks taken for
-        draft tokens that were rejected (speculative decoding), so that only a sequence's last block is partly
-        filled. They were private and never published."""
+        """Give back the blocks past blocks_for(num_tokens): private, unpublished blocks of rejected drafts."""
         table = self.tables.get(seq_id)
         keep = self.blocks_for(num_tokens)
         while table is not None and len(table) > keep:
             self._release(table.pop())
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent; whoever writes into a shared block copies it first."""
+        """The child shares every block of the parent."""
         table = list(self.tables[parent_id])
         for b in table:
             if b != HOLE:
@@ -287,9 +256,7 @@ class BlockManager:
             self.released[child_id] = self.released[parent_id]
 
     def release_outside_window(self, seq_id: int, num_computed: int) -> None:
-        """With a sliding window of W keys, the sequence's next token (position num_computed) and every later one
-        see keys from num_computed - W + 1 on: give back the blocks wholly before that (their entries become
-        HOLE). Cheap when nothing crosses a block (most steps)."""
+        """Give back the blocks wholly before num_computed - W + 1, which no later token sees (window W)."""
         window = self.sliding_window
         table = self.tables.get(seq_id)
         if window is None or table is None:
@@ -305,7 +272,7 @@ class BlockManager:
         self.released[seq_id] = end
 
     def free_seq(self, seq_id: int) -> None:
-        """Give back a sequence's blocks (device or host). Tail blocks are queued for eviction first."""
+        """Give back a sequence's device and host blocks; its tail blocks are evicted first."""
         if self.pending:
             for b in self.pending.pop(seq_id, ()):  # published ahead of a step that never ran: never computed
                 self._unpublish(b)
@@ -327,7 +294,7 @@ class BlockManager:
         return self.num_distinct_blocks(seq_ids) <= len(self.host_free)
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move the sequences' blocks to host blocks, keeping sharing among them. Returns (device, host)."""
+        """Move the sequences' blocks to the host, sharing kept; (device, host) pairs."""
         mapping: dict[int, int] = {}
         for s in seq_ids:
             host_table = []
@@ -350,7 +317,7 @@ class BlockManager:
         return len(distinct) + self.watermark_blocks <= len(self.free)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Bring swapped sequences back into fresh device blocks. Returns (host, device) pairs."""
+        """Bring swapped sequences back into fresh device blocks; (host, device) pairs."""
         mapping: dict[int, int] = {}
         for s in seq_ids:
             table = []

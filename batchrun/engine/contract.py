@@ -1,10 +1,5 @@
-"""The step contract: what the scheduler and engine tell the model runner, and what the runner gives back.
-
-This module is a leaf: it imports nothing of batchrun (only the standard library), so the engine (no torch)
-and the model runner (torch) both depend on it and on nothing of each other. Everything in it is plain
-ints, floats and lists; the runner turns them into tensors, runs the model, samples, and answers with one
-`StepOutput` made from a single device-to-host transfer.
-"""
+"""The step contract between the engine and the model runner: plain ints, floats and lists, one device-to-host
+transfer per step. A leaf (standard library only), so the engine (no torch) and the runner share it."""
 
 from __future__ import annotations
 
@@ -13,9 +8,7 @@ from typing import Protocol
 
 
 class SamplingOptions(Protocol):
-    """What the runner reads of a request's sampling parameters (batchrun.sampling_params.SamplingParams
-    has these fields). A Protocol rather than the class itself keeps this module a leaf, and the engine
-    passes the request's own object: nothing is copied per step."""
+    """What the runner reads of a request's SamplingParams (the request's own object: nothing is copied)."""
 
     temperature: float  # 0 = greedy
     top_p: float
@@ -28,9 +21,7 @@ class SamplingOptions(Protocol):
 
 
 class GrammarState(Protocol):
-    """A sequence's structured-output matcher (an xgrammar GrammarMatcher, made by batchrun.structured).
-    It lives on the engine's Sequence; the engine feeds it the drawn tokens and forks it with the sequence,
-    the runner fills the step's token bitmask from it. Opaque here, so neither side imports the other."""
+    """A sequence's structured-output matcher (xgrammar's): the engine feeds and forks it, the runner masks with it."""
 
     def accept_token(self, token_id: int) -> bool: ...
 
@@ -48,24 +39,16 @@ class ScheduledSeq:
     start: int  # position of token_ids[0] (== tokens already in the cache)
     block_table: list[int]  # the live table (read-only for the runner)
     sample: bool  # this chunk reaches the end of the sequence: its last position yields logits
-    # speculative decoding (engine/ngram.py): the last num_draft of token_ids are draft tokens, not yet the
-    # sequence's. The row of token_ids[0] samples as usual; each draft row answers the token the sequence draws at
-    # its position (the argmax, or the seeded draw of that output position).
+    # the last num_draft of token_ids are drafts (engine/ngram.py), not yet the sequence's; each draft row answers
+    # the token the sequence draws at its position (the argmax, or that position's seeded draw)
     num_draft: int = 0
 
 
 @dataclass(slots=True)
 class SamplingRequest:
-    """What to draw from the logits row of one sequence that samples this step.
-
-    A plain row draws one token per seed: len(seeds) > 1 is the first sample of an n > 1 request, whose
-    children are forked from this sequence after the step, all drawn from its one logits row. A beam row
-    (num_beam_candidates > 0) draws nothing: the runner returns its top candidates instead.
-
-    The engine keeps a plain row's request across steps and updates it in place (num_output, and
-    banned_token_ids once min_tokens is reached); the scheduler does the same with a decoding sequence's
-    ScheduledSeq. The runner reads both during `execute` only and keeps no reference to them.
-    """
+    """What to draw from one sampling row: a token per seed (several: the first sample of an n > 1 request), or
+    for a beam row its top candidates. The engine updates a plain row's request in place across steps (as the
+    scheduler does a ScheduledSeq): the runner reads both during `execute` only and keeps no reference."""
 
     params: SamplingOptions
     seeds: list[int]  # one per token to draw (the counter-based RNG's stream of each sample)
@@ -75,8 +58,7 @@ class SamplingRequest:
     banned_token_ids: list[int] = field(default_factory=list)  # may not be drawn yet (min_tokens: stops, EOS)
     num_beam_candidates: int = 0  # beam row: this many best (token, log-prob) of log_softmax(logits / T)
     beam_temperature: float = 0.0  # T of a beam row (0 = none)
-    # structured outputs: only the tokens this matcher allows may be drawn (None: unconstrained). The
-    # first sample of an n > 1 request draws all its samples from the one state, as they share the prefix.
+    # only the tokens this matcher allows may be drawn (None: any); an n > 1 first sample draws all from it
     grammar: GrammarState | None = None
 
     @property
@@ -107,11 +89,7 @@ class SchedulerOutput:
 
 @dataclass
 class StepOutput:
-    """What one step sampled, as plain lists.
-
-    Drawn tokens are flat over the plain sampling requests in order, len(seeds) entries each (beam rows
-    take none); beam candidates are one list per beam row, in order.
-    """
+    """What one step sampled: tokens flat over the plain requests in order (len(seeds) each), a list per beam row."""
 
     token_ids: list[int] = field(default_factory=list)
     # the raw log-probability of each drawn token; None unless some request asked for logprobs
@@ -128,7 +106,7 @@ class StepOutput:
 
 @dataclass
 class RunnerTimers:
-    """Seconds the runner has spent so far in each part of its steps (the engine copies them into its metrics)."""
+    """Seconds the runner has spent so far in each part of its steps."""
 
     forward_s: float = 0.0  # the model's layers
     logits_s: float = 0.0  # the lm_head on the sampling rows

@@ -1,17 +1,5 @@
-"""Incremental detokenization and stop strings.
-
-Text is decoded with `tokenizers`' DecodeStream (which holds back partial UTF-8 sequences), seeded with
-the end of the prompt so word-boundary spaces come out as in a full decode. A stop string is looked for
-only in the window the new text can complete, so it is found even when it spans several tokens, at a
-cost independent of the text's length.
-
-Only stop strings need the text while a sequence runs (outputs are published when a request finishes).
-So a sequence without stop strings is `deferred`: its tokens are not decoded one step at a time (about
-2 us of tokenizer call per token per step) but once, when it ends (`finish`), by one DecodeStream step
-over all of them, which yields the same text as stepping token by token. When that single step has no
-text to give (the output ends inside a character), the tokens are stepped one at a time instead, exactly
-as the incremental path would have.
-"""
+"""Incremental detokenization (DecodeStream, seeded by the prompt's end) and stop strings, searched only where new
+text can complete them. Without stop strings a sequence is `deferred`: decoded once at `finish`, to the same text."""
 
 from __future__ import annotations
 
@@ -35,8 +23,7 @@ class Detokenizer:
         self.text = ""
 
     def add(self, token_id: int) -> str | None:
-        """Append a token's text; return the stop string it completed, if any (text is then truncated).
-        A deferred detokenizer does nothing here: `finish` decodes its tokens."""
+        """Append a token's text; the stop string it completed, if any (the text cut there). Deferred: a no-op."""
         if self.deferred or token_id >= self._vocab:  # (a padded vocabulary row has no text)
             return None
         chunk = self._stream.step(self._tok, token_id)
@@ -56,8 +43,7 @@ class Detokenizer:
         return best
 
     def finish(self, text_ids: list[int]) -> None:
-        """The sequence ended; `text_ids` are its output tokens that are text (all but a final stop token).
-        A deferred detokenizer decodes them now; an incremental one has its text already."""
+        """The sequence ended: a deferred detokenizer decodes `text_ids` (the output less a final stop token)."""
         if not self.deferred:
             return
         ids = [t for t in text_ids if t < self._vocab]

@@ -1,19 +1,5 @@
-"""Which draft tokens a step checks: only those expected to pay for their rows, judged from the engine's own timings.
-
-A draft row costs what one more row adds to the step; it returns a token only when it is kept (and every draft
-before it in its sequence). While a forward is bound by reading the weights (few rows, a large model) another row
-costs almost nothing and any draft pays; once it is bound by compute (many rows on a CPU) a row costs about as much
-as a decode row, and a draft pays only when it is nearly sure to be kept. Prompt lookup is sure on repetitive text
-and rarely right on natural replies (about a quarter of its drafts were kept on chat answers), so a fixed rule is
-wrong in one case or the other.
-
-The rule: a step's worth is the tokens it is expected to return over its time. StepCosts learns the time of a step by
-its number of rows from the steps the engine runs that only decode (with drafts or not: a prompt chunk's rows are
-cheaper each, one large matmul, and would make draft rows look cheap); each sequence's drafter keeps how often its
-drafts were kept. choose_drafts orders every proposed draft by the chance that it is kept (the product of its sequence's keep
-rate over its position) and checks the prefix of that order that makes the step's expected tokens per second
-largest, which is none where the rows cost more than they return.
-"""
+"""Which drafts a step checks: the likeliest kept first, as many as make its expected tokens per second largest,
+from a step's seconds by its rows (StepCosts) and each sequence's KeepRate. Why: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -24,8 +10,8 @@ from dataclasses import dataclass, field
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
         6144, 8192, 12288, 16384)
 SMOOTHING = 0.25  # the weight of a new step in its point's running means (the machine's speed drifts)
-PRIOR_KEEP_RATE = 0.5  # the keep rate before any draft of the job was checked, and the weight of a guess
-PRIOR_WEIGHT = 4.0
+PRIOR_KEEP_RATE = 0.5  # the keep rate before any draft of the job was checked
+PRIOR_WEIGHT = 4.0  # the trials a guess counts as
 
 
 @dataclass
@@ -47,8 +33,7 @@ class StepCosts:
         self.seconds[i] += SMOOTHING * (seconds - self.seconds[i])
 
     def curve(self) -> list[tuple[float, float]]:
-        """The learned points (rows, seconds), by rows; a point slower than one with more rows is dropped (noise:
-        a step never gets cheaper with more rows)."""
+        """The learned (rows, seconds) by rows, less any point slower than one with more rows (noise)."""
         points = [(r, s) for r, s, ok in zip(self.rows, self.seconds, self.seen) if ok]
         kept: list[tuple[float, float]] = []
         for r, s in points:
@@ -59,8 +44,7 @@ class StepCosts:
 
     @staticmethod
     def at(curve: list[tuple[float, float]], rows: float) -> float:
-        """A step's seconds at `rows` on a curve of >= 2 points: linear between points, the last slope past them,
-        the first point's time below them."""
+        """Seconds at `rows` on a curve of >= 2 points: linear, the last slope past it, the first point below it."""
         if rows <= curve[0][0]:
             return curve[0][1]
         i = min(bisect.bisect_left(curve, (rows, -1.0)), len(curve) - 1)
@@ -70,10 +54,8 @@ class StepCosts:
 
 @dataclass
 class KeepRate:
-    """How often drafts were kept: each checked position is a trial (the drafts up to and including the first miss),
-    each kept draft a success; smoothed by PRIOR_WEIGHT trials toward the prior's rate, where the prior is the
-    record of every sequence's drafts (a new sequence's first guess is what drafts have done so far on this job:
-    about a quarter on natural replies, most on repetitive text), or toward PRIOR_KEEP_RATE without one."""
+    """Kept drafts over checked positions (up to the first miss), smoothed by PRIOR_WEIGHT trials toward the prior
+    (every sequence's record, so a new sequence starts from the job's) or PRIOR_KEEP_RATE without one."""
 
     kept: int = 0
     trials: int = 0
@@ -93,10 +75,8 @@ class KeepRate:
 
 def choose_drafts(proposals: list[tuple[int, list[int], float]], rows: int, spare: int,
                   costs: StepCosts) -> dict[int, list[int]]:
-    """proposals: (seq_id, drafts, keep rate) of the sequences that have drafts; rows: the step's rows without
-    drafts (at least its decode rows). Returns seq_id -> the prefix of its drafts to check, at most `spare` in all:
-    the choice that makes (rows + expected kept drafts) / seconds(rows + drafts) largest. Nothing until the costs
-    have two points (a step's time against its rows is unknown before)."""
+    """seq_id -> the prefix of its drafts to check, at most `spare` in all, that makes (rows + expected kept drafts)
+    / seconds(rows + drafts) largest (rows: the step's without drafts); none before the costs have two points."""
     curve = costs.curve()
     if len(curve) < 2 or rows <= 0:
         return {}

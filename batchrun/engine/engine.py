@@ -1,9 +1,5 @@
-"""Engine: add_request / step / has_unfinished. One step = schedule, run (and sample), update, stop checks.
-
-The engine knows nothing of files or tensors. It owns the request registry (sequences, their groups and
-detokenizers), tells the runner what each sampling sequence needs (contract.SamplingRequest), and turns the
-sampled tokens into forks, beam steps, stop decisions (stops.py) and finished RequestOutputs (results.py).
-"""
+"""Engine: add_request / step / has_unfinished. A step: schedule, run and sample, update, then the sampled tokens
+become forks, beam steps, stops and finished RequestOutputs. It knows nothing of files or tensors."""
 
 from __future__ import annotations
 
@@ -39,20 +35,18 @@ _SEED_MASK = (1 << 63) - 1
 
 
 def _decodes_only(s: ScheduledSeq) -> bool:
-    """A chunk of one decode token, with its drafts if any (no prompt tokens)."""
+    """A decode token, with its drafts if any."""
     return len(s.token_ids) == 1 + s.num_draft
 
 
 def _drafts_are_exact(params: SamplingParams) -> bool:
-    """Whether a draft's check (the token its row draws at its position: the argmax, or the counter-based draw
-    for that position, model/sampling/sampler.py) is what decoding would draw: no penalty (it would depend on the drafts
-    before it), no logprobs to report."""
+    """A draft row draws what decoding would: no penalty (it would see the drafts before it), no logprobs."""
     return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
             and params.logprobs is None)
 
 
 def fork_seed(request_seed: int, index: int) -> int:
-    """The random stream of a request's sample `index` (0 is the request's own seed)."""
+    """The random stream of a request's sample `index` (0: the request's seed)."""
     return (request_seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
@@ -64,8 +58,7 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     kv_bytes_per_token: int = 0  # for the metrics
-    # the keys every layer attends when every layer has a sliding window (the largest), else None: blocks wholly
-    # before a sequence's window then go back as it advances (BlockManager.release_outside_window)
+    # the largest window when every layer has one, else None (BlockManager.release_outside_window)
     sliding_window: int | None = None
 
 
@@ -95,9 +88,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     seed: int, beam: BeamSearchParams | None = None, grammar: GrammarState | None = None) -> None:
-        """Queue a request. With n > 1 (or a beam search) one sequence prefills the prompt and is
-        forked when it first samples, so the prompt's blocks are computed and stored once. `grammar`: the
-        fresh matcher of a structured-output request (batchrun.structured); each sample forks its own."""
+        """Queue a request. With n > 1 or beams, one sequence prefills and is forked when it first samples, so the
+        prompt's blocks are computed once. `grammar`: a fresh structured-output matcher, forked per sample."""
         if grammar is not None and beam is not None:
             raise ValueError("structured outputs do not combine with beam search")
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
@@ -116,7 +108,7 @@ class Engine:
         self.metrics.prompt_tokens += len(prompt_ids)
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
-        """A child sharing all of the parent's blocks; its random stream is the request's, offset by index."""
+        """A child sharing all of the parent's blocks, with the random stream of sample `index`."""
         child = self._new_seq(list(parent.token_ids), parent.prompt_len, fork_seed(group.seed, index), index,
                               group.params)
         child.status = SeqStatus.RUNNING
@@ -176,10 +168,7 @@ class Engine:
         return finished
 
     def _sampling_requests(self, out: SchedulerOutput) -> tuple[list[Sequence], dict[int, ScheduledSeq]]:
-        """Fill out.sampling: what the runner draws for each sequence that samples. Returns those sequences,
-        and the chunks with drafts by their index among them. A plain row (one draw, not a beam) keeps its
-        SamplingRequest across steps: only its RNG counter, and its banned ids once min_tokens is reached,
-        change."""
+        """Fill out.sampling (a plain row's request reused); the sampling sequences, and the draft chunks by index."""
         seqs: list[Sequence] = []
         verify: dict[int, ScheduledSeq] = {}
         requests = out.sampling
@@ -223,9 +212,8 @@ class Engine:
 
     def _apply(self, seqs: list[Sequence], requests: list[SamplingRequest], result: StepOutput,
                verify: dict[int, ScheduledSeq]) -> None:
-        """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs.
-        A plain row (one token, no logprobs, no grammar) takes the fast path: append, then its StopRule; a
-        row with drafts then keeps the drafts that decoding confirms (_accept_drafts)."""
+        """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs. A plain
+        row (one token, no logprobs, no grammar) takes the fast path, then keeps its confirmed drafts."""
         tokens, lps = result.token_ids, result.logprobs
         top_ids, top_lps = result.top_token_ids, result.top_logprobs
         row = beam_row = 0
@@ -291,10 +279,8 @@ class Engine:
         return False
 
     def _accept_drafts(self, seq: Sequence, token: int, chunk: ScheduledSeq, drawn: list[int], at: int) -> int:
-        """Keep the drafts of `chunk` that decoding confirms: draft j stands when it equals the token drawn before
-        it (`token`, then the token drawn at the draft before); each one kept adds the token drawn at its own row
-        (the argmax, or the seeded draw of that position). Every appended token goes through the stop rule as a
-        decoded one would. Returns how many tokens were appended."""
+        """Keep drafts while each equals the token drawn before it; each kept one appends the token drawn at its
+        row, through the stop rule as decoding would. Returns how many tokens were appended."""
         drafts = chunk.token_ids[1:]
         kept = 0
         for j in range(chunk.num_draft):
@@ -313,7 +299,7 @@ class Engine:
 
     def _append(self, seq: Sequence, p: SamplingParams, token: int, logprob: float | None,
                 top: tuple[list[int], list[float]] | None) -> None:
-        """Record a sampled token and decide whether the sequence is done (the general path)."""
+        """Record a sampled token and decide the stop (the general path)."""
         seq.token_ids.append(token)
         self.metrics.generation_tokens += 1
         if logprob is not None and p.logprobs is not None:
@@ -335,7 +321,7 @@ class Engine:
 
     # ---- beam search ---------------------------------------------------------------------------------
     def _beam_step(self, group: SequenceGroup) -> None:
-        """Every live beam has its candidates: pick the next beams (engine/beam.py)."""
+        """Every live beam has its candidates: pick the next beams."""
         params: BeamSearchParams = group.beam
         beams = group.live()
         candidates = [self._beam_candidates.pop(b.seq_id) for b in beams]
@@ -375,7 +361,7 @@ class Engine:
             self._prune(group)
 
     def _prune(self, group: SequenceGroup) -> None:
-        """Forget a beam group's finished beams: its result lives in its hypotheses."""
+        """Forget a beam group's finished beams (its result is in its hypotheses)."""
         for s in group.seqs:
             if s.is_finished:
                 self.seqs.pop(s.seq_id, None)
@@ -397,8 +383,7 @@ class Engine:
         m.num_running = running
         dt = time.perf_counter() - t0
         if self.scheduler.config.num_speculative_tokens and all(map(_decodes_only, out.seqs)):
-            # what a decode row costs at this step's size: what a draft row costs (draft_policy.py). A step with a
-            # prompt chunk is left out: a chunk's rows cost less each (one large matmul) than decode rows.
+            # decode-only steps price a draft row (draft_policy.py); a prompt chunk's rows cost less each
             self.scheduler.step_costs.observe(out.num_tokens, dt)
         m.step_time_s += dt
         m.model_time_s = self.runner.model_time_s
@@ -408,7 +393,7 @@ class Engine:
         m.engine_overhead_s += dt - (self.runner.model_time_s - model_before)
 
     def metrics_dict(self) -> dict[str, float | int]:
-        """The metrics, with the waiting / swapped gauges counted now (O(queue), so not every step)."""
+        """The metrics, with the waiting / swapped gauges counted now (O(queue): not every step)."""
         sch, m = self.scheduler, self.metrics
         m.num_waiting = sum(len(g.live()) for g in sch.waiting)
         m.num_swapped = sum(len(g.live()) for g in sch.swapped)
@@ -424,7 +409,6 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def check_idle(self) -> None:
-        """No block in use in either pool once every request is done (a test and debugging aid)."""
         bm = self.block_manager
         bm.check()
         assert bm.num_used == 0 and bm.num_host_used == 0, (bm.num_used, bm.num_host_used)

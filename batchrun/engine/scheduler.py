@@ -1,11 +1,8 @@
-"""Greedy continuous batching, first come first served, on the block manager's budget.
+"""Continuous batching, first come first served, within the block manager's budget.
 
-Each step: (1) the running groups advance (a decode token, or the next chunk of a prompt), preempting the
-latest-arrived group when blocks run out; (2) swapped groups come back before anything new; (3) waiting
-groups are admitted while blocks (above the watermark), `max_num_seqs` and the step's token budget allow.
-The result is one `SchedulerOutput` (engine/contract.py): all the runner is told. After the step,
-`update` is the one bookkeeping call: the computed tokens are in the cache, full blocks are published.
-"""
+Each step: the running groups advance (a decode token or a prompt's next chunk), preempting the newest group when
+blocks run out; swapped groups come back before anything new; waiting groups are admitted while blocks above the
+watermark, `max_num_seqs` and the token budget allow. `update` then records what the step computed."""
 
 from __future__ import annotations
 
@@ -29,11 +26,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     preemption_mode: str = "auto"  # "recompute" | "swap" | "auto"
-    # speculative decoding: draft tokens per decoding sequence with a drafter (0: none), while the step's decode
-    # rows and drafts stay within speculative_max_rows; which are checked is draft_policy.py's choice
+    # drafts per decoding sequence (0: none), while a step's decode rows and drafts fit speculative_max_rows
     num_speculative_tokens: int = 0
     speculative_max_rows: int = 128
-    # For the auto cost model (see Scheduler._prefer_swap): filled in by the engine from the model.
+    # the auto preemption cost model's rates (Scheduler._prefer_swap), filled in from the model and device
     flops_per_token: float = 0.0
     bytes_per_block: float = 0.0
     compute_flops_per_s: float = 1e11
@@ -59,8 +55,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.stats = StepStats()
         self.step_costs = StepCosts()  # a step's seconds by its rows, observed by the engine (draft_policy.py)
-        # sequences admitted with only part of their prompt scheduled: their next chunks (scheduled with the
-        # running groups) are published ahead too, so a prefix split over steps is still shared in its step
+        # sequences admitted with part of their prompt: their next chunks are published ahead too
         self._prefilling: dict[int, Sequence] = {}
         self._finished_since_drop = False  # a sequence finished since drop_finished_groups last looked
         self._mixed = False  # this step schedules some chunk that is not a single token
@@ -76,14 +71,13 @@ class Scheduler:
         return sum(len(g.live()) + g.pending_forks for g in self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """A sequence ended: its blocks go back at once (its full blocks stay in the prefix cache)."""
+        """A sequence ended: its blocks go back now (its full blocks stay cached)."""
         seq.status = SeqStatus.FINISHED
         self.bm.free_seq(seq.seq_id)
         self._finished_since_drop = True
 
     def clear(self) -> list[SequenceGroup]:
-        """Empty every queue (an abort); returns the groups that were in them. Their blocks are the caller's
-        to give back."""
+        """Empty every queue (an abort) and return the groups; the caller gives back their blocks."""
         groups = [*self.waiting, *self.running, *self.swapped]
         self.waiting.clear()
         self.running.clear()
@@ -91,8 +85,7 @@ class Scheduler:
         return groups
 
     def drop_finished_groups(self) -> list[SequenceGroup]:
-        """Take the finished groups out of the running queue (a group finishes only when one of its
-        sequences does, so a step where none did looks at nothing)."""
+        """Take the finished groups out of the running queue (a no-op unless a sequence finished)."""
         if not self._finished_since_drop:
             return []
         self._finished_since_drop = False
@@ -111,14 +104,12 @@ class Scheduler:
         budget = [cfg.max_num_batched_tokens]
         preempted = False
 
-        # 1. running groups, oldest first; the newest are the preemption victims. `held` counts the
-        # sequences of the groups that stay running (kept current as groups join below).
+        # 1. running groups, oldest first; the newest are the preemption victims. `held`: sequences staying.
         self._mixed = False  # (set by _schedule_group)
         running, decode_slot, seqs_out = self.running, self.bm.decode_slot, out.seqs
         status_running = SeqStatus.RUNNING
         held = 0
-        # rows left for drafts this step (the running groups' decode rows come first); none while free blocks
-        # are few, so that drafts never take the block a running sequence needs to grow (no preemption for them)
+        # rows left for drafts; none while free blocks are few, so a draft never causes a preemption
         spare = cfg.speculative_max_rows - len(running) \
             if cfg.num_speculative_tokens and self.bm.num_free > 2 * len(running) else 0
         drafts = self._plan_drafts(spare) if spare > 0 else None
@@ -127,8 +118,7 @@ class Scheduler:
             group = running[i]
             seqs = group.seqs
             if len(seqs) == 1 and budget[0] > 0:
-                # the decode fast path: one sequence, one token, no copy-on-write. The same blocks and
-                # ScheduledSeq as _schedule_group would make, in fewer steps (and the ScheduledSeq reused)
+                # decode fast path: what _schedule_group would make, with the ScheduledSeq reused
                 seq = seqs[0]
                 start = seq.num_computed
                 tokens = seq.token_ids
@@ -187,9 +177,8 @@ class Scheduler:
                 if not self._schedule_group(group, out, budget):
                     break  # stays running with nothing scheduled this step; it goes first next step
 
-        # 3. admit new work. Nothing is preempted from here on, so the blocks this step's chunks fill can be
-        # published before the step runs: a group admitted below maps the full blocks of a common prefix that
-        # an earlier group computes in this very step, instead of computing them again (block_manager.py).
+        # 3. admit new work. Nothing is preempted from here on, so this step's filled blocks are published
+        # ahead: a group admitted below maps a common prefix an earlier group computes in this step.
         if not preempted and not self.swapped:
             if self._prefilling:
                 self._publish_continuations(out)
@@ -219,12 +208,8 @@ class Scheduler:
         return out
 
     def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int]) -> bool:
-        """Schedule the next tokens of the group's live sequences.
-
-        A sequence already holding blocks that cannot grow fails the call (False: the caller preempts
-        and retries); nothing of the group is scheduled then. A sequence without blocks (new, or
-        preempted by recompute) that cannot get them just waits for a later step.
-        """
+        """Schedule the group's next tokens. False (nothing scheduled) when a resident sequence cannot grow:
+        the caller preempts and retries. A sequence without blocks that cannot get them waits."""
         planned: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         budget_before = budget[0]
@@ -268,9 +253,7 @@ class Scheduler:
         return True
 
     def _plan_drafts(self, spare: int) -> dict[int, list[int]]:
-        """Draft tokens for this step's decoding sequences, within `spare` rows: seq_id -> drafts. Each sequence
-        proposes up to num_speculative_tokens; draft_policy.choose_drafts keeps those expected to pay for their
-        rows at this step's size (self.step_costs: what steps have cost by their rows)."""
+        """seq_id -> the drafts this step checks, within `spare` rows (draft_policy.choose_drafts decides)."""
         room = min(self.config.num_speculative_tokens, spare)
         proposals = []
         for group in self.running:
@@ -286,8 +269,7 @@ class Scheduler:
         return choose_drafts(proposals, len(self.running), spare, self.step_costs)
 
     def _schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput, budget: list[int]) -> bool:
-        """Schedule a decoding sequence's token with the drafts after it (as many as the token budget leaves room
-        for); False when none fit or their blocks are short (then it decodes plainly)."""
+        """Schedule a decode token with the drafts the budget fits; False (decode plainly) when none fit."""
         drafts = drafts[: budget[0] - 1]
         if not drafts:
             return False
@@ -304,8 +286,7 @@ class Scheduler:
         return True
 
     def _preempt_sibling(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
-        """The only running group cannot grow: recompute one of its sequences later instead of the whole
-        group, so a group whose samples together outgrow the cache still finishes, a few at a time."""
+        """The only running group cannot grow: recompute one of its sequences later (it finishes a few at a time)."""
         resident = [s for s in group.live() if self.bm.is_resident(s.seq_id)]
         if len(resident) <= 1:
             return False
@@ -318,12 +299,8 @@ class Scheduler:
         return True
 
     def _pick_waiting(self) -> int:
-        """Which waiting group to admit: among the first PREFIX_WINDOW, the one with the most prompt blocks
-        already in the prefix cache (an offline job knows its prompts, so serving the ones that share what
-        is cached first saves recomputing it after eviction). No group is passed over more than
-        PREFIX_WINDOW times, so none starves. A head whose every full prompt block is cached (or published
-        by a group admitted this step) is taken at once: it recomputes nothing, and the scan is skipped in
-        the common case of many rows sharing one system prompt."""
+        """Among the first PREFIX_WINDOW waiting groups, the one with the most prompt blocks cached; a head fully
+        cached is taken at once, and none is passed over more than PREFIX_WINDOW times."""
         head = self.waiting[0]
         if not self.bm.enable_prefix_caching or len(self.waiting) == 1 or head.bypassed >= PREFIX_WINDOW:
             return 0
@@ -342,7 +319,7 @@ class Scheduler:
         return self.bm.num_cached_blocks(group.block_keys)
 
     def _publish_admitted(self, group: SequenceGroup, chunks: list[ScheduledSeq]) -> None:
-        """Publish the full blocks the just-admitted group's chunks fill, for the groups admitted after it."""
+        """Publish ahead the blocks the admitted group's chunks fill, for the groups admitted after it."""
         for chunk in chunks:
             seq = next(s for s in group.seqs if s.seq_id == chunk.seq_id)
             end = chunk.start + len(chunk.token_ids)
@@ -351,9 +328,7 @@ class Scheduler:
                 self._prefilling[seq.seq_id] = seq
 
     def _publish_continuations(self, out: SchedulerOutput) -> None:
-        """Publish the blocks that this step's later chunks of partly admitted prompts fill; forget the
-        sequences whose prompt this step completes, or that are no longer resident (preempted, finished,
-        aborted: a recomputed one is tracked again when it is admitted again)."""
+        """Publish ahead this step's later chunks of partly admitted prompts; forget completed or evicted ones."""
         prefilling, bm = self._prefilling, self.bm
         for chunk in out.seqs:
             seq = prefilling.get(chunk.seq_id)
@@ -374,9 +349,7 @@ class Scheduler:
 
     # ---- preemption ------------------------------------------------------------------------------
     def _prefer_swap(self, group: SequenceGroup) -> bool:
-        """The auto cost model. Recompute costs a prefill of every token the group holds (its model FLOPs
-        at the device's compute rate); swap costs moving its distinct blocks out and back over the
-        host link, plus a fixed latency. A forked group always swaps: recompute would lose the sharing."""
+        """Auto: swap when moving the blocks out and back costs less than a prefill; a forked group always swaps."""
         mode = self.config.preemption_mode
         if mode == "recompute" or self.bm.num_host_blocks == 0:
             return False
@@ -394,10 +367,8 @@ class Scheduler:
         ids = {s.seq_id for s in live}
         out.seqs[:] = [s for s in out.seqs if s.seq_id not in ids]  # forget what it had this step
         resident = [s.seq_id for s in live if self.bm.is_resident(s.seq_id)]
-        # A copy-on-write made earlier in this step for one of its sequences (kept by _schedule_group for the
-        # siblings whose tables had changed) has not run: the runner swaps out before it copies, so swapping the
-        # copy's block out would save a block nothing was written to yet. Such a block is swapped out from the
-        # block it copies instead, and the copy dropped (found by the scheduler state machine's KV check).
+        # The runner swaps out before it copies: a block this step's copy-on-write fills is swapped out from
+        # its source instead, and the copy dropped.
         copy_of = {dst: src for src, dst in out.copies} if out.copies else {}
         victim_blocks = {b for seq_id in resident for b in self.bm.block_table(seq_id)} if copy_of else set()
         if victim_blocks:
@@ -424,8 +395,7 @@ class Scheduler:
 
     # ---- after the step --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
-        """The step ran: its tokens are in the cache now. Advance the counters and publish full blocks to
-        the prefix cache (before the engine appends the sampled tokens and decides stops)."""
+        """The step ran: advance num_computed and publish the filled blocks, before the engine appends tokens."""
         commit = self.bm.commit
         bs = self.bm.block_size
         caching = self.bm.enable_prefix_caching
@@ -441,9 +411,7 @@ class Scheduler:
                 self.bm.release_outside_window(seq.seq_id, computed)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """The engine kept the first num_accepted drafts of the sequence's step: their K/V, stored by that step,
-        are the sequence's now. The rejected ones' slots are overwritten by later steps, and blocks taken
-        only for them go back (the table then covers the computed tokens and the next one)."""
+        """The first num_accepted drafts' K/V are the sequence's now; blocks taken only for rejected ones go back."""
         if num_accepted:
             seq.num_computed += num_accepted
             if self.bm.enable_prefix_caching:

@@ -10,8 +10,7 @@ from batchrun.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class StopRule:
-    """A sequence's stop conditions, worked out once, so that the check after each token is a length
-    comparison and one dict lookup (engine fast path); the same decisions as stop_decision."""
+    """A sequence's stop conditions worked out once for the engine's fast path: stop_decision's decisions."""
 
     stop_reasons: dict[int, int | None]  # a token that stops it -> stop_reason (EOS: None, a stop token: itself)
     min_len: int  # len(token_ids) from which it may stop (prompt + min_tokens)
@@ -29,11 +28,8 @@ def stop_rule(params: SamplingParams, eos_token_ids: tuple[int, ...], prompt_len
 
 def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_ids: tuple[int, ...],
                   max_model_len: int, grammar_ended: bool = False) -> tuple[str, int | str | None] | None:
-    """(finish_reason, stop_reason) once `token` (already appended) ends the sequence, else None. The
-    detokenizer sees every token that is not a stop token, so stop strings spanning tokens are found;
-    nothing stops before min_tokens but the length limits and a structured output's grammar ending
-    (`grammar_ended`: nothing more may follow, so the sequence stops, min_tokens or not). On a decision
-    the detokenizer is told the sequence ended (a deferred one decodes its text then)."""
+    """(finish_reason, stop_reason) when `token` (appended) ends the sequence, else None. Before min_tokens only
+    the length limits and an ended grammar stop it; every token but a stop token reaches the detokenizer."""
     n = seq.num_output
     can_stop = n >= params.min_tokens
     if can_stop and ((not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids):
@@ -62,8 +58,7 @@ INCOMPLETE_AT_STOP = "structured output is incomplete: generation stopped before
 
 
 def structured_error(seq: Sequence) -> str | None:
-    """A finished constrained sequence whose text is not a complete match gets this error (so that no row
-    looks valid that is not); None when it is complete or unconstrained."""
+    """The error of a finished constrained sequence whose text is not a complete match, else None."""
     g = seq.grammar
     if g is None or g.is_terminated() or g.is_completed():
         return None

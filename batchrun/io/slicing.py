@@ -5,7 +5,7 @@ Rows are numbered twice: a global `index` in the whole input, and a `pos`ition i
 [base, base + length) and pos = index - base; a strided shard (an input whose length is unknown) holds every
 `stride`-th row from `base`, pos = (index - base) // stride. A run reads positions [start, end): `start` is
 where the committed rows end, `end` the shard's length or `--limit`, whichever is less; less the positions
-already finished `ahead` of an earlier row (kept at the last commit, batchrun.io.ahead), and plus the positions
+already finished `ahead` of an earlier row (kept aside at the last commit), and plus the positions
 to `redo` before `start` (the range of a damaged part, the error rows of `--retry-errors`).
 
 Both executors use one RowSlice: the local one reads its rows with `read`, the Ray one picks the input files
@@ -15,15 +15,12 @@ and the Indexer's keep test (`position_of`) from it. The dataclass is small and 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from batchrun.io.sources import Row, Source
-
-if TYPE_CHECKING:
-    from batchrun.plan import JobPlan
 
 Batch = list[tuple[int, int, Row]]  # (pos, global index, row)
 
@@ -38,18 +35,12 @@ class RowSlice:
     redo: tuple[int, ...] = ()  # positions before `start` to compute again, ascending
     ahead: tuple[int, ...] = ()  # positions from `start` on already finished (not computed again)
 
-    @classmethod
-    def of_plan(cls, plan: JobPlan, start: int, *, redo: tuple[int, ...] = (), ahead: tuple[int, ...] = (),
+    def resumed(self, start: int, *, redo: tuple[int, ...] = (), ahead: tuple[int, ...] = (),
                 new_rows: bool = True) -> RowSlice:
-        """The slice a plan gives this shard (contiguous or strided, --limit), resuming at position `start`.
-        new_rows False: only `redo` (--retry-errors computes no row that was not computed before)."""
-        limit = plan.limit if new_rows else start
-        if plan.strided:
-            return cls(base=plan.shard.index, stride=plan.shard.count, start=start, limit=limit,
-                       redo=tuple(sorted(redo)), ahead=tuple(sorted(ahead)))
-        length = None if plan.hi is None else plan.hi - plan.lo
-        return cls(base=plan.lo, start=start, length=length, limit=limit, redo=tuple(sorted(redo)),
-                   ahead=tuple(sorted(ahead)))
+        """This slice resuming at position `start`, computing `redo` again and not `ahead`. new_rows False: only
+        `redo` (--retry-errors computes no row that was not computed before)."""
+        return dataclasses.replace(self, start=start, limit=self.limit if new_rows else start,
+                                   redo=tuple(sorted(redo)), ahead=tuple(sorted(ahead)))
 
     @functools.cached_property
     def _redo(self) -> frozenset[int]:

@@ -1,5 +1,4 @@
-"""Errors of the model layer, in a module of their own so that every model module can raise them
-without importing the loader (which imports the model code)."""
+"""The model layer's errors, apart so that any model module can raise them without importing the loader."""
 
 from __future__ import annotations
 
@@ -9,5 +8,4 @@ class ModelLoadError(ValueError):
 
 
 class InsufficientMemoryError(ModelLoadError):
-    """The model and its KV cache do not fit the memory this machine has available (raised before loading:
-    batchrun.model.runner.memory)."""
+    """The model and its KV cache do not fit the memory available (raised before loading: runner/memory.py)."""

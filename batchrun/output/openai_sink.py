@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchrun.io.rows import RowTask
 from batchrun.output.files import (
     SinkError,
     WriteFailure,
@@ -22,9 +23,9 @@ from batchrun.output.files import (
     write_bytes_atomic,
     write_json_atomic,
 )
+from batchrun.output.folder import AHEAD_JSONL, OPENAI_OUTPUT, PROGRESS
 from batchrun.output.openai_logprobs import Decode, chat_logprobs, completion_logprobs, token_decoder
-from batchrun.io.rows import RowTask
-from batchrun.output.sinks import AHEAD_JSONL, OPENAI_OUTPUT, PROGRESS, Counts, OutputSpec, Sink, StoredRow
+from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow
 
 log = logging.getLogger(__name__)
 

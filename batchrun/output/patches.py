@@ -4,7 +4,7 @@ Two kinds of part are patched: a damaged part found in the middle of the output 
 once every position of its range is back (its old bytes are worth nothing), and a sound part whose error rows
 `--retry-errors` computes again, rewritten with those rows replaced and every other row kept as it is. The
 latter is also rewritten with whatever of it is back at each commit interval and when the run stops, so a
-kill loses at most that much; each rewrite replaces the part atomically (batchrun.output.sinks.replace_part),
+kill loses at most that much; each rewrite replaces the part atomically (batchrun.output.parquet.ParquetSink.replace_part),
 so the output is whole at every moment and a rerun retries only the rows still in error.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from batchrun.io.rows import RowTask
 
 if TYPE_CHECKING:
-    from batchrun.output.sinks import Sink
+    from batchrun.output.sink import Sink
 
 Patched = tuple[RowTask, Any, bool]  # (task, outputs, write)
 

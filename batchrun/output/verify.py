@@ -19,13 +19,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.config import JobError
+from batchrun.io.sources import open_source
 from batchrun.output.files import SinkError
+from batchrun.output.folder import (
+    AHEAD,
+    AHEAD_JSONL,
+    METRICS,
+    OPENAI_OUTPUT,
+    PROGRESS,
+    SHARD_RE,
+    SUCCESS,
+    read_job_file,
+)
 from batchrun.output.lock import in_use
 from batchrun.output.manifest import inspect_parts
 from batchrun.output.parts import part_files
-from batchrun.output.sinks import AHEAD, AHEAD_JSONL, METRICS, OPENAI_OUTPUT, PROGRESS, SUCCESS, read_job_file
-from batchrun.io.sources import open_source
-from batchrun.show import SHARD_RE
 
 
 @dataclass

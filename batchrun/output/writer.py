@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchrun.io.rows import RowTask
-from batchrun.output.sinks import Sink, StoredRow
 from batchrun.output.patches import PartPatcher
 from batchrun.output.signals import Interrupts, JobInterrupted, JobStopped
+from batchrun.output.sink import Sink, StoredRow
 from batchrun.progress import Progress
 
 log = logging.getLogger(__name__)

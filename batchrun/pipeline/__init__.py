@@ -11,12 +11,12 @@
 Nothing here imports batchrun.job, which picks the executor and runs the pieces.
 """
 
-from batchrun.pipeline.engine_api import JobEngine
-from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
+from batchrun.io.slicing import RowSlice
 from batchrun.output.patches import PartPatcher
 from batchrun.output.signals import Interrupts, JobInterrupted, JobStopped
-from batchrun.io.slicing import RowSlice
 from batchrun.output.writer import OrderedWriter, RowFailure
+from batchrun.pipeline.engine_api import JobEngine
+from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
 
 __all__ = ["EngineLoop", "Executor", "Interrupts", "JobEngine", "JobInterrupted", "JobStopped", "OrderedWriter",
            "PartPatcher", "RowFailure", "RowReceiver", "RowSlice", "max_in_flight"]

@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from batchrun.io.rows import RowTask
+from batchrun.io.slicing import RowSlice
 from batchrun.outputs import CompletionOutput
 from batchrun.pipeline.engine_api import JobEngine
-from batchrun.io.slicing import RowSlice
 
 FinishedRow = tuple[RowTask, list[CompletionOutput]]
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from batchrun.io.rows import RequestBuilder
+from batchrun.io.slicing import RowSlice
 from batchrun.pipeline.engine_api import JobEngine
 from batchrun.pipeline.executor import EngineLoop, Executor, RowReceiver, max_in_flight
-from batchrun.io.slicing import RowSlice
 
 if TYPE_CHECKING:
     from batchrun.plan import JobPlan

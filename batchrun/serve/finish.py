@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchrun.output.sinks import OPENAI_OUTPUT, PROGRESS
+from batchrun.output.folder import OPENAI_OUTPUT, PROGRESS
 from batchrun.serve import shapes
 from batchrun.serve.checks import Checked
 from batchrun.serve.store import StateStore

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from batchrun.output.sinks import write_json_atomic
+from batchrun.output.files import write_json_atomic
 from batchrun.serve import shapes
 
 log = logging.getLogger(__name__)

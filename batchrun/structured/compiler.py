@@ -1,11 +1,6 @@
-"""StructuredOutputs: one model's grammar compiler, its cache, and the matchers it hands out.
-
-The tokenizer info is built once from the Hugging Face tokenizer; grammars are compiled once per distinct
-(kind, text) and cached, failures too, so a schema repeated on a million rows compiles once and a bad one
-is refused once. Compilation runs in a worker thread under a time limit (xgrammar releases the GIL while it
-compiles): a pathological schema becomes a one-line error instead of a hung job. A compile that overruns
-cannot be interrupted; it finishes in a daemon thread in the background and its result is dropped.
-"""
+"""StructuredOutputs: one model's grammar compiler; each distinct spec compiled once (failures too), time-limited.
+A matcher lives on the engine's Sequence, which owns every event that changes it (a draw, a fork, the finish; a
+preemption changes nothing); the runner only reads it to fill the step's token bitmask."""
 
 from __future__ import annotations
 
@@ -28,27 +23,24 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 class StructuredOutputError(ValueError):
-    """A structured-output spec that does not compile: the message is one line."""
+    pass
 
 
+# xgrammar's '[time] file.cc:line:' prefix
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
 
 def _one_line(err: BaseException) -> str:
-    """xgrammar's message without its '[time] file.cc:line:' prefix, first line only."""
     text = _XGR_PREFIX.sub("", str(err).strip())
     first = text.splitlines()[0] if text else type(err).__name__
     return first[:300]
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """EBNF for exactly one of the strings (JSON string escapes are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)  # JSON escapes are EBNF's
 
 
 class StructuredOutputs:
-    """Compile specs for one tokenizer / vocabulary and make matchers for them."""
-
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...] | list[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_threads: int = 2) -> None:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
@@ -88,8 +80,7 @@ class StructuredOutputs:
         return hit
 
     def _compile_in_time(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | StructuredOutputError:
-        """Compile in a daemon thread and wait at most timeout_s: an overrunning compile neither holds the
-        job nor its exit (a thread pool's workers would be joined at exit)."""
+        """Wait at most timeout_s on a daemon thread: an overrunning compile holds neither the job nor its exit."""
         result: list = []
 
         def work() -> None:
@@ -116,5 +107,4 @@ class StructuredOutputs:
         return None
 
     def matcher(self, spec: StructuredOutputsParams) -> xgr.GrammarMatcher:
-        """A fresh matcher at the grammar's start; it ends on the model's own stop tokens."""
         return xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids or None)

@@ -1,5 +1,4 @@
-"""Paged attention and the KV store on a CPU (csrc/attention.c): the ctypes wrappers the torch backend calls
-(attention.TorchBackend with cpu_kernels)."""
+"""Paged attention and the KV store on a CPU (csrc/attention.c)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "paged_attention_fp8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F, _B]),
 }
 
-# The fewest lanes (a tile's rows x query heads per kv head) for which bf16 attention goes to AMX outside the
-# batch-invariant mode: prefill chunks, not decode rows (csrc/attention.c, amx_attend_head, has the measurements).
+# The fewest lanes (a tile's rows x query heads per kv head) that take bf16 attention to AMX outside the
+# batch-invariant mode: prefill chunks, not decode rows (docs/cpu-kernels.md has the measurements).
 AMX_PREFILL_LANES = 16
 
 
@@ -33,20 +32,10 @@ def _library() -> ctypes.CDLL | None:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
                     row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     amx_lanes: int = 1, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Paged attention for any mix of decode and prefill / extend query rows, in one call.
-
-    q [N, Hq, D] (rows may be strided, e.g. a view of the fused qkv projection); kv_cache [2, NB, BS, Hkv, D]
-    (one layer, q's dtype) already holding the step's K/V; block_tables int32 [S, >= blocks of the longest
-    row]; row_seq int32 [N]: each row's sequence (its block-table row); row_len int32 [N]: each row attends to
-    keys [0, row_len) of its sequence (a decode row: the context length; a prefill row at position p: p + 1).
-    Rows of one sequence should be consecutive (they share K/V loads). Returns out [N, Hq, D].
-    A row's result depends on that row's query, keys and values only, bit for bit (batch invariance), unless
-    amx_lanes > 1: bf16 tiles of at least that many lanes (rows x query heads per kv head: prefill chunks) then go
-    to AMX where the CPU has it, the others (decode rows) to the vector kernel; 0 keeps all on the vector kernel,
-    1 (the default) puts all on AMX where it runs.
-    window > 0: a sliding window, each row attending only its last `window` keys (block-table entries of blocks
-    wholly before a row's window are never read). softcap > 0: scores soft-capped to softcap * tanh(s / softcap)
-    before the softmax (Gemma 2)."""
+    """out [N, Hq, D] for decode and prefill rows alike: row i attends to keys [0, row_len[i]) of sequence
+    row_seq[i] (int32; its block_tables row) in one layer's kv_cache [2, NB, BS, Hkv, D] (the step's K/V stored). A
+    row's bits are its own unless amx_lanes > 1 (then only bf16 tiles of that many lanes go to AMX; 0: none, 1: all).
+    window > 0: a row sees its last `window` keys only; softcap > 0: scores capped to softcap * tanh(s / softcap)."""
     n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -76,7 +65,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 def _paged_attention_8bit(kernel, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           row_seq: torch.Tensor, row_len: torch.Tensor, scale: float, out: torch.Tensor | None,
                           window: int, softcap: float, *format_args) -> torch.Tensor:
-    """The call both 8-bit pools share: the kernel of the pool's format, its extra arguments last."""
     n, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -95,15 +83,13 @@ def _paged_attention_8bit(kernel, q: torch.Tensor, kv_cache: torch.Tensor, block
 def paged_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
                          row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
                          softcap: float = 0.0) -> torch.Tensor:
-    """paged_attention's contract over an int8 pool (batchrun.kernels.layouts.kv_rows's format): kv_cache int8
-    [2, NB, BS, Hkv, D + 4]; q and out fp32 or bf16. Batch invariant."""
+    """paged_attention over an int8 pool [2, NB, BS, Hkv, D + 4] (kv_rows' format); batch invariant."""
     return _paged_attention_8bit(_library().paged_attention_int8, q, kv_cache, block_tables, row_seq, row_len, scale,
                                  out, window, softcap)
 
 
 def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize k, v [N, Hkv, D] (fp32 or bf16, the same row stride) into their slots of one layer's int8 pool
-    (kv_quant.quantize_rows' bytes); slot_mapping int64 [N], -1 skipped."""
+    """store_kv into an int8 pool, quantized as kv_rows.quantize_rows does (the same bytes)."""
     n, hkv, d = k.shape
     if k.stride() != v.stride() or k.stride(1) != d or k.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
@@ -115,7 +101,6 @@ def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
 def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
                         row_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
                         softcap: float = 0.0) -> torch.Tensor:
-    """paged_attention's contract over an fp8 pool (float8_e4m3fn or float8_e5m2, [2, NB, BS, Hkv, D]); q and out
-    fp32 or bf16. Batch invariant."""
+    """paged_attention over an fp8 pool (float8_e4m3fn or float8_e5m2); batch invariant."""
     return _paged_attention_8bit(_library().paged_attention_fp8, q, kv_cache, block_tables, row_seq, row_len, scale,
                                  out, window, softcap, int(kv_cache.dtype == torch.float8_e5m2))

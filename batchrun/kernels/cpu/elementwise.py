@@ -1,5 +1,4 @@
-"""The fused element-wise ops of a decoder layer on a CPU (csrc/elementwise.c): the ctypes wrappers that
-ops.CpuKernelOps calls."""
+"""The fused element-wise ops of a decoder layer (csrc/elementwise.c)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def _library() -> ctypes.CDLL | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * rmsnorm(x [+ residual]); with a residual, x + residual is also written into residual, which is
-    x's dtype or fp32 (a bf16 model's fp32 residual stream: h is then kept unrounded)."""
+    """weight * rmsnorm(x [+ residual]); x + residual is written back into residual (x's dtype, or fp32)."""
     out = torch.empty_like(x)
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     res = residual.data_ptr() if residual is not None else None
@@ -67,8 +65,6 @@ def tanh_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
           sin: torch.Tensor) -> None:
-    """Rotate the first `heads` heads of each row of x [N, >= heads * head_dim] in place; positions int64 [N];
-    cos/sin fp32 tables [max_pos, rotary_dim], rotary_dim <= head_dim (partial rotary turns the first
-    rotary_dim dims of each head)."""
+    """Rotate the first `heads` heads of each row of x in place by fp32 cos, sin [max_pos, rot <= head_dim]."""
     _library().rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.shape[1], positions.data_ptr(),
                     cos.data_ptr(), sin.data_ptr(), dtype_flag(x))

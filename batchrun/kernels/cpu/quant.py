@@ -1,5 +1,4 @@
-"""The weight-only quantized linears on a CPU (csrc/quant_linears.c): a QuantizedWeight packed once into the
-kernel's panels (pack), and y = x W^T + b on them with the activations quantized per row on the fly (linear)."""
+"""Quantized linears (csrc/quant_linears.c): weights packed once, activations quantized on the fly."""
 
 from __future__ import annotations
 
@@ -30,13 +29,11 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the quantized kernels are built here (any CPU with a C compiler: the plain C loop runs anywhere)."""
     return _library() is not None
 
 
 def kernel() -> str:
-    """Which kernel runs: "vnni" (AVX512-VNNI), "avx2" (AVX2 without AVX512-VNNI), "plain" (the C loop: no AVX2,
-    or BATCHRUN_QUANT_VNNI=0, which forces it on any CPU), or "" (no library)."""
+    """The kernel that runs: "vnni", "avx2", "plain" (no AVX2, or BATCHRUN_QUANT_VNNI=0), "" (no library)."""
     if _library() is None:
         return ""
     isa = _library().quant_isa()
@@ -45,16 +42,12 @@ def kernel() -> str:
     return "vnni" if isa == 2 else "avx2"
 
 
-# The most inputs that share one activation scale: each row's activations are quantized per group of at most this
-# many (a divisor of the weights' group, kernel_group). Top-1 agreement of int8 (weights in groups of 128) with bf16
-# on SmolLM2 (tests/test_quant_accuracy.py, 384 positions): 96.6% with activation groups of 128, 97.7% with 32; one
-# scale per row (and per-row weights) had 89.7% (benchmarks/quant_accuracy.py, 512 positions).
+# The most inputs of a row that share one activation scale (accuracy by group size: docs/quantization.md).
 ACTIVATION_GROUP = 32
 
 
 def kernel_group(weight: QuantizedWeight) -> int:
-    """The groups the kernel sums in, each with its activation scale: the weights' group, or where it is larger
-    than ACTIVATION_GROUP the largest divisor of it in whole k-steps up to that."""
+    """The activation group: the weights' group, or its largest divisor in whole k-steps up to ACTIVATION_GROUP."""
     step = 4 if weight.bits == 8 else 8
     if weight.group_size <= ACTIVATION_GROUP:
         return weight.group_size
@@ -63,8 +56,7 @@ def kernel_group(weight: QuantizedWeight) -> int:
 
 
 def supports(weight: QuantizedWeight) -> bool:
-    """Whether the kernels take this weight: the inputs and groups in whole k-steps (4 inputs for int8, 8 for
-    int4, what one vpdpbusd dword holds)."""
+    """Whether the inputs and groups are whole k-steps (4 inputs for int8, 8 for int4)."""
     step = 4 if weight.bits == 8 else 8
     return weight.shape[1] % step == 0 and weight.group_size % step == 0
 
@@ -74,17 +66,14 @@ PANEL = 32
 
 
 def packed_nbytes(bits: int, out_features: int, in_features: int, group_size: int) -> int:
-    """What pack() holds for a weight of this shape: the integers, and an fp32 scale (int4: and offset) per
-    weight group, the outputs padded to whole panels. The memory plan counts quantized linears with it before
-    anything loads."""
+    """Bytes pack() holds for a weight of this shape (the memory plan counts quantized linears with it)."""
     rows = -(-out_features // PANEL) * PANEL
     return rows * in_features * bits // 8 + rows * (in_features // group_size) * 4 * (1 if bits == 8 else 2)
 
 
 @dataclass
 class PackedQuantWeight:
-    """A QuantizedWeight in the kernel's panels: `packed` (the integers), `scale` and for int4 `offset` (fp32) per
-    panel and weight group (weight_group inputs); the activations go in groups of group_size (kernel_group)."""
+    """A weight in the kernel's panels; group_size is the activation group (kernel_group)."""
 
     bits: int
     out_features: int
@@ -101,7 +90,6 @@ class PackedQuantWeight:
 
 
 def pack(weight: QuantizedWeight) -> PackedQuantWeight:
-    """Repack once, at load (the plain layout's tensors can go afterwards)."""
     if not supports(weight):
         raise ValueError(f"quantized linears need inputs and groups in multiples of {4 if weight.bits == 8 else 8}, "
                          f"not {weight.shape[1]} inputs in groups of {weight.group_size}")
@@ -128,8 +116,7 @@ def pack(weight: QuantizedWeight) -> PackedQuantWeight:
 
 def linear(x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, plain: bool | None = None) -> torch.Tensor:
-    """x [rows, K] fp32 or bf16 times the packed weight: [rows, N] in out_dtype (x's by default); bias in
-    out_dtype. plain: the C loop instead of the vector kernel (None: as kernel() says)."""
+    """x [rows, K] fp32 or bf16 -> [rows, N] in out_dtype (x's by default); plain: the C loop (None: kernel())."""
     rows, k = x.shape
     if not x.is_contiguous():
         x = x.contiguous()

@@ -1,5 +1,4 @@
-"""Kernels on a step's logits on a CPU (csrc/sampling.c): the bf16 logits' widening with each row's top k
-(llama.py's lm_head), the structured outputs' token mask (grammar_mask.py) and the rows' tokens (sampler.py)."""
+"""Kernels on a step's logits (csrc/sampling.c): top-k of bf16 logits, the grammar's token mask, sampling."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from functools import cache
 import torch
 
 from batchrun.kernels import cpu as cpu_kernels
+
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "logits_top": (None, [_P, _P, _I, _I, _I, _P]),
@@ -24,8 +24,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 logits [N, V] -> (the same in fp32, int64 [N, k] indices of each row's k largest, in no order);
-    k <= 64."""
+    """bf16 logits [N, V] -> (them in fp32, int64 [N, k] indices of each row's k largest in no order); k <= 64."""
     if not logits.is_contiguous():
         logits = logits.contiguous()
     n, vocab = logits.shape
@@ -36,8 +35,8 @@ def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
-    """logits fp32 [N, >= vocab] (rows contiguous), in place: -inf where the int32 bitmask [>= N, words]
-    (xgrammar's layout: bit t % 32 of word t // 32) has token t off, for the listed rows only."""
+    """In place, for the listed rows of fp32 logits: -inf where the int32 bitmask (xgrammar's layout: bit t % 32 of
+    word t // 32) has token t off."""
     if logits.stride(-1) != 1 or bitmask.stride(-1) != 1 or logits.dtype != torch.float32:
         raise ValueError("apply_token_bitmask takes fp32 logits and an int32 bitmask with contiguous rows")
     index = torch.tensor(rows, dtype=torch.int64)
@@ -47,10 +46,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
-    """Every row's token (int64 [rows]) from fp32 logits [rows, vocab] (rows contiguous): the first maximum
-    where temperature (float32 [rows]) is 0, else a draw with the row's uniform u (float64 [rows]) through its
-    top_k (int64, 0 off), top_p (float32, 1 off) and min_p (float32, 0 off) filters; None: off for every row.
-    The kept set and the draw are model/sampling/sampler.py's definition, found without a sort (csrc/sampling.c)."""
+    """int64 [rows] tokens from fp32 logits: the first maximum where temperature is 0, else u's (float64) draw
+    through top_k (0 off), top_p (1 off), min_p (0 off), None: off for all rows; sampler.py's definition, unsorted."""
     if logits.stride(-1) != 1 or logits.dtype != torch.float32:
         logits = logits.float().contiguous()
     rows, vocab = logits.shape
@@ -65,8 +62,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 def sample_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sample_rows' filters and draw on given weights (fp32 [rows, vocab] >= 0, no exp between; min_p relative to
-    each row's largest weight): (tokens int64 [rows], each row's kept-set threshold float32 [rows]). For tests."""
+    """For tests: sample_rows' draw on weights >= 0 (no exp) -> (tokens, each row's kept-set threshold)."""
     w = weights.float().contiguous()
     rows, vocab = w.shape
     out = torch.empty(rows, dtype=torch.int64)

@@ -1,13 +1,5 @@
-"""How many CPU threads the engine runs: the CPUs this process may use, not the machine's count.
-
-A scheduler gives a task its CPUs in one of three ways, and a process sees each differently: an affinity
-mask (Slurm with task/affinity or task/cgroup, `taskset`, numactl), a CFS quota in its cgroup (containers,
-Kubernetes CPU limits, Slurm's cgroup plugin; the process still sees every core), or only an environment
-variable (SLURM_CPUS_PER_TASK where Slurm enforces nothing, e.g. TaskPlugin=task/none). The count is the
-least of the three; a quota of 1.5 CPUs gives 1 thread (a second one would be throttled). `engine.num_threads`
-overrides it, as does OMP_NUM_THREADS when set. The count goes to torch's intra-op pool, which is also the
-OpenMP pool the C kernels' loops run on (batchrun.kernels.cpu), and is logged once at start.
-"""
+"""How many CPU threads the engine runs: the least of the affinity mask, the cgroup CPU quota (rounded down) and
+SLURM_CPUS_PER_TASK, unless engine.num_threads or OMP_NUM_THREADS says. It sizes torch's pool, the C kernels' too."""
 
 from __future__ import annotations
 
@@ -44,8 +36,7 @@ def allowed_cpus(env: Mapping[str, str] | None = None, cgroup_root: Path = CGROU
 
 
 def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
-    """CPUs the process's cgroup (and its parents) may use per period, None when unlimited or unknown:
-    cgroup v2's cpu.max ("max 100000" or "150000 100000"), v1's cpu.cfs_quota_us / cpu.cfs_period_us."""
+    """CPUs per period the process's cgroups allow (v2 cpu.max, v1 cfs quota / period); None: unlimited."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -64,8 +55,7 @@ def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_C
 
 
 def _walk(root: Path, path: str, read) -> list[float]:
-    """The quotas from the process's own cgroup folder up to the root (any of them limits it). Inside a
-    container the folder named in /proc/self/cgroup may not exist: its root is then the container's own."""
+    """The quotas from the process's cgroup folder up to the root (in a container that folder may be missing)."""
     here = root / path.strip("/")
     if not here.is_dir():
         here = root
@@ -97,7 +87,6 @@ def _v1_quota(folder: Path) -> float | None:
 
 
 def thread_count(num_threads: int | None, env: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """engine.num_threads, else OMP_NUM_THREADS, else what the process may use."""
     env = os.environ if env is None else env
     if num_threads is not None:
         return num_threads, "engine.num_threads"
@@ -109,7 +98,7 @@ def thread_count(num_threads: int | None, env: Mapping[str, str] | None = None) 
 
 
 def configure_threads(num_threads: int | None) -> int:
-    """Size torch's (and so OpenMP's and the C kernels') thread pool; returns the count."""
+    """Size torch's thread pool (the C kernels' too); returns the count."""
     import torch
 
     n, why = thread_count(num_threads)

@@ -1,23 +1,13 @@
-"""The quantized KV cache (`kv_cache_dtype: int8`): its format, and the torch reference of its encoding and load
-(attention.store_kv_torch scatters what encode_rows gives into any pool).
-
-Format: the pool keeps its layout, [num_layers, 2, num_blocks, block_size, num_kv_heads, row], in int8, where
-each (slot, kv head) row is head_dim int8 values followed by the 4 bytes of their float32 scale (row = head_dim +
-4). Quantization is symmetric, per token and kv head: scale = absmax * (1/127), q = round(x / scale) (to even), so a
-value is off by at most half a step (scale / 2). The scale lives inside the row, not in a tensor of its own, so
-that everything that moves blocks (copy-on-write and block copies, swap out to host memory and back in, prefix
-sharing, which maps the same blocks) carries the scales with the values without knowing about them.
-
-Per token means a token's stored bytes depend on that token's K/V only: what else is in the step, or whether its
-prompt came in one chunk or several, changes nothing (batch invariance holds as it does unquantized).
-csrc/attention.c (store_kv_int8, paged_attention_int8) is the C side of the same format.
-"""
+"""The 8-bit KV pools' formats and their torch reference (docs/kv-cache.md). An int8 (slot, kv head) row is head_dim
+values, then the 4 bytes of their float32 scale, absmax * (1/127), values rounded to even: the row carries its
+scale through every block move, and depends on its token alone. fp8: each value cast on its own. The C, Triton and
+torch stores write the same bytes."""
 
 from __future__ import annotations
 
 import torch
 
-# kv_cache_dtype -> the pool's dtype (None: the model's dtype, today's pool)
+# kv_cache_dtype -> the pool's dtype (None: the model's dtype)
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
                                                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -25,31 +15,26 @@ SCALE_BYTES = 4  # the float32 scale at the end of each int8 row
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:
-    """An int8 pool: rows of values and their scale."""
     return kv_cache.dtype == torch.int8
 
 
 def is_fp8(kv_cache: torch.Tensor) -> bool:
-    """An fp8 pool: each value cast to fp8 on its own (saturated at the format's largest), no scale, rows of
-    head_dim as in the model's dtype. Simpler and coarser than int8 (3 or 2 mantissa bits)."""
     return kv_cache.dtype in FP8
 
 
 def as_bytes(pool: torch.Tensor) -> torch.Tensor:
-    """An fp8 pool viewed as uint8 (torch has no index_copy_ for fp8 on a CPU: block moves copy the bytes); any
-    other pool as it is."""
+    """An fp8 pool as its bytes (torch has no fp8 index_copy_ on a CPU), any other pool as it is."""
     return pool.view(torch.uint8) if pool.dtype in FP8 else pool
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x cast to an fp8 dtype, clamped to its finite range first (e5m2 would overflow to inf)."""
+    """x cast to fp8, clamped to the format's finite range first (e5m2 would overflow to inf)."""
     top = torch.finfo(dtype).max
     return x.float().clamp(-top, top).to(dtype)
 
 
 def encode_rows(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    """K or V rows [..., D] as a pool of `pool_dtype` stores them: int8 rows with their scale (quantize_rows),
-    fp8 values as their bytes (uint8: torch has no index_copy_ for fp8 on a CPU), or the values cast."""
+    """K or V rows [..., D] as a pool of `pool_dtype` stores them (fp8 as its bytes)."""
     if pool_dtype == torch.int8:
         return quantize_rows(x)
     if pool_dtype in FP8:
@@ -58,7 +43,6 @@ def encode_rows(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
 
 
 def row_width(head_dim: int, kv_dtype: torch.dtype | None) -> int:
-    """Elements of one (slot, kv head) row of the pool: head_dim, or head_dim + the scale's bytes in int8."""
     return head_dim + SCALE_BYTES if kv_dtype == torch.int8 else head_dim
 
 
@@ -73,7 +57,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def scales(packed: torch.Tensor) -> torch.Tensor:
-    """The float32 scale of each row of an int8 pool (or of a part of one): [..., 1]."""
+    """The float32 scale of each int8 row: [..., 1]."""
     return packed[..., -SCALE_BYTES:].contiguous().view(torch.float32)
 
 

@@ -1,18 +1,7 @@
 """Quantized linear weights: the one plain layout every quantized source is read into and every kernel packs from.
-
-A quantized weight is stored integers and a scale (and for 4 bits an offset) per group of `group_size`
-consecutive inputs of one output row:
-
     8 bits:  w[o, i] = q[o, i] * scale[o, g]                   q: int8, -127..127
     4 bits:  w[o, i] = q[o, i] * scale[o, g] + offset[o, g]    q: 0..15, two per byte (even i low nibble)
-
-with g = i // group_size. One formula per width covers what batchrun quantizes itself (`quantize_int8`: one
-group per row or groups of a given size, symmetric; `quantize_int4`: groups of 32 or 128, symmetric, offset = -8 * scale) and what GGUF
-files store, exactly: Q8_0 (groups of 32), Q6_K (groups of 16, scale = d * sub-scale), Q4_0 (offset = -8 d),
-Q4_1 (offset = m) and Q4_K (groups of 32, offset = -dmin * sub-min). Kernels repack from here once, at load,
-into whatever their inner loop reads best; `dequantize` and `linear_ref` are the references they are tested
-against.
-"""
+g = i // group_size: batchrun's own quantization and GGUF's Q8_0, Q6_K, Q4_0, Q4_1, Q4_K exactly (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -43,7 +32,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(out_features, in_features) of the weight it stands for."""
+        """(out_features, in_features)."""
         rows, columns = self.qweight.shape
         return rows, columns * (2 if self.bits == 4 else 1)
 
@@ -53,25 +42,22 @@ class QuantizedWeight:
         return self.qweight.nbytes + self.scale.nbytes + extra
 
     def to(self, device: torch.device) -> QuantizedWeight:
-        """The same weight with its tensors on `device`."""
         offset = self.offset.to(device) if self.offset is not None else None
         return QuantizedWeight(self.bits, self.qweight.to(device), self.scale.to(device), offset, self.group_size)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in // 2] -> uint8 [out, in] of 0..15 (even inputs from the low nibbles)."""
+    """uint8 [out, in // 2] -> uint8 [out, in] of 0..15."""
     low, high = packed & 0x0F, packed >> 4
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] of 0..15 -> uint8 [out, in // 2]: the inverse of unpack_int4."""
     pairs = values.to(torch.uint8).reshape(values.shape[0], -1, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """The float32 [out, in] weight the integers and scales stand for."""
     q = unpack_int4(weight.qweight) if weight.bits == 4 else weight.qweight
     scale = weight.scale.repeat_interleave(weight.group_size, dim=1)
     w = q.to(torch.float32) * scale
@@ -81,13 +67,12 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def linear_ref(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x @ w.T in float32 on the dequantized weight: what a quantized kernel is held to."""
+    """x @ w.T in float32: what a quantized kernel is held to."""
     return x.to(torch.float32) @ dequantize(weight).T
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
-    """Symmetric, one scale per group of `group_size` inputs of an output row (None: the whole row), the group's
-    largest magnitude mapping to 127."""
+    """Symmetric, a scale per group of `group_size` inputs (None: the row), its largest magnitude mapping to 127."""
     w = weight.to(torch.float32)
     out_features, in_features = w.shape
     group_size = group_size or in_features
@@ -101,7 +86,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
-    """Symmetric per group: q - 8 in -8..7 times the scale, the group's largest magnitude mapping to 7."""
+    """Symmetric per group: q - 8 in -8..7 times the scale, its largest magnitude mapping to 7."""
     w = weight.to(torch.float32)
     out_features, in_features = w.shape
     if in_features % group_size:

@@ -1,12 +1,5 @@
-"""Copy-on-write block copies: whole blocks, every layer, K and V, for a batch of (src, dst) pairs in one launch.
-
-The block manager emits a copy when a sequence appends to a block it shares; a step may carry many (beam search,
-n > 1 forks), and per-layer torch indexing would cost 2 * num_layers launches each step. One program copies one
-(pair, layer, K-or-V) block, which is `block_size * num_kv_heads * head_dim` contiguous elements.
-
-Pairs within one call run in parallel, so a block must not be both a destination and a source in the same
-call (the block manager never does that: destinations are freshly allocated).
-"""
+"""Copy-on-write block copies, every layer, K and V, for a batch of (src, dst) pairs in one launch; the pairs run
+in parallel, so no block may be both a source and a destination in one call (the block manager's are fresh)."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.triton._common import as_kernel_pool
+from batchrun.kernels.layouts.kv_rows import as_bytes
 
 
 @triton.jit
@@ -31,8 +24,7 @@ def _copy_blocks_kernel(cache_ptr, pairs_ptr, stride_lkv, stride_b, BLOCK_NUMEL:
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-    """kv_cache: the whole pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous;
-    pairs: integer [N, 2] of (src, dst) physical block ids, on the pool's device."""
+    """kv_cache: the whole pool [num_layers, 2, num_blocks, ...], contiguous; pairs: integer [N, 2] (src, dst)."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], got "
                          f"{tuple(kv_cache.shape)}")
@@ -44,7 +36,7 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         raise ValueError(f"pairs must be [N, 2] (src, dst), got {tuple(pairs.shape)}")
     pairs = pairs.contiguous()
     num_layers, _, num_blocks = kv_cache.shape[:3]
-    flat = as_kernel_pool(kv_cache).view(num_layers * 2, num_blocks, -1)
+    flat = as_bytes(kv_cache).view(num_layers * 2, num_blocks, -1)
     block_numel = flat.shape[2]
     _copy_blocks_kernel[(pairs.shape[0], num_layers * 2)](
         flat, pairs, flat.stride(0), flat.stride(1),

@@ -1,28 +1,6 @@
-"""Paged decode attention: one query token per sequence against its whole context in the paged cache.
-
-Decode is bound by reading K/V, so the kernel is organised around reading each K/V byte once:
-- one program per (sequence, KV head, context partition) handles *all* query heads of that KV head (GQA), so a
-  KV head shared by 8 query heads is read once, not 8 times; the group is padded to 16 rows for `tl.dot`;
-- the context is gathered token by token through the block table, so any block size works and a partly
-  filled last block is just masked;
-- long contexts are split into partitions of `partition_size` tokens processed in parallel (flash-decoding):
-  each writes its normalised partial output and log-sum-exp, and a second small kernel merges them. With a
-  single partition the first kernel writes the output directly and the merge is skipped.
-
-The grid depends only on shapes and `max_seq_len`, and everything per sequence is read from tensors, so a
-decode step can be captured in a CUDA graph: capture with `max_seq_len` set to the longest context the graph
-will ever see (e.g. max_model_len); partitions past a sequence's length exit at once.
-
-Batch invariance: a sequence's partitions are fixed by its own length (`cdiv(seq_len, partition_size)`, the
-rest exit), and a one-partition sequence gets the same bits from the merge (its weight is exp2(0) = 1) as
-from the direct store, so a row's decode output never depends on the other sequences of the step
-(tests/test_batch_invariance_triton.py). What the split does change is the reduction order against the
-prefill kernel's, which walks the whole context in one pass: the K/V a recomputed (preempted) sequence
-writes, or the logits of a prompt whose last token is decoded rather than prefilled, then differ in the last
-bits. `partition_size=None` never splits (one pass of BLOCK_N tiles from position 0, as prefill does): the
-batch-invariant mode (EngineArgs.batch_invariant) runs so, at the cost of parallelism for long contexts in
-small batches.
-"""
+"""Paged decode attention: one query token per sequence. A program takes (sequence, KV head, partition) with all the
+head's query heads (GQA); long contexts split into partitions, merged by a second kernel. The grid depends on shapes
+only (graph-capturable), the partitions on a row's own length (batch invariant: docs/reproducibility-kernels.md)."""
 
 from __future__ import annotations
 
@@ -32,16 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.triton._common import (
-    FP8_FORMATS,
-    as_kernel_pool,
-    check_kv_cache,
-    dequantize_rows,
-    dot_dtype,
-    dot_precision,
-    fp8_code,
-    fp8_values,
-)
+from batchrun.kernels.layouts import kv_rows
+from batchrun.kernels.triton._common import check_kv_cache, dot_dtype, dot_precision, fp8_code, fp8_values
 
 LOG2E = 1.4426950408889634
 # the same inside kernels: compiled Triton reads only module globals declared constexpr (the interpreter reads any)
@@ -52,8 +22,7 @@ WHOLE_CONTEXT = 1 << 30
 
 @triton.jit
 def scores_log2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
-    """Scores in log2 units for exp2: dots * qk_scale (scale * log2 e), or soft-capped (Gemma 2), where qk_scale is
-    the plain scale: softcap * tanh(scale * dots / softcap) * log2 e, tanh as 2 sigmoid(2x) - 1."""
+    """Scores in log2 units for exp2: dots * qk_scale, or soft-capped (qk_scale then the plain scale)."""
     if SOFTCAP:
         x = dots * qk_scale / softcap
         return softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * LOG2E_IN_KERNEL
@@ -62,8 +31,7 @@ def scores_log2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def load_scales(at, mask):
-    """The float32 scales of int8 rows (batchrun/kernels/layouts/kv_rows.py's format): 4 bytes at each row's `at`, aligned
-    (a row is head_dim + 4 bytes, head_dim a multiple of 4)."""
+    """The float32 scales of int8 rows, 4 aligned bytes at each row's `at` (head_dim a multiple of 4)."""
     return tl.load(at.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
 
 
@@ -84,7 +52,7 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * PARTITION
-    # Partition 0 always runs so that an empty (padding) sequence still gets a defined output (zeros).
+    # partition 0 always runs, so that an empty (padding) sequence gets zeros
     if start >= tl.maximum(seq_len, 1):
         return
     end = tl.minimum(start + PARTITION, seq_len)
@@ -99,8 +67,8 @@ def _decode_partition_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if QUANT or FP8:  # 8-bit K/V are widened to the model's dtype (exact: |q| <= 127, fp8's values), the query
-        q = q.to(DOT_DTYPE)  # stays in it
+    if QUANT or FP8:  # 8-bit K/V are widened (exactly) to the query's dtype
+        q = q.to(DOT_DTYPE)
     else:
         q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
 
@@ -119,7 +87,7 @@ def _decode_partition_kernel(
         if FP8:
             k = fp8_values(k, FP8)
         dots = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PREC)
-        if QUANT:  # each key's scale, the float32 after its int8 values, folded into its scores
+        if QUANT:  # each key's int8 scale folded into its scores
             dots = dots * load_scales(k_base + token + HEAD_DIM, n_mask)[None, :]
         s = scores_log2(dots, qk_scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -130,8 +98,7 @@ def _decode_partition_kernel(
         v = tl.load(v_base + token[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         if FP8:
             v = fp8_values(v, FP8)
-        # p is rounded to the cache dtype before the product, as a fused GPU kernel does with tensor cores (int8: each
-        # value row's scale multiplied into its weights first, rounded to the model's dtype)
+        # p rounded to the cache dtype for the product (8-bit: to the model's, int8's value scales multiplied in first)
         if QUANT:
             w = (p * load_scales(v_base + token + HEAD_DIM, n_mask)[None, :]).to(out_ptr.dtype.element_ty)
         elif FP8:
@@ -161,7 +128,7 @@ def _decode_merge_kernel(
     stride_os, stride_oh, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PARTITION: tl.constexpr,
 ):
-    # Each partition's output is already normalised; weight it by its share of the total softmax mass.
+    # each partition's normalised output weighted by its share of the softmax mass
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_parts = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION), 1)
@@ -196,15 +163,9 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context (its last `window` keys when window > 0;
-    scores soft-capped to softcap * tanh(s / softcap) when softcap > 0).
-
-    q: [num_seqs, num_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads,
-    head_dim]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], context length
-    including the new token (already stored). `max_seq_len` (>= every seq_len) sizes the grid; contexts over
-    `partition_size` tokens take the split path (None: never split). `out` (may be a row slice of a bigger
-    tensor) receives the result. Never syncs with the device.
-    """
+    """q [num_seqs, Hq, D] over one layer's kv_cache [2, num_blocks, block_size, Hkv, D], seq_lens int32 (the new
+    token's K/V stored); max_seq_len (>= each) sizes the grid; partition_size None: never split. window > 0: the last
+    `window` keys only; softcap > 0: scores capped to softcap * tanh(s / softcap). Never syncs with the device."""
     if partition_size is None:
         partition_size = WHOLE_CONTEXT
     check_kv_cache(kv_cache)
@@ -224,13 +185,13 @@ def paged_decode_attention(
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
-    else:  # never touched: the kernel writes `out` directly
+    else:  # unused: the kernel writes `out` directly
         part_out = part_lse = out
     block_d = triton.next_power_of_2(head_dim)
     quant, fp8 = kv_cache.dtype == torch.int8, fp8_code(kv_cache.dtype)
     compute = q.dtype if quant or fp8 else kv_cache.dtype  # 8-bit K/V are widened to the query's dtype
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, as_kernel_pool(kv_cache), out, part_out, part_lse, block_tables, seq_lens,
+        q, kv_rows.as_bytes(kv_cache), out, part_out, part_lse, block_tables, seq_lens,
         scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
@@ -252,28 +213,22 @@ def paged_decode_attention(
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first `seq_len` tokens, read slot by slot: [seq_len, num_kv_heads, head_dim]
-    (float32 from an int8 or fp8 pool)."""
+    """K and V of a sequence's first `seq_len` tokens, slot by slot: [seq_len, Hkv, D] (an 8-bit pool's in fp32)."""
     block_size = kv_cache.shape[2]
     blocks = block_table.tolist()
     slots = [(blocks[pos // block_size], pos % block_size) for pos in range(seq_len)]
     keys = torch.stack([kv_cache[0, block, offset] for block, offset in slots])
     values = torch.stack([kv_cache[1, block, offset] for block, offset in slots])
-    if kv_cache.dtype == torch.int8:
-        return dequantize_rows(keys), dequantize_rows(values)
-    if kv_cache.dtype in FP8_FORMATS:
+    if kv_rows.is_quantized(kv_cache):
+        return kv_rows.dequantize(keys), kv_rows.dequantize(values)
+    if kv_rows.is_fp8(kv_cache):
         return keys.float(), values.float()
     return keys, values
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-    """Attention in fp64 of queries at positions `q_pos` over keys at 0..len(k)-1, each query seeing keys up to
-    its own position (and, with a window, none before its position - window + 1); scores soft-capped when softcap
-    > 0; GQA by repeating each KV head for its group of query heads.
-
-    q: [num_q, num_heads, D]; k, v: [num_k, num_kv_heads, D]. Returns fp64 [num_q, num_heads, D].
-    """
+    """fp64 causal attention (GQA, window, softcap) of q [num_q, Hq, D] at q_pos over k, v [num_k, Hkv, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)

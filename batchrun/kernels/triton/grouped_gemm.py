@@ -1,14 +1,5 @@
-"""Grouped GEMM for mixture-of-experts layers: every expert's rows of a step in one launch, each expert's weight
-read once per tile of its rows.
-
-A step routes each token to top_k experts. `moe_align` sorts the (token, expert) pairs by expert and lays them
-out in tiles of BLOCK_M rows, each tile holding rows of one expert only (an expert's last tile padded); it is
-torch ops on the device and never reads a device value on the host, so the launch size is the bound
-`tiles_bound` (pairs / BLOCK_M + experts) and tiles past the used ones exit at once: no sync, and a decode step
-stays capturable in a CUDA graph. `grouped_gemm` then computes out[r] = x[rows[r]] W[e(r)]^T for every laid-out row
-r, where rows[r] says which row of x a laid-out row reads (-1: padding, left unwritten) and e(r) is its tile's
-expert.
-"""
+"""Grouped GEMM for mixture-of-experts layers: moe_align lays each expert's (token, expert) pairs out in tiles
+of its own, without a sync (launches sized by tiles_bound: graph-capturable), and grouped_gemm runs every tile."""
 
 from __future__ import annotations
 
@@ -20,23 +11,19 @@ from batchrun.kernels.triton._common import dot_dtype, dot_precision
 
 
 def tiles_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most tiles `num_pairs` pairs can need: each expert's rows rounded up to a whole tile."""
+    """The most tiles `num_pairs` pairs can need (each expert's rows rounded up to whole tiles)."""
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 def moe_align(expert_of_pair: torch.Tensor, num_experts: int, block_m: int):
-    """Lay out (token, expert) pairs by expert in tiles of block_m rows.
-
-    expert_of_pair: int [P] (pair p = token p // top_k, its (p % top_k)-th expert). Returns
-    (pair_of_row int64 [R]: the pair each laid-out row holds, -1 for padding; row_of_pair int64 [P]: the row that
-    holds each pair; tile_expert int32 [R / block_m]: each tile's expert, -1 for unused tiles), R = tiles_bound x
-    block_m. Within an expert, pairs keep their order (by token)."""
+    """expert_of_pair int [P] (pair p: token p // top_k) -> (pair_of_row int64 [R], -1 padding; row_of_pair
+    int64 [P]; tile_expert int32 [R / block_m], -1 unused), R = tiles_bound * block_m; pairs keep their order."""
     device = expert_of_pair.device
     num_pairs = expert_of_pair.shape[0]
     num_tiles = tiles_bound(num_pairs, num_experts, block_m)
     experts = expert_of_pair.long()
     order = torch.sort(experts, stable=True).indices  # pairs by expert, by token within one
-    # (not bincount: on CUDA it reads the largest id back to size its output, a sync that no graph can capture)
+    # not bincount: on CUDA it reads the largest id back (a sync)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, experts,
                                                                                      torch.ones_like(experts))
     tiles = (counts + block_m - 1) // block_m
@@ -88,12 +75,8 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, weight: torch.Tensor, *,
                  block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
-    """out[r] = x[rows[r]] @ weight[tile_expert[r // block_m]]^T for every r with rows[r] >= 0 (other rows of
-    out are left as they are: padding).
-
-    x: [M, K] (rows contiguous); rows: int64 [R] (R a multiple of block_m); tile_expert: int32 [R / block_m], -1
-    for tiles to skip; weight: [E, N, K] (the experts' weights, contiguous in K). Returns out [R, N] in x's dtype,
-    fp32 accumulation."""
+    """out [R, N] (x's dtype, fp32 sums): out[r] = x[rows[r]] @ weight[tile_expert[r // block_m]]^T where rows[r] >= 0
+    (padding rows unwritten). x [M, K]; rows int64 [R], whole tiles; tile_expert int32, -1 skips; weight [E, N, K]."""
     num_rows = rows.shape[0]
     if num_rows % block_m or tile_expert.shape[0] != num_rows // block_m:
         raise ValueError("rows must hold whole tiles of block_m rows, one expert per tile")

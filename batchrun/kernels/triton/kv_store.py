@@ -1,9 +1,4 @@
-"""Writing one step's K and V into their paged-cache slots.
-
-Every attention backend does this first, so that attention afterwards reads the whole context (cached and
-new) from one place. Padding tokens (CUDA-graph batches padded up to a captured size) carry slot -1 and are
-skipped.
-"""
+"""Writing one step's K and V into their paged-cache slots, before attention reads them."""
 
 from __future__ import annotations
 
@@ -11,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.triton._common import as_kernel_pool, check_kv_cache, fp8_bytes, fp8_code
+from batchrun.kernels.layouts.kv_rows import as_bytes
+from batchrun.kernels.triton._common import check_kv_cache, fp8_bytes, fp8_code
 
 
 @triton.jit
@@ -22,8 +18,7 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
-    # One program per token, all its KV heads at once: a token's K (or V) is one contiguous row in the
-    # cache, so this is a plain strided copy (of each value cast to the pool's dtype; an fp8 pool's bytes).
+    # one program per token, all its KV heads: a strided copy, each value cast to the pool's dtype (fp8: its byte)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -44,16 +39,13 @@ def _store_kv_kernel(
 
 @triton.jit
 def _quantize_rows(x, mask, HEAD_DIM: tl.constexpr):
-    """Rows of x [BLOCK_H, BLOCK_D] (fp32) -> (int8 values, float32 scales [BLOCK_H]): batchrun/kernels/layouts/kv_rows.py's
-    symmetric int8, scale = absmax * (1/127), values rounded half to even (torch.round's rule, spelled out: the
-    interpreter and the GPU then agree)."""
+    """fp32 rows [BLOCK_H, BLOCK_D] -> (int8 values, float32 scales) as kv_rows.quantize_rows gives them."""
     x = tl.where(mask, x, 0.0)
-    # the scale as torch computes it on CUDA (times the float32 1/127); div_rn: the IEEE-rounded quotient of
-    # torch's tensor division, never an approximate one
+    # the scale times the float32 1/127 (as torch on CUDA); div_rn: IEEE division, not an approximate one
     scale = tl.max(tl.abs(x), 1) * (1.0 / 127.0)
     y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
     r = tl.floor(y + 0.5)
-    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to the even one
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # ties to even, as torch.round
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     return r.to(tl.int8), scale
 
@@ -66,7 +58,6 @@ def _store_kv_int8_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    # One program per token: each KV head's row quantized on its own, its scale stored after its values.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -87,10 +78,8 @@ def _store_kv_int8_kernel(
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache: one layer's [2, num_blocks, block_size, Hkv, D]
-    (or an int8 pool, [..., D + 4]: quantized as stored, batchrun/kernels/layouts/kv_rows.py's format; or an fp8 one,
-    each value cast as torch casts it after clamping to the format's range); slot_mapping: int64 [num_tokens], -1
-    for padding."""
+    """k, v [num_tokens, Hkv, D] into one layer's kv_cache [2, num_blocks, block_size, Hkv, D] (int8 or fp8 pools
+    encoded as kv_rows.encode_rows does); slot_mapping int64 [num_tokens], -1 for padding (skipped)."""
     check_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -108,7 +97,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         )
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, as_kernel_pool(kv_cache), slot_mapping,
+        k, v, as_bytes(kv_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,

@@ -1,15 +1,5 @@
-"""Paged prefill / extend attention: a chunk of new tokens per sequence, attending causally to themselves and
-to the sequence's cached context.
-
-A plain prefill, a prefill after a prefix-cache hit and one chunk of a chunked prefill are the same case: the
-sequence has `seq_len` tokens in the cache after this step's K/V were stored, of which the last `query_len`
-are the new ones; new token j sits at position `seq_len - query_len + j` and sees keys 0..that position. All
-keys are read from the paged cache through the block table (the new ones were just stored there), so the
-kernel has one loop and no special case for "nothing cached".
-
-Grid: (sequence, query head, tile of BLOCK_M new tokens), FlashAttention-2 style online softmax over tiles of
-BLOCK_N keys, fp32 accumulation.
-"""
+"""Paged prefill / extend attention: a sequence's last query_len of seq_len stored tokens attend causally through
+its block table (prefix hits and later chunks alike). Programs: (sequence, query head, BLOCK_M tokens)."""
 
 from __future__ import annotations
 
@@ -17,15 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.triton._common import (
-    as_kernel_pool,
-    check_kv_cache,
-    dot_dtype,
-    dot_precision,
-    fp8_code,
-    fp8_values,
+from batchrun.kernels.layouts.kv_rows import as_bytes
+from batchrun.kernels.triton._common import check_kv_cache, dot_dtype, dot_precision, fp8_code, fp8_values
+from batchrun.kernels.triton.decode_attention import (
+    LOG2E,
+    attend_ref,
+    gather_context,
+    load_scales,
+    scores_log2,
 )
-from batchrun.kernels.triton.decode_attention import LOG2E, attend_ref, gather_context, load_scales, scores_log2
 
 
 @triton.jit
@@ -54,7 +44,7 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if QUANT or FP8:  # 8-bit K/V (the decode kernel's arithmetic)
+    if QUANT or FP8:  # 8-bit K/V: the decode kernel's arithmetic
         q = q.to(DOT_DTYPE)
     else:
         q = q.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)
@@ -67,8 +57,8 @@ def _prefill_kernel(
     k_base = cache_ptr + (head // GROUP) * stride_ch
     v_base = k_base + stride_c
     end = tl.minimum(seq_len, cached + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
-    # with a sliding window, row q_pos sees keys from q_pos - window + 1; the walk starts at the key tile that
-    # holds the tile's first row's first key (the tiles are the decode kernel's: multiples of BLOCK_N)
+    # with a window, row q_pos sees keys from q_pos - window + 1: the walk starts at the BLOCK_N tile (the decode
+    # kernel's) holding the first row's first key
     lo = tl.maximum(cached + tile * BLOCK_M - window + 1, 0) if WINDOW else 0
     for n0 in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -87,9 +77,8 @@ def _prefill_kernel(
             seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Without a window m_new is finite (key 0 is visible to every row from the first tile). With one, a row may
-        # see nothing of the tiles before its window's: they leave its sums at exactly 0 (exp2(-inf) weights), so
-        # its result is that of a walk from its own first tile, the decode kernel's.
+        # with a window a row may see nothing of a tile: it adds exactly 0 (exp2(-inf)), so the row's result is that
+        # of a walk from its own first tile, the decode kernel's
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(s - m_base[:, None])
@@ -127,14 +116,9 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context (a token at position p sees keys
-    (p - window, p] when window > 0; scores soft-capped to softcap * tanh(s / softcap) when softcap > 0).
-
-    q, out: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows
-    `query_start_loc[i]:query_start_loc[i+1]` of q (offsets into q, so the caller may pass a slice of a
-    step's metadata without rebasing it) and its context (new tokens included, already stored) is
-    `seq_lens[i]` tokens through `block_tables[i]`. Rows of `out` outside every sequence are left alone.
-    """
+    """q, out [num_tokens, Hq, D]: sequence i's new tokens are q's rows query_start_loc[i]:query_start_loc[i + 1],
+    its context (them included, stored) seq_lens[i] tokens through block_tables[i]; window and softcap as in decode
+    (a token at p sees (p - window, p]). Rows of out outside every sequence are left alone."""
     check_kv_cache(kv_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -148,7 +132,7 @@ def paged_prefill_attention(
     quant, fp8 = kv_cache.dtype == torch.int8, fp8_code(kv_cache.dtype)
     compute = q.dtype if quant or fp8 else kv_cache.dtype  # 8-bit K/V are widened to the query's dtype
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
-        q, as_kernel_pool(kv_cache), out, block_tables, seq_lens, query_start_loc,
+        q, as_bytes(kv_cache), out, block_tables, seq_lens, query_start_loc,
         scale if softcap else scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),

@@ -1,24 +1,6 @@
-"""y = x @ w.T for a quantized weight in batchrun's plain layout (batchrun.kernels.layouts.quant_weight.QuantizedWeight), the
-weight dequantized in the matmul's inner loop: it is read from memory as stored (1 byte or half a byte per
-weight, plus a scale, and for 4 bits an offset, per group) and never widened in memory.
-
-The layout (8 bits: w = q * scale[o, g]; 4 bits: w = q * scale[o, g] + offset[o, g], q 0..15 two per byte, the
-even input in the low nibble; g = i // group_size) lets a tile of K that lies inside one group factor its
-scale out of the dot product:
-
-    sum_k x[m, k] w[n, k] = scale[n, g] * sum_k x[m, k] q[n, k] + offset[n, g] * sum_k x[m, k]
-
-so each group's slice of a K-tile is one `tl.dot` on the integers themselves (exact in fp16/bf16/fp32:
-|q| <= 127) and one per-column scale and offset applied to the fp32 partial sum. A K-tile is a slice of one
-group or a few whole groups (one dot each: groups of 16 or 32 still get 64- or 128-wide tiles); groups are
-any multiple of 16 (16, 32, 128, a whole row...). The dot runs in the activations' dtype, accumulating in
-fp32. The reference is batchrun.kernels.layouts.quant_weight.linear_ref.
-
-Three products, one chosen per call by the row count (choose_path): that MMA kernel; for a decode step of one or
-two rows of int4, a GEMV on the CUDA cores (quantized_gemv: each weight byte unpacked once and met by the row's
-activations in registers, no padding of the rows to a 16-row dot); for many rows, the weight dequantized into the
-activations' dtype (dequantize_weight) and handed to torch's matmul.
-"""
+"""y = x @ w.T for a QuantizedWeight read as stored: within a group sum x w = scale * sum x q (+ offset * sum x), so
+each group's slice of a K-tile is one exact `tl.dot` on the integers, scaled in fp32. choose_path picks this, a
+CUDA-core GEMV or the dequantized weight for torch's matmul by row count (timings: docs/quantization.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +13,7 @@ import triton.language as tl
 
 from batchrun.kernels.triton._common import dot_dtype, dot_precision
 
-if TYPE_CHECKING:  # the kernels layer sits below the model; the weight is read by its fields only
+if TYPE_CHECKING:
     from batchrun.kernels.layouts.quant_weight import QuantizedWeight
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,7 +30,7 @@ def _quant_matmul_kernel(
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(2) * K_SPLIT  # split-K: this program's share of the inputs (K_SPLIT == K: all)
+    k_start = tl.program_id(2) * K_SPLIT  # split-K: this program's share of the inputs
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
@@ -56,7 +38,7 @@ def _quant_matmul_kernel(
     q_cols = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn  # an [N, K / 2] tile's rows (int4)
     s_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # A K-tile is either a slice of one group (SUB_K == BLOCK_K) or whole groups, one dot each (SUB_K == GROUP_SIZE)
+    # a K-tile is a slice of one group (SUB_K == BLOCK_K) or whole groups, one dot each (SUB_K == GROUP_SIZE)
     for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):  # K_SPLIT is a multiple of BLOCK_K: no K mask
         for sub in tl.static_range(BLOCK_K // SUB_K):
             k_first = k0 + sub * SUB_K
@@ -68,12 +50,7 @@ def _quant_matmul_kernel(
                 q = tl.load(q_rows + offs_k[:, None], mask=n_mask[None, :], other=0)
                 partial = tl.dot(a.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PREC)
             else:
-                # int4: each packed byte read once and its nibbles interleaved back into input order in registers,
-                # then one dot over contiguous activations. It replaced (2026-12-04, not yet timed on a GPU) two
-                # earlier branches: two dots of the low and high nibbles against the even and odd activations
-                # (strided loads; groups >= 64) and each byte read for both its inputs and shifted by their parity
-                # (groups of 16 and 32); on an H200 both were slower than the weight dequantized for cuBLAS from 4
-                # rows (docs/quantization.md), which is why choose_path sends int4 there.
+                # int4: each byte read once, its nibbles interleaved back into input order, one dot
                 offs_k = k_first + tl.arange(0, SUB_K)
                 a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
                 packed = tl.load(q_cols + (k_first // 2 + tl.arange(0, SUB_K // 2))[None, :], mask=n_mask[:, None],
@@ -96,8 +73,7 @@ def _quant_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_os, stride_om,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
 ):
-    # One activation row per program, the row index varying fastest over the grid, so that the programs of the
-    # step's few rows read the same weight tile at about the same time: HBM once, L2 for the others.
+    # one row per program, the row fastest over the grid: a step's rows read a weight tile together (HBM once)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * K_SPLIT
@@ -105,8 +81,7 @@ def _quant_gemv_kernel(
     x_row = x_ptr + row * stride_xm
     q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
     s_rows = offs_n.to(tl.int64) * stride_sn
-    # products summed element-wise over the K-tiles and reduced across the tile's columns once at the end, not
-    # per K-tile (shuffles between threads each time; the first version did that, timed only launch-bound)
+    # summed element-wise over the K-tiles, reduced across columns once at the end (not per K-tile: shuffles)
     if BITS == 8:
         acc = tl.zeros([BLOCK_N, SUB_K], tl.float32)
     else:
@@ -139,9 +114,7 @@ def _dequantize_kernel(
     N, stride_qn, stride_sn, stride_on,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
 ):
-    # Meant to be bound by the bytes written (2 per weight in bf16; on an H200 about 2 TB/s of bytes read and
-    # written): each slice of a group takes its scale (and offset) as one value per output row, and each packed
-    # byte is read once, its two nibbles joined back into input order.
+    # bound by the bytes written: a scale (offset) per output row and group slice, each packed byte read once
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
@@ -165,8 +138,7 @@ def _dequantize_kernel(
 
 
 def block_k_for(group_size: int, in_features: int) -> int:
-    """The largest K-tile of 16..128 that is a slice of one group or whole groups and tiles the row (groups
-    must be multiples of 16: a dot takes at least 16 inputs)."""
+    """The largest K-tile of 16..128 that is a slice of a group or whole groups and tiles the row."""
     if group_size % 16:
         raise ValueError(f"the Triton quantized matmul takes groups of a multiple of 16 inputs, not {group_size}")
     for block_k in (128, 64, 32, 16):
@@ -177,7 +149,6 @@ def block_k_for(group_size: int, in_features: int) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch's tiling: output tiles of block_m x block_n, split_k programs per output tile, num_warps each."""
 
     block_m: int
     block_n: int
@@ -186,17 +157,8 @@ class Tiles:
 
 
 def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_k: int) -> Tiles:
-    """Read off `benchmarks.gpu_check`'s tile sweep on an H200 (2026-12-04; Llama-3-8B's MLP shapes 4096 -> 14336
-    and 14336 -> 4096, bf16 activations, 1, 16 and 128 rows; docs/quantization.md). A step of a few rows (decode)
-    is bound by reading the weight, and with K = 14336 its 4096 outputs in tiles of 64 made 64 programs for 132
-    multiprocessors: 128-wide tiles with the K-tiles shared by 8 programs took 0.48-0.50x the time of (16, 64) for
-    int8 and 0.21-0.44x for int4; for int4 at K = 4096, 0.71-0.93x (int4's figures are of the two branches the
-    interleaved one replaced). int8 at K = 4096 keeps one program per tile, 32 wide (0.91-0.92x; a split lost
-    there, its partials' sum being a second launch on a 31 us matmul). From 17 rows on, square
-    tiles reuse each weight tile across rows; at 128 rows and K = 14336, 64 x 64 tiles split in two took
-    0.42-0.74x the time of (64, 128). Not measured on other shapes: small models keep the narrow tiles. Those
-    times had Python launch each call, which under ~0.1 ms may have set their pace (the sweep now times CUDA graph
-    replays): to be re-read at the next GPU run."""
+    """The MMA kernel's tiles, from a GPU tile sweep on Llama-3-8B's MLP shapes: a few rows (weight-bound) take wide
+    tiles with split-K to fill the GPU, more rows square tiles that reuse a weight tile across rows."""
     k_tiles = in_features // block_k
 
     def split(most: int) -> int:  # the largest power of two up to `most` that divides the K-tiles
@@ -217,8 +179,7 @@ def pick_tiles(rows: int, out_features: int, in_features: int, bits: int, block_
 
 def _weight_operands(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A weight's tensors as the kernels index them: contiguous; for 8 bits the scale stands in for the offset,
-    which they never read."""
+    """A weight's tensors, contiguous; for 8 bits the scale stands in for the unread offset."""
     qweight, scale = qweight.contiguous(), scale.contiguous()
     return qweight, scale, offset.contiguous() if offset is not None else scale
 
@@ -226,8 +187,6 @@ def _weight_operands(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.T
 def _prepare(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
              group_size: int, bits: int, block_k: int, split_k: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The products' shared start: the operands checked, (x, qweight, scale, offset) as the kernels index them,
-    and the output [M, N] in x's dtype."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quantized matmul takes float32, float16 or bfloat16 activations, got {x.dtype}")
     in_features = x.shape[1]
@@ -243,7 +202,6 @@ def _prepare(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset
 
 
 def _split_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """Where the programs write: `out` itself, or one fp32 partial per K-share, summed by _sum_partials."""
     if split_k == 1:
         return out
     return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
@@ -251,18 +209,15 @@ def _split_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
 
 def _sum_partials(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if target is not out:
-        out.copy_(target.sum(dim=0))  # the partials added in fp32 in a fixed order, rounded once into x's dtype
+        out.copy_(target.sum(dim=0))  # in fp32, in a fixed order, rounded once
     return out
 
 
 def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                      group_size: int, bits: int, *, block_m: int, block_n: int, block_k: int, split_k: int = 1,
                      num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x [M, K] (float32, float16 or bfloat16) @ w.T -> [M, N] in x's dtype, fp32 accumulation; the weight as
-    QuantizedWeight holds it (qweight, scale, offset, group_size, bits). block_k: a slice of a group or whole
-    groups, dividing K (block_k_for). split_k > 1: the K-tiles are shared among that many programs per output
-    tile, each writing an fp32 partial sum, added up afterwards in a fixed order (for decode shapes, whose few
-    output tiles would leave most of a GPU idle)."""
+    """x [M, K] (fp32, fp16 or bf16) @ w.T -> [M, N] in x's dtype, fp32 sums; the weight as QuantizedWeight's fields.
+    block_k as block_k_for gives; split_k > 1 shares the K-tiles out, the fp32 partials summed in a fixed order."""
     x, qweight, scale, offset, out = _prepare(x, qweight, scale, offset, group_size, bits, block_k, split_k)
     (rows, in_features), out_features = x.shape, qweight.shape[0]
     if rows == 0:
@@ -282,11 +237,7 @@ def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 def quantized_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                    group_size: int, bits: int, *, block_n: int, block_k: int, split_k: int = 1,
                    num_warps: int = 4) -> torch.Tensor:
-    """The same product as quantized_matmul for a few rows, without tensor cores: each program multiplies one
-    row by a [block_n, block_k] weight tile on the CUDA cores and reduces along K. A dot pads a decode step's
-    1-2 rows to 16 and unpacks every tile into the MMA's layout; here the unpacked integers meet the activations
-    where they lie. On an H200 one int4 row (groups of 32, 14336 x 4096) took 0.039 ms: 0.75 TB/s, a sixth of the
-    bandwidth, so something besides the bytes still sets its pace."""
+    """quantized_matmul's product for a few rows on the CUDA cores (a dot would pad them to 16)."""
     x, qweight, scale, offset, out = _prepare(x, qweight, scale, offset, group_size, bits, block_k, split_k)
     (rows, in_features), out_features = x.shape, qweight.shape[0]
     if rows == 0:
@@ -316,30 +267,21 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.
     return out
 
 
-# Which product a step takes by its row count (quantized_linear), from `benchmarks.gpu_check` part 4 on an H200
-# (2026-12-04, Llama-3-8B's MLP shapes, bf16 activations, times of CUDA graph replays; docs/quantization.md):
-# - int4: the CUDA-core GEMV at 1-2 rows (groups of 32, 1 row: 0.039 ms against the MMA kernel's 0.122), then the
-#   weight dequantized into the activations' dtype for torch's matmul (cuBLAS): from 4 rows 0.105 ms, flat up to
-#   64 rows, where the MMA kernel's nibble unpacking took 0.12-0.19 ms and the GEMV 0.135 ms and more.
-# - int8: the MMA kernel up to 64 rows (0.023-0.105 ms, at 8-16 rows of a whole-row scale 1.3x the speed of
-#   bf16's matmul), the dequantized weight from 256 (0.095-0.123 ms against 0.12-0.27); between them untimed.
-# The dequantized weight is a transient [out, in] tensor from torch's caching allocator (counted by the memory
-# profile, which runs the step-token budget through it); vLLM's AWQ path makes the same trade for many rows.
+# The product a step takes by its row count, read off the H200 timings in docs/quantization.md. The dequantized
+# weight is a transient [out, in] tensor (the memory profile runs the step-token budget through it).
 GEMV_MAX_ROWS = {4: 2, 8: 0}
 DEQUANTIZE_FROM_ROWS = {4: 3, 8: 128}
 PATHS = ("gemv", "mma", "dequantize")
 
 
 def choose_path(rows: int, bits: int) -> str:
-    """The product quantized_linear takes for a step of `rows` rows of a `bits`-bit weight."""
     if rows <= GEMV_MAX_ROWS[bits]:
         return "gemv"
     return "dequantize" if rows >= DEQUANTIZE_FROM_ROWS[bits] else "mma"
 
 
 def gemv_tiles(rows: int, out_features: int, in_features: int, block_k: int) -> Tiles:
-    """64 outputs per program, the K-tiles shared among up to 8 programs until some 1024 programs cover the GPU's
-    multiprocessors several times over (a decode step's 4096 outputs alone make only 64 tiles)."""
+    """64 outputs per program, the K-tiles shared by up to 8 programs until about 1024 programs fill the GPU."""
     k_tiles = in_features // block_k
     split = 1
     while split < 8 and k_tiles % (2 * split) == 0 and rows * triton.cdiv(out_features, 64) * split * 2 <= 1024:
@@ -348,8 +290,7 @@ def gemv_tiles(rows: int, out_features: int, in_features: int, block_k: int) -> 
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, path: str | None = None) -> torch.Tensor:
-    """x [..., in_features] @ w.T for a QuantizedWeight (any leading dims); the product and its tiles picked from
-    the shapes (choose_path), or `path` (one of PATHS) for the benchmarks."""
+    """x [..., in_features] @ w.T; the product by choose_path, or `path` (one of PATHS)."""
     leading = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     rows, in_features = flat.shape

@@ -1,14 +1,5 @@
-"""Every row's token on a GPU without sorting the vocabulary: greedy rows their first maximum, sampled rows a draw
-through their top-k / top-p / min-p filters by inverse CDF, as batchrun/model/sampling/sampler.py defines them (the CPU
-kernel, csrc/sampling.c, draws the same way).
-
-One program per row. Each filter is a threshold on e_i = exp((x_i - max x) / T), found by bisection over the bits
-of e (non-negative floats order like their bit patterns): about 30 passes over the row, each counting (top-k) or
-summing (top-p) what lies at or above the midpoint. A GPU reads a row of logits from its cache far faster than a
-sort moves it; e is recomputed in every pass rather than stored (the same instructions give the same bits). The
-draw sums the kept mass block by block, then finds the token inside the block where the running sum passes u times
-the kept mass.
-"""
+"""Every row's token on a GPU without a sort, as model/sampling/sampler.py defines it: each filter's threshold on
+e = exp((x - max x) / T) found by bisection over e's bits, then the draw by inverse CDF, block by block."""
 
 from __future__ import annotations
 
@@ -19,7 +10,7 @@ import triton.language as tl
 
 @triton.jit
 def _weights(x_ptr, offs, mask, m, inv_t):
-    """e for the row's positions offs (0 where masked out or the logit is -inf)."""
+    """e at offs (0 where masked or -inf)."""
     x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"))
     return tl.where(x == float("-inf"), 0.0, tl.exp((x - m) * inv_t))
 
@@ -120,9 +111,7 @@ def _sample_rows_kernel(logits_ptr, stride, vocab, temp_ptr, top_k_ptr, top_p_pt
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
-    """int64 [rows] tokens from fp32 logits [rows, vocab] (rows contiguous): the first maximum where temperature
-    (float32 [rows]) is 0, else a draw with the row's uniform u (float64 [rows]) through top_k (int64, 0 off),
-    top_p (float32, 1 off) and min_p (float32, 0 off); None: that filter is off for every row."""
+    """The CPU kernel's contract (batchrun.kernels.cpu.sampling.sample_rows) on the GPU."""
     if logits.stride(-1) != 1 or logits.dtype != torch.float32:
         logits = logits.float().contiguous()
     rows, vocab = logits.shape

@@ -1,2 +1,1 @@
-"""Model families, one module each, composed from the shared blocks (blocks.py). Which architecture names each
-one loads, and what is verified for it, is batchrun/model/arch/registry.py."""
+"""Model families, one module each, built from blocks.py; registry.py says which architectures each loads."""

@@ -1,16 +1,6 @@
-"""The blocks every model family is built from: RMSNorm, rotary tables, attention over the paged KV pool, the gated
-MLP, the decoder layers (pre-norm, sandwich, post-norm) and the causal LM around them.
-
-A forward takes the step's tokens of every sequence as one flat batch ([num_tokens, hidden]) and the step's
-ForwardContext; only attention needs to know where one sequence ends and the next begins, and it reads that from
-the context's `AttentionMetadata`. Q/K/V and gate/up projections are fused at load time (one matmul each instead of
-three and two). The element-wise ops (the context's `ops`, chosen at load) follow transformers' modules op for op,
-or on fp32 / bf16 CPU tensors do the same arithmetic in one fused C pass, so fp32 logits match closely
-(tests/test_parity.py, tests/test_families.py).
-
-The residual stream is carried beside each layer's output: a layer takes (x, residual), where the hidden state is
-residual + x, and the add happens inside the next norm (ops.rms_norm with a residual), one pass for both.
-"""
+"""The blocks every family is built from: norms, rotary tables, attention, the gated MLP, the decoder layers and the
+causal LM. A forward takes the step's tokens as one flat batch and its ForwardContext; a layer takes (x, residual),
+the hidden state being residual + x, and the add happens inside the next norm."""
 
 from __future__ import annotations
 
@@ -23,19 +13,15 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchrun.kernels import cpu as cpu_kernels
-from batchrun.model.layers.context import ForwardContext
 from batchrun.kernels.cpu import elementwise
 from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import Rotary, TorchOps
 from batchrun.model.quant.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x). With a residual it first adds it (h = residual + x) and returns (norm(h), h), so the
-    residual add and the norm are one pass (see TorchOps.rms_norm).
-
-    `offset`: Gemma's norms scale by (1 + weight); the loader folds the 1 into the weight once (fold_offset), after
-    which every family's norm is the same op. In fp32 the product is transformers' to the bit."""
+    """weight * x / rms(x); with a residual, (norm(h), h) for h = residual + x. Gemma's 1 + weight is folded at load."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -57,7 +43,6 @@ class RMSNorm(nn.Module):
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
-    """The rope parameters of the config (of one layer type, for configs that keep one set per type: Gemma 3)."""
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type is not None and layer_type in params:
         params = params[layer_type]
@@ -66,17 +51,9 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
 
 def rope_tables(config: PretrainedConfig, head_dim: int, max_pos: int,
                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position up to max_pos, [max_pos, rotary_dim] in fp32, from transformers' own rope
-    initialisation (ROPE_INIT_FUNCTIONS: llama3, yarn, linear, dynamic, longrope; the default one is two lines).
-    rotary_dim is head_dim times partial_rotary_factor (Phi-4-mini: 0.75): the dims past it are not rotated.
-
-    Dynamic-NTK scaling is evaluated at the checkpoint's max_position_embeddings (a fixed table), since a per-batch
-    rescale would change the K already in the cache. LongRoPE (Phi-3 / Phi-4) has two sets of frequencies and
-    transformers picks one per forward: the long one when the forward's longest sequence passes
-    original_max_position_embeddings. Here a position picks: below it the short set, from it on the long one. That
-    is transformers' rotation for every token of a prompt that fits the original context and of everything
-    generated after it; a prompt longer than that is rotated by transformers with the long set even at its first
-    positions, which no rule by position can reproduce (docs/models.md, limits)."""
+    """cos/sin [max_pos, head_dim x partial_rotary_factor] in fp32, by transformers' rope initialisation. Dynamic-NTK
+    is fixed at max_position_embeddings (a rescale would change cached K); LongRoPE picks its factors by position,
+    unlike transformers for prompts past original_max_position_embeddings (docs/models.md, Limits)."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     kwargs = {"layer_type": layer_type} if layer_type is not None and layer_type in (
@@ -108,10 +85,7 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_pos: int,
 
 
 def layer_windows(config: PretrainedConfig) -> list[int | None]:
-    """Each layer's sliding window (the keys a query sees: itself and the window - 1 before it), None for a global
-    layer. A config with `layer_types` says per layer (Gemma 2 / 3, Qwen2 / 3 with use_sliding_window); one
-    without has its `sliding_window` on every layer when set (Mistral, Mixtral, Phi-3, Qwen3-MoE), as
-    transformers' masks do."""
+    """Each layer's sliding window (None: global), from `layer_types`, else `sliding_window` on every layer."""
     window = getattr(config, "sliding_window", None) or None
     types = getattr(config, "layer_types", None)
     if types:
@@ -120,13 +94,8 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged KV pool, with fused q|k|v.
-
-    qk_norm: "head" normalises each head of q and k (Qwen3, Gemma 3), "proj" the whole projection (OLMo 2).
-    scale: the score scale (1/sqrt(head_dim) unless the family says: Gemma's query_pre_attn_scalar, Granite's
-    attention_multiplier). window: this layer's sliding window (None: global). softcap: Gemma 2's attention logit
-    soft-capping, scores -> softcap * tanh(scores / softcap). rope: which of the model's rotary tables
-    (Gemma 3's sliding layers: "local")."""
+    """Self-attention over the paged KV pool, q|k|v fused. qk_norm: "head" (Qwen3, Gemma 3) or "proj" (OLMo 2);
+    window None: global; softcap: Gemma 2's; rope: which rotary table (Gemma 3's sliding layers: "local")."""
 
     def __init__(self, config: PretrainedConfig, layer: int, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: str | None = None, norm_offset: float = 0.0, scale: float | None = None,
@@ -153,7 +122,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_dim, eps, norm_offset) if qk_norm else None
 
     def shards(self) -> dict[str, tuple[str, int]]:
-        """Checkpoint module -> (our fused module, its first row): the loader fills q|k|v from q/k/v_proj."""
         return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", self.q_size),
                 "v_proj": ("qkv_proj", self.q_size + self.kv_size)}
 
@@ -209,22 +177,14 @@ class GatedMLP(nn.Module):
         return out
 
 
-# A prefill's gate|up activations, [rows, 2 x intermediate], are the largest tensor of a forward: 50 MB for 4096
-# rows of SmolLM2 in fp32. glibc's malloc maps anything over 32 MB fresh from the kernel on every call (its
-# mmap threshold stops rising there), so each layer page-faulted it in again: a 4096-token fp32 prefill step
-# took 470,000-510,000 page faults (measured on the second to fifth such step of a process), 4,700-83,000 with
-# the chunks. In row chunks under MLP_CHUNK_BYTES the activations are reused from the heap and stay in cache
-# between the two matmuls; each row's arithmetic is unchanged (a linear computes rows independently;
-# batch-invariant linears see at least 2 rows or pad to them). Measured on 30 MLPs of SmolLM2's shapes at 4096
-# rows, fp32, oneDNN, 2 threads, three repeats: 1024-row chunks took 0.75-0.92x the time of one call, with no
-# page faults. bf16 stays whole below the limit (its activations are half the size, and its
-# AMX kernels ran 1.3x faster on 4096 rows than on 1024-row chunks).
+# A prefill's gate|up activations past this size run in row chunks: glibc maps larger blocks fresh from the kernel
+# on every call (page faults in every layer), while chunks reuse the heap and stay in cache. A row's arithmetic is
+# unchanged (linears compute rows independently; chunks have at least 2 rows).
 MLP_CHUNK_BYTES = 32 * 2**20
 
 
 def mlp_chunk_rows(rows: int, row_bytes: int) -> int:
-    """Rows per MLP call: all of them while their gate|up activations fit MLP_CHUNK_BYTES, else a power of two
-    that keeps each chunk's under half of it."""
+    """All rows while their gate|up activations fit MLP_CHUNK_BYTES, else a power of two within half of it."""
     if rows * row_bytes <= MLP_CHUNK_BYTES:
         return rows
     return 1 << max(1, (MLP_CHUNK_BYTES // 2 // row_bytes).bit_length() - 1)
@@ -243,8 +203,7 @@ def start_residual(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
 
 
 class PreNormLayer(nn.Module):
-    """h += attn(norm(h)); h += mlp(norm(h)): Llama, Mistral, Qwen, Phi-3, Granite, Mixtral, Qwen-MoE.
-    residual_scale: Granite's residual_multiplier, applied to each block's output before it is added."""
+    """h += attn(norm(h)); h += mlp(norm(h)). residual_scale: Granite's multiplier on each block's output."""
 
     def __init__(self, config: PretrainedConfig, attn: Attention, mlp: nn.Module, residual_scale: float = 1.0) -> None:
         super().__init__()
@@ -307,10 +266,7 @@ class PostNormLayer(nn.Module):
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):
-    """Embeddings, the family's decoder layers, the final norm and the lm_head. A family subclasses it and says
-    how to make layer i (`make_layer`), and sets what its config asks: `embed_scale` (Gemma's sqrt(hidden),
-    Granite's embedding_multiplier), `logits_divisor` (Granite's logits_scaling), `final_softcap` (Gemma 2's
-    final logit soft-capping), `norm_offset` (Gemma's 1 + weight), `rope_variants` (Gemma 3's local table)."""
+    """Embeddings, the family's layers (`make_layer`), the final norm and the lm_head, with the family's scalings."""
 
     embed_scale: float | None = None
     embed_scale_in_dtype = False  # Gemma multiplies by a tensor of the model's dtype (rounded), Granite by a float
@@ -343,25 +299,20 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             self.lm_head.weight = self.embed_tokens.weight
 
     def finish_load(self) -> None:
-        """After the checkpoint's weights are in (still in the checkpoint's fp32 or its dtype, before the cast):
-        fold the norms' offsets into their weights."""
+        """After the checkpoint's weights are in, before the cast: fold the norms' offsets into their weights."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fold_offset()
 
     def rename_checkpoint(self, name: str) -> str:
-        """A checkpoint tensor's name in this module's terms, less the leading `model.` (Mixtral renames its
-        expert and router modules)."""
         return name
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
                            ) -> Iterable[tuple[str, Callable[[], torch.Tensor]]]:
-        """The checkpoint's (name, read it) pairs as this model takes them (MoE families split stacked experts)."""
         return tensors
 
     def weight_target(self, name: str) -> tuple[str, int] | None:
-        """(our parameter, its first row) for checkpoint tensor `name`, or None for a tensor with no place to go
-        (rotary buffers, a tied lm_head). A fused module (q|k|v, gate|up) is filled from its parts' tensors."""
+        """(our parameter, first row) of checkpoint tensor `name`, None where it has no place; fused modules by part."""
         name = self.rename_checkpoint(name.removeprefix("model."))
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
@@ -379,8 +330,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     @property
     def lm_weight(self) -> torch.Tensor | None:
-        """The lm_head's plain weight: the embedding's when tied (a oneDNN lm_head keeps only its reordered
-        copy, cpu_linear.py), else the module's own if it still has one (an int8 lm_head keeps it aside)."""
+        """The lm_head's plain weight: the embedding's when tied, an int8 lm_head's kept aside, or None."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
         if isinstance(self.lm_head, QuantLinear):
@@ -389,8 +339,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     @property
     def kv_window(self) -> int | None:
-        """The keys every layer attends when every layer has a sliding window (the largest of them), else None: a
-        model with a global layer (Gemma 2 / 3) needs all of a sequence's K/V."""
+        """The largest window when every layer is windowed, else None (a global layer reads all K/V)."""
         windows = [layer.self_attn.window for layer in self.layers]
         return max(windows) if all(windows) else None
 
@@ -399,8 +348,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return self.layers[0].self_attn.head_dim
 
     def init_rope(self, max_pos: int) -> None:
-        """cos/sin tables for positions < max_pos, on the model's device, in fp32; and the embedding multiplier in
-        the model's dtype, rounded as transformers' (Gemma: sqrt(3072) is 55.5 in bf16)."""
+        """The rotary tables, and the embedding multiplier rounded to the model's dtype as transformers does (Gemma)."""
         device = self.embed_tokens.weight.device
         for name, layer_type in self.rope_layer_types().items():
             cos, sin = rope_tables(self.config, self.head_dim, max_pos, layer_type)
@@ -414,19 +362,15 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
                                            else scale)
 
     def prepare(self, max_pos: int) -> None:
-        """After the weights are in, cast and on their device: the rotary tables (init_rope), and on CUDA the
-        mixture-of-experts layers' experts stacked for the grouped GEMM (moe.py)."""
+        """After the weights are in, cast and placed: the rotary tables, and on CUDA the experts stacked (moe.py)."""
         self.init_rope(max_pos)
         if self.embed_tokens.weight.device.type == "cuda":
             self.group_experts()
 
     def group_experts(self) -> int:
-        """Stack every MoE layer's experts for the Triton grouped GEMM; returns how many layers (moe.MoECausalLM;
-        none here)."""
         return 0
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
-        """The rotary embedding of a step's positions (for its ForwardContext)."""
         dtype = self.embed_tokens.weight.dtype
         variants = {name: Rotary(positions, cos, sin, dtype) for name, (cos, sin) in self.rope_variants.items()}
         return Rotary(positions, self.cos, self.sin, dtype, variants)
@@ -442,9 +386,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32; from a bf16 model or an int8 lm_head (quantize_lm_head) with their top candidates
-        recomputed in fp32 from the plain weights (refine_top_logits). Then the family's logit scaling and
-        soft-capping, which keep the order of the logits."""
+        """fp32 logits, bf16 or int8 ones with their top candidates refined; then the family's scaling and capping."""
         logits = self.lm_head(hidden)
         weight = self.lm_weight
         if weight is None or (logits.dtype != torch.bfloat16 and not isinstance(self.lm_head, QuantLinear)):
@@ -464,9 +406,8 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
 
 def soft_cap_(logits: torch.Tensor, cap: float) -> None:
-    """logits = cap * tanh(logits / cap) in place (Gemma 2's final logits). On a CPU the C kernel's, whose every
-    value goes through one code path (torch's tanh gives a logit other bits by where it falls in the tensor: its
-    vector and scalar tanh differ, so a row's logits would depend on its batch); elsewhere torch's ops."""
+    """logits = cap * tanh(logits / cap) in place; on a CPU by the C kernel, since torch's vector and scalar tanh
+    differ in the last bit and a row's logits would depend on its batch."""
     if logits.device.type == "cpu" and cpu_kernels.available() and logits.is_contiguous():
         elementwise.tanh_cap_(logits, cap)
     else:
@@ -477,17 +418,8 @@ REFINE_TOP = 8
 
 
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> None:
-    """Recompute the logits at `top` ([rows, k]: each row's k largest of the bf16 logits) in fp32, in place.
-
-    A bf16 matmul accumulates in fp32 but stores its result in bf16, 8 significant bits: a logit near 20 is
-    stored to 1/16, so the top candidates of a step often tie or swap after rounding, and greedy decoding
-    picks between them by rounding alone. The same dot products (bf16 hidden state and weight rows, so the
-    products are exact) summed and kept in fp32 decide them as an fp32 accumulation would. On SmolLM2-135M
-    this lifts teacher-forced top-1 agreement with the fp32 model from 97.6% (transformers' own bf16 forward
-    scores the same) to above 98% (tests/test_bf16_accuracy.py), for [rows, k, hidden] of work.
-
-    A one-row bmm takes another kernel than a bmm of 2 or more rows (different bits: measured), so a single
-    row is computed next to a copy of itself, and a row's refined logits never depend on its batch."""
+    """Recompute in fp32, in place, the logits at `top` (each row's k largest): bf16 logits keep 8 bits, so top
+    candidates tie or swap by rounding. A single row goes beside a copy of itself: a 1-row bmm takes another kernel."""
     rows = top.shape[0]
     if rows == 1:
         top, hidden = top.expand(2, -1), hidden.expand(2, -1)

@@ -1,8 +1,5 @@
-"""Gemma 2 and Gemma 3 (text): norms before and after each block (SandwichLayer), RMSNorm scaling by 1 + weight,
-GeGLU, the embeddings scaled by sqrt(hidden_size) (in the model's dtype), a score scale from
-query_pre_attn_scalar, sliding-window layers beside global ones (from `layer_types`).
-Gemma 2 soft-caps its attention scores and final logits. Gemma 3 normalises q and k per head and rotates its
-sliding layers with a local rope base (rope_parameters["sliding_attention"])."""
+"""Gemma 2 and 3 (text): sandwich norms by 1 + weight, GeGLU, embeddings x sqrt(hidden) in the model's dtype, sliding
+and global layers. Gemma 2 soft-caps scores and logits; Gemma 3 norms q/k per head, with a local rope base."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Granite (3.x dense): Llama with four multipliers from the config: the embeddings' (embedding_multiplier), the
-score scale (attention_multiplier, in place of 1/sqrt(head_dim)), each block's output before it joins the residual
-stream (residual_multiplier), and the logits divided by logits_scaling."""
+"""Granite 3.x dense: Llama with the config's multipliers for the embeddings, the score scale, each block's output
+(residual_multiplier), and the logits (divided by logits_scaling)."""
 
 from __future__ import annotations
 

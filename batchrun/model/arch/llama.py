@@ -1,6 +1,5 @@
-"""Llama, and the families that are Llama with a switch: Mistral (a sliding window on every layer), Qwen2 / Qwen2.5
-(q/k/v bias), Qwen3 (per-head q/k RMSNorm, an explicit head_dim). Rope scaling (llama3, yarn, linear, dynamic) is
-the rotary tables' business (blocks.rope_tables)."""
+"""Llama, and the families that are Llama with a switch: Mistral (a window on every layer), Qwen2 / Qwen2.5 (q/k/v
+bias), Qwen3 (per-head q/k norms, explicit head_dim). Rope scaling is the rotary tables' (blocks.rope_tables)."""
 
 from __future__ import annotations
 

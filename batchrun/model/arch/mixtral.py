@@ -1,6 +1,5 @@
-"""Mixtral: Mistral's attention (a sliding window on every layer when the config sets one) with a sparse
-mixture-of-experts MLP (moe.py), each token's top-k routing weights always renormalised. Its checkpoints name the
-block `block_sparse_moe` and the experts' projections w1 (gate), w3 (up) and w2 (down)."""
+"""Mixtral: Mistral's attention and a sparse MoE MLP, top-k always renormalised. Its checkpoints name the block
+`block_sparse_moe` and the experts' projections w1 (gate), w3 (up) and w2 (down)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top_k experts
-(softmax over the router logits, then the top k, renormalised or not per the config), the experts are gated MLPs,
-and Qwen2-MoE adds a shared expert scaled by a sigmoid gate.
-
-A step runs each expert once, over all the rows routed to it (never token by token):
-- on a CPU (and wherever the experts are separate modules), the (token, expert) pairs are sorted by expert and each
-  expert with rows is one call of its own GatedMLP. Its linears are ordinary nn.Linear modules, so reorder_linears
-  puts them on batchrun's C kernels (fp32 panels, bf16 panels / oneDNN bf16, cpu_linear.py) like any other layer's:
-  the grouping is in torch, the matmuls are the C kernels' (a grouped C kernel over all experts is not written);
-- on CUDA (`group_experts`), the experts' weights are stacked into one [E, N, K] tensor per projection and the rows
-  go through the Triton grouped GEMM (batchrun/kernels/triton/grouped_gemm.py): two launches per layer, no host sync.
-Each token's expert outputs are weighted and summed in ascending expert order, as transformers' index_add loop
-does, so fp32 results follow transformers' and a row's result depends on that row only.
-"""
+"""The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): transformers' router, gated-MLP experts, and
+Qwen2-MoE's gated shared expert. Each expert runs once over its rows (on CUDA all in the grouped GEMM), and expert
+outputs are summed in ascending expert order, as transformers does: a row's result depends on that row only."""
 
 from __future__ import annotations
 
@@ -28,9 +17,6 @@ GROUPED_BLOCK_M = 16  # rows per tile of the grouped GEMM (an expert's rows are 
 
 
 class MoECausalLM(CausalLM):
-    """A causal LM with SparseMoE layers: it takes stacked expert tensors from a checkpoint, and groups its experts
-    for the grouped GEMM on CUDA."""
-
     def checkpoint_tensors(self, tensors):
         return split_stacked_experts(tensors)
 
@@ -93,7 +79,6 @@ class SparseMoE(nn.Module):
         return outputs.view(*experts.shape, -1)
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        """The same through the grouped GEMM: every expert's rows in one launch per projection."""
         from batchrun.kernels.triton import (  # imports triton: only where the experts are grouped
             grouped_gemm,
             moe_align,
@@ -118,8 +103,7 @@ class SparseMoE(nn.Module):
 
 
 def combine(outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j weights[:, j] * outputs[:, j], the terms added in ascending expert order from the first (transformers
-    adds each expert's rows into zeros, expert by expert): [N, H] in `dtype`."""
+    """sum_j weights[:, j] * outputs[:, j] in `dtype`, added in ascending expert order, as transformers does."""
     terms = (outputs * weights.unsqueeze(-1)).to(dtype)
     if terms.shape[1] > 1:
         terms = terms.gather(1, experts.argsort(dim=1).unsqueeze(-1).expand_as(terms))
@@ -134,9 +118,7 @@ _STACKED = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj
 
 def split_stacked_experts(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]]
                           ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """Checkpoint tensors with transformers' stacked expert tensors ([E, 2I, H] gate|up, [E, H, I] down, as its GGUF
-    reader and newer checkpoints give them) split into each expert's own (`experts.{e}.gate_up_proj.weight`:
-    gate rows then up rows, as our fused projection is laid out); other tensors pass as they come."""
+    """Stacked expert tensors ([E, 2I, H] gate|up, [E, H, I] down) split into each expert's; others as they come."""
     for name, read in tensors:
         match = _STACKED.fullmatch(name)
         if match is None:

@@ -1,6 +1,5 @@
-"""Phi-3 and Phi-4 (Phi3ForCausalLM): Llama's layer with q|k|v and gate|up already fused in the checkpoint, partial
-rotary (partial_rotary_factor) and LongRoPE where the config asks (blocks.rope_tables), and a sliding window on
-every layer when the config sets one (Phi-3-mini)."""
+"""Phi-3 and Phi-4: Llama's layer, q|k|v and gate|up fused in the checkpoint, partial rotary and LongRoPE
+(blocks.rope_tables), a sliding window on every layer when set (Phi-3-mini)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Qwen2-MoE and Qwen3-MoE: Qwen2's attention (q/k/v bias) or Qwen3's (per-head q/k RMSNorm), and a sparse
-mixture-of-experts MLP (moe.py) on the layers the config makes sparse (every decoder_sparse_step-th, less
-mlp_only_layers; the others a dense gated MLP), top-k weights renormalised when norm_topk_prob says. Qwen2-MoE adds
-a shared expert behind a sigmoid gate."""
+"""Qwen2-MoE and Qwen3-MoE: Qwen2's or Qwen3's attention, a sparse MoE MLP on the layers the config makes sparse
+(the others dense), top-k renormalised per norm_topk_prob; Qwen2-MoE adds a gated shared expert."""
 
 from __future__ import annotations
 

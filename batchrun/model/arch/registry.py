@@ -1,14 +1,5 @@
-"""The model families batchrun runs: which Hugging Face architectures each one covers, where its definition lives,
-and what the test suite verifies for it.
-
-This module imports no torch: `batchrun validate`, `batchrun models` and the model-path checks (locate.py) read it
-without loading a model. A family's definition (a module under batchrun/model/arch/) is imported only when a model
-of it loads (`model_class`).
-
-`verified` is what the tests check for the family, by name (VERIFIED_CHECKS says what each name means). The tests
-parametrize over `families_verifying(check)`, so a claim listed here is a test that runs, and `batchrun models`
-prints this table (tests/test_models_registry.py holds both to it).
-"""
+"""The model families: the architectures each covers, its module, and what the tests verify for it (`verified`,
+parametrized by families_verifying). Imports no torch; a family's module is imported only when it loads."""
 
 from __future__ import annotations
 
@@ -89,14 +80,12 @@ def architecture_of_model_type(model_type: str) -> str | None:
 
 
 def families_verifying(check: str) -> list[str]:
-    """The names of the families whose `verified` lists `check` (the tests parametrize over these)."""
     if check not in VERIFIED_CHECKS:
         raise KeyError(check)
     return [f.name for f in FAMILIES if check in f.verified]
 
 
 def model_class(architecture: str):
-    """The nn.Module class that runs `architecture` (imports its definition, and torch)."""
     family = family_of(architecture)
     if family is None:
         raise KeyError(architecture)
@@ -104,8 +93,6 @@ def model_class(architecture: str):
 
 
 def models_table() -> str:
-    """The families as `batchrun models` prints them: each one's architectures, what sets it apart, and what the
-    tests verify for it, then what each verification means."""
     lines = []
     for f in FAMILIES:
         lines.append(f"{f.name}: {', '.join(f.architectures)}")

@@ -1,18 +1,7 @@
-"""Paged attention over the KV pool: the per-step metadata, the backend contract, and the torch backend.
-
-The runner lays out one step as a flat batch: the decode sequences first (one query token each), then
-the prefill / extend sequences (a chunk of new tokens attending to themselves and to whatever context the
-sequence already has in the cache). Every backend receives the same `AttentionMetadata`, writes the step's
-K/V into their slots first, and then attends over the cache, so prefix-cache hits and chunked prefill are
-the same case as a plain prefill with zero cached tokens.
-
-KV pool layout (one allocation for the whole model, made once):
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-A layer sees `kv_cache[layer]` = [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s is block
-s // block_size, offset s % block_size. With `kv_cache_dtype: int8` the pool is int8 and a row is head_dim + 4
-wide (the values, then their float32 scale: batchrun/kernels/layouts/kv_rows.py); with fp8_e4m3 / fp8_e5m2 it is fp8,
-rows of head_dim. The backends quantize as they store and dequantize as they read.
-"""
+"""Paged attention: the step's metadata, the backend contract, and the torch backend. A step is a flat batch, decodes
+first; a backend stores the step's K/V, then attends over the cache, so a prefix hit or a chunk is a prefill with
+cached tokens. Pool: [layers, 2, blocks, block_size, kv_heads, head_dim], slot s at block s // block_size; an int8
+pool's rows are head_dim + 4 wide, the fp32 scale last (batchrun/kernels/layouts/kv_rows.py)."""
 
 from __future__ import annotations
 
@@ -43,19 +32,15 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     has_padding: bool = False  # any slot_mapping entry is -1 (set by whoever pads: CUDA graph replays)
-    # For each query row (new token) of the step, int32 on the host: its sequence index, and how many keys it
-    # attends to (its position + 1: the whole context for a decode row). The CPU kernel takes every row of the
-    # step in one call with these. The runner passes them, from the tensors it builds the step with anyway;
-    # None: derived from the host lists on first use (query_rows), for other constructors (tests).
+    # Per query row, int32 on the host: its sequence and how many keys it sees (position + 1), for the CPU kernel's
+    # one call per step. None: derived from the host lists (query_rows).
     row_seq: torch.Tensor | None = None
     row_len: torch.Tensor | None = None
-    # sequences [num_decodes, num_decodes + num_verifies) check draft tokens (speculative decoding): a few rows
-    # each, which go where decode rows go (the CPU kernel) rather than to a per-sequence prefill path
+    # sequences [num_decodes, num_decodes + num_verifies) check draft tokens: a few rows each, taken as decode rows
     num_verifies: int = 0
 
     @cached_property
     def max_decode_len(self) -> int:
-        """The longest context among the decode sequences (asked by every layer: computed once)."""
         return max(self.seq_lens_host[: self.num_decodes], default=0)
 
     @property
@@ -64,8 +49,7 @@ class AttentionMetadata:
 
     @cached_property
     def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row_seq, row_len): the runner's, or, when it gave none, built from the host lists once per step and
-        shared by every layer."""
+        """(row_seq, row_len): the runner's, or built once per step from the host lists."""
         if self.row_seq is not None and self.row_len is not None:
             return self.row_seq, self.row_len
         num_rows = sum(self.query_lens_host)
@@ -96,15 +80,13 @@ class AttentionBackend(ABC):
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store the step's K/V into their slots, then attend over the cache: a query at position p sees keys
-        [p - window + 1, p] (window 0: [0, p]), with scores scale * q.k, soft-capped to softcap * tanh(s / softcap)
-        when softcap > 0 (Gemma 2), before the softmax."""
+        """Store the step's K/V, then attend: a query at p sees keys [p - window + 1, p] (window 0: [0, p]), scores
+        scale * q.k, capped to softcap * tanh(s / softcap) when softcap > 0."""
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    has_padding: bool = False) -> None:
-    """Scatter the step's K/V into their slots (padding slots, -1, are dropped), in the pool's format
-    (kv_quant.encode_rows: the values cast, int8 rows with their scale, or fp8 bytes)."""
+    """Scatter the step's K/V into their slots in the pool's format (padding slots, -1, dropped)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = as_bytes(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
     if has_padding:
@@ -115,27 +97,9 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 class TorchBackend(AttentionBackend):
-    """Vectorized torch attention for CPUs (and a reference everywhere).
-
-    Decode: all decode sequences of the step in one gather through their block tables and one SDPA call,
-    masked to each sequence's length. Prefill: one SDPA per prefill sequence (few per step); when nothing is
-    cached yet the new K/V are used directly instead of being read back from the pool.
-
-    With `cpu_kernels` (fp32 and bf16 models on a CPU, decided at load by backends.select_backend) the K/V store and
-    the attention of every query row of the step, decode and prefill alike, are C kernels (one call each per
-    layer) that read K/V in place through the block tables. A prefill row at position p is a decode over keys
-    [0, p] (its K/V were stored first), so one row's result is the same whether it comes in a full prefill,
-    a chunk of one, after a prefix-cache hit or as a decode, next to any other rows (issue 14).
-
-    `sdpa_prefill` (not chosen by backends.select_backend; kept for comparison): the prefill rows go to SDPA
-    and only the decode and draft-checking rows to the C kernel. Measured alone, SDPA's bf16 path was the faster
-    one before the kernel's AMX path (benchmarks.kernels, one thread: the kernel took 1.37x SDPA's time for 64
-    prompts of 96 tokens), but inside the engine it was not: in four 4096-token bf16 SmolLM2 prefill steps,
-    attention took 233-446 ms on the kernel against 427-513 ms on SDPA (paired runs, 2026-12-01). On AMX the
-    kernel takes 0.73x SDPA's time for 4 prompts of 128 tokens, 1.10x at 2 x 512 and 1.58x at 1 x 2048
-    (`python -m benchmarks.kernels --dtypes bfloat16 --block-size 8`, 2 threads, 2026-12-02 16:37). Its result
-    for a row also depends on how the prompt is split.
-    """
+    """Torch attention for CPUs, and a reference everywhere. With `cpu_kernels` the K/V store and every query row
+    are C kernels; a prefill row at p is a decode over keys [0, p], so a row's result is the same in any prefill
+    split, after a prefix hit or as a decode. `sdpa_prefill` (for comparison) gives prefill rows to SDPA instead."""
 
     name = "torch"
 
@@ -170,9 +134,7 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _forward_cpu_kernels(self, q, k, v, kv_cache, meta, scale, window=0, softcap=0.0):
-        """The C kernels' path: store the step's K/V, then the kernel attends the first `kernel_rows` query rows,
-        which are all of the step's rows, or with sdpa_prefill (in a step that has prefill rows) only the
-        decode rows, the prefill rows going to SDPA."""
+        """The kernel attends every row, or with sdpa_prefill only decode and draft rows (prefill rows: SDPA)."""
         cpu_attention.store_kv(k, v, kv_cache, meta.slot_mapping)
         row_seq, row_len = meta.query_rows
         short = meta.num_decodes + meta.num_verifies  # the decode and draft-checking sequences lead the batch
@@ -193,8 +155,7 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx: int):
-        """K and V of each sequence, contiguous: [num_seqs, num_kv_heads, ctx, head_dim] (float32 from an int8
-        pool)."""
+        """Each sequence's K and V, contiguous: [num_seqs, num_kv_heads, ctx, head_dim] (fp32 from an 8-bit pool)."""
         bs = kv_cache.shape[2]
         nblk = (ctx + bs - 1) // bs
         bt = block_tables[:, :nblk].long()
@@ -256,9 +217,7 @@ class TorchBackend(AttentionBackend):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
-    """Attention of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] (a boolean mask, True where a key is seen, or
-    causal). SDPA, or with soft-capping (which SDPA lacks) the same arithmetic as transformers' eager attention:
-    scores, softcap * tanh(scores / softcap), the masked softmax in fp32, the weighted sum of V."""
+    """Attention of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D]: SDPA, or with soft-capping transformers' eager math."""
     if not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]

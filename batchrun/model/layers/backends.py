@@ -1,6 +1,4 @@
-"""The choice of attention backend, made once when the runner is built, and whether the engine runs batch
-invariant. A module of its own because it imports every backend, and the backends import the attention
-contract (attention.py)."""
+"""The attention backend, chosen once per runner, and whether the engine runs batch invariant."""
 
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_batch_invariant(setting: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """EngineArgs.batch_invariant for this device and dtype. None (the default): on for float32 on a CPU, where
-    the invariant linears cost nothing measurable, off for bfloat16 (its linears then take batchrun's panels at
-    every row count, slower than oneDNN's bf16 kernels at prefill: docs/reproducibility-kernels.md) and on CUDA
-    (cuBLAS is not invariant). True where batchrun has no invariant linears says so once."""
+    """None: on for float32 on a CPU; off for bfloat16 (slower invariant linears at prefill) and on CUDA (cuBLAS
+    is not invariant). True where the linears cannot hold it warns once."""
     if setting is None:
         return device.type == "cpu" and dtype == torch.float32
     if setting and device.type != "cpu":
@@ -34,9 +30,7 @@ def resolve_batch_invariant(setting: bool | None, device: torch.device, dtype: t
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
                    batch_invariant: bool = False) -> AttentionBackend:
-    """`auto` is Triton on CUDA and torch elsewhere; Triton on CPU only under TRITON_INTERPRET=1 (tests).
-    The torch backend uses the C kernels for fp32 and bf16 on a CPU when they are built. batch_invariant:
-    the Triton decode kernel never splits a context, so a query row's reduction is the prefill kernel's."""
+    """`auto`: Triton on CUDA, torch elsewhere (C kernels for fp32 / bf16 on a CPU); Triton on a CPU only in tests."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":

@@ -1,6 +1,4 @@
-"""ForwardContext: everything one forward needs besides the token ids, built once per step by the runner
-and handed to every layer (instead of positions, rotary tables, KV pool, metadata, backend and ops as
-loose arguments)."""
+"""ForwardContext: what a forward needs besides the token ids, built once per step and handed to every layer."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The CUDA attention backend: the Triton kernels of `batchrun/kernels/` behind the `AttentionBackend` contract.
-
-A step's flat batch is decodes first, then prefill / extend chunks (see attention.py), so the decode kernel
-gets the leading rows and the prefill kernel the rest, each writing its rows of one output tensor. Nothing in
-`forward` reads a device value on the host, so a decode-only step can be captured in a CUDA graph (build the
-capture metadata with `max_seq_len` = the longest context the graph will replay, e.g. max_model_len).
-
-On CPU these kernels only run under TRITON_INTERPRET=1 (tests); `backends.select_backend` refuses otherwise.
-"""
+"""The CUDA attention backend on the Triton kernels. `forward` reads no device value on the host, so a decode step
+can be captured in a CUDA graph (with max_seq_len the longest context it replays); on a CPU only in tests."""
 
 from __future__ import annotations
 
@@ -20,14 +13,8 @@ from batchrun.model.layers.attention import AttentionBackend, AttentionMetadata
 
 
 class TritonBackend(AttentionBackend):
-    """Paged attention with Triton kernels.
-
-    `partition_size` is the context length one decode program covers before the split (flash-decoding) path
-    kicks in; 512 keeps an H100/H200 busy at small batch without costing much at large batch. Tests lower it
-    to reach the split path with short contexts. `split_context=False` (the batch-invariant mode) never
-    splits: a decode row then reduces over its context in the prefill kernel's order (same BLOCK_N tiles from
-    position 0), so decode, prefill, chunked prefill and prefix-cache hits compute a query row alike.
-    """
+    """`partition_size`: the context of one decode program before the split (flash-decoding) path.
+    `split_context=False` never splits: a decode row then reduces in the prefill kernel's tiles, as every path does."""
 
     name = "triton"
 
@@ -71,12 +58,7 @@ class TritonBackend(AttentionBackend):
 
 
 def copy_blocks(kv_cache_full: torch.Tensor, pairs: torch.Tensor | Sequence[tuple[int, int]]) -> None:
-    """Copy-on-write copies for one step: every layer, K and V, all pairs in one launch.
-
-    kv_cache_full: the whole device pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    (contiguous); pairs: (src, dst) physical block ids, an int [N, 2] tensor or a list of pairs. No block may
-    be both a source and a destination in one call.
-    """
+    """Copy-on-write copies, every layer's K and V, in one launch; no block both a source and a destination."""
     if not isinstance(pairs, torch.Tensor):
         pairs = torch.tensor(list(pairs), dtype=torch.int64).view(-1, 2)
     if pairs.numel() == 0:

@@ -1,23 +1,6 @@
-"""Calibrated quantization (EngineArgs.calibration): GPTQ over a calibration text, layer by layer, before the
-engine's own model is built.
-
-The checkpoint is loaded through transformers in the job's dtype, and its decoder layers are run one at a time
-over the calibration tokens, as GPTQ does: each layer's linears gather H = X^T X of their inputs (one H per
-input: q, k and v share theirs, as do gate and up), are rounded with it (gptq.gptq_quantize), and the layer is run
-again on the rounded weights to give the next layer its inputs, so that each layer's rounding answers the errors
-of the layers before it. What comes out is a QuantizedWeight per linear, under its checkpoint name; the loader
-then takes them in place of those tensors (loader.load_weights, as it takes a GGUF file's), so the engine's model
-is built from the checkpoint as usual and holds only the quantized linears.
-
-The calibration text: `builtin` is batchrun's own (batchrun/model/quant/data/calibration.json: 33 everyday chat
-questions and answers, about 2,400 words: explanations, code, lists, extraction, rewriting, arithmetic, poems),
-in the model's chat template where it has one; a path is a UTF-8 text file of the user's, its passages separated
-by blank lines. Either is cut into sequences of SEQUENCE_TOKENS tokens, at most MAX_TOKENS in all.
-
-Memory: the checkpoint once in the job's dtype for the length of the calibration (it is released before the
-engine's model is built), one layer's H (in^2 floats per input) and the calibration activations. Time on 2
-cores (docs/quantization.md): 21 s for SmolLM2-135M, most of it the layers' forwards and H (GPTQ's per-input
-loop runs in C: csrc/gptq.c); it grows with the layers' size."""
+"""GPTQ calibration (EngineArgs.calibration) before the engine's model is built: transformers runs the checkpoint
+layer by layer over the calibration tokens, each layer's linears are rounded with H = X^T X of their inputs
+(gptq.py), and the rounded layer feeds the next. The rounded weights replace the checkpoint's at load."""
 
 from __future__ import annotations
 
@@ -29,9 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.quant.gptq import gptq_quantize, split_rows
-from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
 from batchrun.model.quant.linear import KEPT, QuantSpec, group_for
 
 log = logging.getLogger(__name__)
@@ -68,9 +51,7 @@ def calibration_tokens(source: str, tokenizer) -> list[list[int]]:
 
 
 class _Hessians:
-    """Forward pre-hooks on a layer's linears summing X^T X per distinct input: linears called on the same
-    tensor (q, k, v) share one sum, found by the input's address in the first batch. The inputs seen are held
-    until the batch ends, so that no later tensor of the batch can take a freed one's address."""
+    """Pre-hooks summing X^T X per distinct input tensor (q, k, v share one), held per batch so no address repeats."""
 
     def __init__(self, linears: dict[str, nn.Linear]) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -124,10 +105,7 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 def _layer_inputs(decoder: nn.Module, layers: nn.ModuleList, sequences: list[list[int]]
                   ) -> tuple[list[torch.Tensor], list[dict]]:
-    """Each sequence's hidden states entering the first layer, and the keyword arguments (masks, positions,
-    rotary tables) each layer is called with, the same for every sequence of one length: taken by pre-hooks
-    from one forward of the first sequence through the whole decoder, and a forward up to the first layer for
-    each of the others."""
+    """The first layer's input per sequence, and each layer's keyword arguments, taken by pre-hooks."""
     hidden: list[torch.Tensor] = []
     layer_kwargs: list[dict] = [{} for _ in layers]
 
@@ -164,7 +142,7 @@ def _run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Te
 
 
 def _quantized_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """The layer's linears that quantization replaces (quant_linear.KEPT stay in the model's dtype)."""
+    """The layer's linears that quantization replaces (KEPT stay in the model's dtype)."""
     return {name: m for name, m in layer.named_modules()
             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT}
 

@@ -1,17 +1,5 @@
-"""GPTQ: rounding a linear's weights to int8 / int4 so that its outputs, rather than each weight, stay close.
-
-Round to nearest (quant.quantize_int8 / quantize_int4) rounds every weight on its own. GPTQ (Frantar et al., 2022,
-"Accurate post-training quantization for generative pre-trained transformers") rounds the inputs of all rows one
-input at a time, and moves each rounding error onto the inputs not rounded yet, in proportion to how the
-calibration activations reaching the linear correlate them: it minimises ||X W^T - X Q^T|| over the calibration
-rows X one input at a time, using the inverse of H = X^T X. The rows are independent given H, so the parts of a
-fused linear (q, k, v) can be rounded together or apart with the same result.
-
-The output is the format round to nearest gives (symmetric, a scale per group of inputs: quant.QuantizedWeight),
-for the same kernels; only the integers differ, and each group's scale, which is taken from the group's weights
-as the errors of the groups before it have moved them. With H the identity nothing moves and the result is round
-to nearest exactly (tests/test_gptq.py).
-"""
+"""GPTQ (Frantar et al., 2022): weights rounded one input at a time, each error moved onto the inputs not yet rounded
+through H = X^T X's inverse, so that X W^T stays close. With H the identity it is round to nearest exactly."""
 
 from __future__ import annotations
 
@@ -20,11 +8,8 @@ import torch
 from batchrun.kernels.cpu import gptq as gptq_kernels
 from batchrun.kernels.layouts.quant_weight import QuantizedWeight, pack_int4
 
-# Added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation defined where the calibration
-# rows leave H singular (fewer tokens than inputs, dead inputs), and keeps the rounding from fitting the few
-# thousand calibration tokens too closely. The paper's 1% did that on SmolLM2-135M int4 (built-in text, 3.8k
-# tokens): top-1 agreement with bf16 71.1%, perplexity 42.0 against round to nearest's 63.7% / 39.3; 5% 75.4% /
-# 43.7; 10% 77.3% / 36.4; 20% 77.0% / 37.3; 50% 75.6% / 39.5 (benchmarks.quant_accuracy's measures, 2026-12-04).
+# Added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation defined where H is singular
+# (fewer tokens than inputs, dead inputs), and the rounding from fitting the calibration tokens too closely.
 DAMPING = 0.1
 # Inputs per lazy update: errors are applied to the columns of the current block at once per input, and to the
 # rest of the matrix once per block (one matrix product), as in the paper.
@@ -33,15 +18,9 @@ BLOCK = 128
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
                   damping: float = DAMPING, act_order: bool = True) -> QuantizedWeight:
-    """weight [out, in] (any float dtype), hessian [in, in] (X^T X of the calibration inputs, any scale) ->
-    the QuantizedWeight of `bits` (8: q in -127..127; 4: q - 8 in -8..7, offset -8 * scale) in groups of
-    `group_size` inputs, each group's scale its largest magnitude over 127 or 7.
-
-    act_order: the inputs are rounded in the order of their H diagonal, largest first (the inputs that carry the
-    most of the calibration's activations are rounded while the most inputs are left to take their errors), with
-    the groups' scales fixed beforehand from the weights as they are, so the groups stay contiguous in the stored
-    layout ("static groups"). Without it, inputs go in order and each group's scale is taken from its weights as
-    the errors of the groups before it have moved them."""
+    """weight [out, in], hessian [in, in] -> a QuantizedWeight of `bits` in groups of `group_size`. act_order: the
+    inputs by H's diagonal, largest first, the group scales fixed beforehand so groups stay contiguous (static groups);
+    without it, in order, each group's scale taken as the errors before it left its weights."""
     if bits not in (4, 8):
         raise ValueError(f"GPTQ rounds to 4 or 8 bits, not {bits}")
     w = weight.detach().to(torch.float32).clone()

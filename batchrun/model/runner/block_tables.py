@@ -1,14 +1,5 @@
-"""The step's block tables as rows of one persistent host tensor, and fast list -> tensor conversion.
-
-Rebuilding a padded [num_seqs, max_blocks] tensor from the scheduler's lists every step costs a Python
-pass over every entry of every table (torch.tensor on nested lists), the largest per-sequence cost of a
-decode step's inputs. A block table changes rarely: it grows by one block every `block_size` tokens, and
-is replaced on copy-on-write, swap-in or recompute. So each scheduled sequence keeps a row of one tensor
-that lives across steps (vLLM v1's persistent batch); a step compares each sequence's live table with
-the copy its row was written from (a C-level list comparison), rewrites only the rows that changed, and
-gathers the step's rows in its order with one index_select. Rows of sequences that were not scheduled
-this step are released at the next step that has fewer sequences than rows held.
-"""
+"""The step's block tables as rows of one persistent host tensor (vLLM v1's persistent batch): a step rewrites only
+the rows whose table changed and gathers its rows with one index_select."""
 
 from __future__ import annotations
 
@@ -20,8 +11,7 @@ from batchrun.engine.contract import ScheduledSeq
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:
-    """A CPU int64 tensor of a list of ints. torch.tensor(list) converts element by element through
-    Python (~0.3 us each); packing into an array first is several times cheaper for step-sized lists."""
+    """A CPU int64 tensor of a list of ints, through an array: several times cheaper than torch.tensor(list)."""
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
@@ -91,7 +81,6 @@ class BlockTableRows:
         self._written[r] = list(table)
 
     def _grow(self, rows: int, width: int) -> None:
-        """More rows or columns (rare: the first steps at a new concurrency, or a longer table)."""
         old_rows, old_width = self._buf.shape
         rows, width = max(rows, old_rows), max(width, old_width)
         buf = torch.zeros((rows, width), dtype=torch.int32)

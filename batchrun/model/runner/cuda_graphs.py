@@ -1,11 +1,5 @@
-"""CUDA graphs for decode steps: capture once per batch size of a ladder, replay with padding.
-
-A decode step launches a few kernels per layer on tiny tensors, so on a GPU the launches, not the math,
-bound it. Capturing the whole decode forward once per padded batch size and replaying it removes that.
-Inputs live in static buffers that each replay overwrites; padded rows write nowhere (slot -1) and
-attend to nothing (seq_len 0), and their outputs are dropped. Capture needs a graph-safe backend (the
-Triton one: nothing in it reads device values on the host).
-"""
+"""CUDA graphs of decode steps, once per batch size of a ladder, replayed with padding: padded rows write nowhere
+(slot -1) and attend to nothing (seq_len 0). Needs the Triton backend (no host reads of device values)."""
 
 from __future__ import annotations
 
@@ -53,8 +47,7 @@ class DecodeGraphs:
             seq_lens_host=[self.max_model_len] * b, query_lens_host=[1] * b, has_padding=True)
 
     def _forward(self, b: int) -> torch.Tensor:
-        """The model on the static buffers' first b rows. A fresh context per call: what it computes
-        lazily (the rotary rows) must be computed inside the capture, from the static positions."""
+        """The model on the buffers' first b rows, with a fresh context: the rotary rows must be made inside the capture."""
         ctx = ForwardContext(self._meta(b), self.kv_cache, self.model.rotary(self.positions[:b]), self.backend,
                              self.ops)
         return self.model(self.input_ids[:b], ctx)
@@ -79,7 +72,6 @@ class DecodeGraphs:
         return num_seqs <= self.sizes[-1] and max_seq_len <= self.max_model_len
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of a decode-only step, [num_seqs, hidden]."""
         n = meta.num_seqs
         b = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(ids)

@@ -1,13 +1,5 @@
-"""How much memory a job takes and what the machine has: the KV pool's size, the refusal of a model that cannot
-fit (before anything loads), whether the bf16 few-row copy of the weights fits; and, on CUDA, a profiled share
-of the GPU.
-
-On a CPU a job holds the weights (once: cpu_linear packs each linear in place of its plain weight; a bf16 model
-with a tied lm_head keeps the embedding beside the lm_head's packed copy), the KV pool (zeroed at start-up, so
-resident from the start), the swap pool, and a working set (torch, the tokenizer, a step's activations and
-logits) that WORKING_BYTES stands for. What the machine has is what the OS says is available (MemAvailable),
-or less where a cgroup limit (a container, a Slurm job) leaves less. docs/memory.md says what users see.
-"""
+"""What a job takes and what the machine has: the KV pool's size, the refusal before loading of a model that cannot
+fit, whether the bf16 few-row copy fits, and on CUDA a profiled share of the GPU (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +12,8 @@ from pathlib import Path
 import torch
 
 from batchrun.kernels.cpu.quant import packed_nbytes
-from batchrun.model.errors import InsufficientMemoryError
 from batchrun.kernels.layouts.kv_rows import row_width
+from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.quant.linear import QuantSpec, is_quantized_linear_weight
 
 log = logging.getLogger(__name__)
@@ -34,9 +26,8 @@ CPU_DEFAULT_KV_BYTES = 2 * GIB
 # A default-sized pool shrinks to what is free beside the weights, down to one sequence of this many tokens (or
 # of max_model_len, or the job's whole need, if less); below that the model is refused.
 MIN_KV_TOKENS = 2048
-# Besides the weights and the pools: the Python process with torch and the tokenizer (about 0.5 GiB), a step's
-# activations (a 4096-token prefill of an 8B model: 0.2-0.3 GiB in bf16) and logits, the packing of the largest
-# linear (one linear's copy at a time), oneDNN's scratch.
+# Besides the weights and the pools: Python with torch and the tokenizer, a step's activations and logits, one
+# linear's packing at a time, oneDNN's scratch.
 WORKING_BYTES = GIB
 
 
@@ -89,9 +80,7 @@ def _stat_value(path: Path, key: str) -> int:
 
 
 def _cgroup_limit(proc: Path, root: Path) -> tuple[int, int] | None:
-    """(limit, usage less its inactive file cache) of the tightest memory cgroup this process is in, or None.
-    cgroup v2 (`0::/path`) walks from the process's group up to the root; v1 reads the memory controller's
-    group. A group not visible under `root` (a container's namespace) falls back to the root itself."""
+    """(limit, usage less inactive file cache) of this process's tightest memory cgroup (v2 or v1), or None."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
@@ -143,7 +132,6 @@ def available_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/
 
 
 def cpu_default_bytes(total: int | None = None) -> int:
-    """LLM's KV pool without a job: CPU_DEFAULT_KV_BYTES, or an eighth of the memory if less."""
     if total is None:
         total = available_memory().total
     return min(CPU_DEFAULT_KV_BYTES, total // 8)
@@ -154,12 +142,8 @@ def cpu_default_bytes(total: int | None = None) -> int:
 
 def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSpec | None = None,
                             gguf_as_stored: bool = False) -> int:
-    """The checkpoint's weights as the engine will hold them, from the safetensors headers or the GGUF tensor
-    table (nothing else is read): every tensor in the model's dtype (element_size), except the linears that
-    `quantization` replaces (quant_linear.is_quantized_linear_weight), counted as packed, with gguf_as_stored
-    the layers' linears the file stores in a type the kernels take as it is, and a compressed-tensors
-    checkpoint's quantized linears packed as the loader holds them. Never less than what the load
-    holds: a fused q|k|v is counted part by part, each padded to whole panels."""
+    """The weights as the engine will hold them, from the file headers: the model's dtype, packed linears at their
+    packed size. Never less than the load: a fused q|k|v counts part by part, each padded."""
     from batchrun.model.weights.loader import is_gguf, weight_files
 
     if is_gguf(path):
@@ -203,8 +187,7 @@ def checkpoint_weight_bytes(path: Path, element_size: int, quantization: QuantSp
 
 
 def kv_bytes_per_token(config, element_size: int, kv_dtype: torch.dtype | None = None) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes, from a model's config; with an int8 pool (kv_dtype),
-    one byte per value and a 4-byte scale per KV head (batchrun/kernels/layouts/kv_rows.py)."""
+    """2 (K and V) x layers x KV heads x row bytes (an int8 pool: one byte a value and a 4-byte scale a head)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -215,8 +198,6 @@ def kv_bytes_per_token(config, element_size: int, kv_dtype: torch.dtype | None =
 
 @dataclass
 class MemoryPlan:
-    """The CPU memory of one engine, decided before the weights load."""
-
     weights: int  # the weights as the engine holds them (packed; a tied bf16 lm_head's packed copy included)
     kv: int  # the KV pool
     swap: int  # the host pool for swap preemption
@@ -224,19 +205,14 @@ class MemoryPlan:
 
     @property
     def spare(self) -> int:
-        """What is left after the weights, the pools and the working set."""
         return self.available.free - self.weights - self.kv - self.swap - WORKING_BYTES
 
 
 def plan_cpu_memory(*, weights: int, bytes_per_token: int, block_size: int, max_model_len: int,
                     kv_bytes: int | None, kv_tokens: int | None, swap: int, available: Available,
                     model: str) -> MemoryPlan:
-    """Size the KV pool and check that the model fits; raise InsufficientMemoryError (one line: what it needs and
-    what the machine has) when it does not.
-
-    kv_bytes: the pool the user asked for (kv_cache_memory or num_kv_blocks), which must fit whole. Else the pool
-    is sized for kv_tokens (what a job's rows need) or, without a job, cpu_default_bytes, and shrinks to what is
-    free beside the weights, down to MIN_KV_TOKENS tokens (or max_model_len, or the need, if less)."""
+    """Size the KV pool: the user's kv_bytes whole, or the need (kv_tokens, else the default) shrunk to what is free,
+    down to MIN_KV_TOKENS; raise InsufficientMemoryError (one line) where that does not fit."""
     room = available.free - weights - swap - WORKING_BYTES
     if kv_bytes is not None:
         kv, least = kv_bytes, kv_bytes
@@ -258,8 +234,7 @@ def plan_cpu_memory(*, weights: int, bytes_per_token: int, block_size: int, max_
 
 
 def held_weight_bytes(checkpoint_bytes: int, element_size: int, config, packs_tied_lm_head: bool) -> int:
-    """The weights as the engine holds them: the checkpoint's (checkpoint_weight_bytes), plus the packed copy of
-    a tied lm_head (its plain weight stays, as the embedding's) where cpu_linear makes one."""
+    """The checkpoint's weights, plus a tied lm_head's packed copy where reorder_linears makes one."""
     tied = bool(getattr(config, "tie_word_embeddings", False)) and packs_tied_lm_head
     return checkpoint_bytes + (config.vocab_size * config.hidden_size * element_size if tied else 0)
 
@@ -269,8 +244,7 @@ def held_weight_bytes(checkpoint_bytes: int, element_size: int, config, packs_ti
 
 def profile_cuda_kv_bytes(runner_factory, device: torch.device, utilization: float,
                           max_num_batched_tokens: int) -> int:
-    """Bytes the KV pool may take on CUDA: the utilization share of the GPU, less what the weights and
-    a peak forward at the step-token budget use (measured with a throw-away one-block-per-seq pool)."""
+    """The KV pool's bytes on CUDA: the utilization share, less the weights and a profiled peak forward."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

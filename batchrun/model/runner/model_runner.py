@@ -1,16 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into one forward over the paged KV pool and its samples. It
-decides nothing.
-
-The device pool and the host (swap) pool are each one tensor allocated at start-up:
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-(in int8 with each row's scale at its end, head_dim + 4 wide, for kv_cache_dtype int8: every block move below
-then carries the scales with the values.)
-Per step the runner applies the scheduler's block moves (swap out, swap in, copy-on-write) in bulk, one
-call each, builds the flat batch (token ids, positions, slot mapping, block tables) and runs the model,
-computing logits only for the positions that sample, then samples them as the step's SamplingRequests say
-(sampling_batch.py) and returns a StepOutput of plain lists, with one host sync. The attention backend and
-the element-wise ops are chosen once, here, for the device and dtype.
-"""
+"""ModelRunner: one SchedulerOutput -> block moves, one forward over the paged KV pool, logits of the sampling rows
+only, their samples (sampling/step.py) -> a StepOutput of plain lists, with one host sync. It decides nothing."""
 
 from __future__ import annotations
 
@@ -22,13 +11,13 @@ from operator import attrgetter
 import torch
 
 from batchrun.engine.contract import RunnerTimers, ScheduledSeq, SchedulerOutput, StepOutput
+from batchrun.kernels.layouts.kv_rows import as_bytes, row_width
 from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.layers.attention import AttentionMetadata
 from batchrun.model.layers.backends import select_backend
-from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.layers.context import ForwardContext
-from batchrun.kernels.layouts.kv_rows import as_bytes, row_width
 from batchrun.model.layers.ops import select_ops
+from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.sampling.step import plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
@@ -52,12 +41,11 @@ class CacheShape:
 
     @property
     def row_width(self) -> int:
-        """Elements of one (slot, kv head) row: head_dim, plus the float32 scale's 4 bytes in an int8 pool."""
+        """Elements of one (slot, kv head) row: head_dim, plus the fp32 scale's 4 bytes in an int8 pool."""
         return row_width(self.head_dim, self.kv_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x row bytes; LLaMA-2-7B fp16: 512 KiB (int8: 264 KiB)."""
         item = torch.empty(0, dtype=self.pool_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.row_width * item
 
@@ -169,10 +157,7 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
-        """Flat inputs for the step: token ids, the forward's context, and the rows of the hidden states
-        that sample (None: every row, in order, as in a decode-only step). Per-token work (positions,
-        slots) is done with tensor ops; per sequence there is one pass reading its fields, and the block
-        tables come from persistent rows (block_tables.py) that only change when a table does."""
+        """Token ids, ForwardContext and the sampling rows (None: all) of a step; block tables from persistent rows."""
         bs = self.block_size
         seqs = out.seqs
         num_seqs = len(seqs)
@@ -285,8 +270,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Apply block moves, run the forward; logits [num sampling sequences + num draft rows, vocab] in float32
-        (None when nothing runs): a row per sampling sequence, in order, then the rows of their drafts."""
+        """Block moves, then the forward: fp32 logits of each sampling sequence, in order, then its draft rows'."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:

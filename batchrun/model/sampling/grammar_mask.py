@@ -1,12 +1,5 @@
-"""The token bitmask of a step's constrained rows: filled from their matchers, applied to their logits.
-
-One buffer [rows, ceil(vocab / 32)] int32 is kept and grown (never shrunk), so a step allocates nothing;
-xgrammar fills the constrained rows in one multi-threaded call, and the mask is applied to those logits rows
-in one call: xgrammar's kernel on CUDA, batchrun's C kernel on a CPU (cpu_kernels/sampling.py, apply_token_bitmask).
-xgrammar's CPU loop tests one bit per token: on SmolLM2's 49152-token vocabulary it took ~8 ms a step for 32
-rows, ten times the fill, and most of what a constrained step cost beyond an unconstrained one. Rows without
-a grammar are neither filled nor touched.
-"""
+"""The token bitmask of a step's constrained rows, in one buffer kept and grown: filled by xgrammar in one call,
+applied in one (on a CPU by batchrun's C kernel: xgrammar's loop tests a bit per token)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""Logits -> next tokens, vectorized over the batch.
-
-Randomness is counter-based: the uniform number a sequence draws at output position t is a hash of
-(its seed, t), computed for all rows in one tensor op. So a request's samples depend only on its own seed,
-never on what else shares the batch, and no per-request generator object is kept or looped over. The same
-(seed, t) gives the same token whether position t is drawn by a decode row or checked as a draft, after a
-preemption or a resume: a row's draws depend on its logits, its parameters and its seed alone.
-
-A sampled row keeps the tokens that pass its filters and draws one of them by inverse CDF, in token id order,
-over e_i = exp((x_i - max x) / T). Each filter is a threshold on e (the largest e is 1):
-  top-k  the k-th largest e (every token tied with it is kept);
-  top-p  the largest t with sum(e_i >= t) >= top_p x the mass top-k left: the shortest prefix of the row sorted
-         by probability that reaches top_p (ties at its end all kept);
-  min-p  min_p (min_p x the most likely token's probability).
-No row is sorted: the CPU kernel (cpu_kernels/sampling.py: sample_rows, csrc/sampling.c) finds the thresholds by radix selection
-over the row's likely tokens, the GPU kernel (batchrun/kernels/triton/sampling.py) by bisection over the bits of e, and both
-give the kept set of the sorted definition. draw_reference is that definition in torch: the fallback without
-either kernel and the tests' reference.
-
-Every op here is per row: a row's token does not depend on the other rows of its batch (held by
-tests/test_batch_invariance.py), and an option another row turns on is the identity on a row that leaves it off.
-"""
+"""Logits -> next tokens, every op per row: a row's token never depends on its batch. The uniform a sequence draws at
+output position t is a hash of (its seed, t): the same for a decode row, a checked draft or after a preemption.
+A sampled row draws by inverse CDF, in token id order, over e_i = exp((x_i - max x) / T) among the tokens past its
+thresholds on e (ties kept): top-k the k-th largest e; top-p the largest t with sum(e_i >= t) >= top_p x the mass
+top-k left; min-p min_p. The kernels find the thresholds without sorting; draw_reference is the sorted definition."""
 
 from __future__ import annotations
 
@@ -29,6 +12,7 @@ import torch
 
 from batchrun.kernels import cpu as cpu_kernels
 from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.sampling.batch import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
 
@@ -61,30 +45,6 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row sampling parameters for one step, as tensors on the logits' device."""
-
-    # temperature, seeds and counters are None when every row is greedy (argmax needs none of them)
-    temperature: torch.Tensor | None  # float32 [B]: 0 on greedy rows
-    top_k: torch.Tensor | None  # int64 [B], 0 = off; None when no row uses it
-    top_p: torch.Tensor | None  # float32 [B], 1 = off
-    min_p: torch.Tensor | None  # float32 [B], 0 = off
-    seeds: torch.Tensor | None  # int64 [B]
-    counters: torch.Tensor | None  # int64 [B]: output position of the token being drawn
-    all_greedy: bool
-    # penalties (None when no row uses any)
-    repetition: torch.Tensor | None = None  # float [B]
-    presence: torch.Tensor | None = None
-    frequency: torch.Tensor | None = None
-    prompt_mask: torch.Tensor | None = None  # bool [B, V]: token appears in the prompt
-    output_counts: torch.Tensor | None = None  # float [B, V]: times the token appears in the output
-    # rows that may not stop yet (min_tokens): (row indices, token ids to ban there)
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    max_logprobs: int = 0  # the largest SamplingParams.logprobs among the rows (-1 = none asked)
-    want_logprobs: bool = False
-
-
-@dataclass
 class SamplerResult:
     tokens: torch.Tensor  # int64 [B]
     logprob: torch.Tensor | None  # float [B]: raw logprob of the chosen token
@@ -93,8 +53,7 @@ class SamplerResult:
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """HF-style repetition penalty over prompt and output tokens; OpenAI-style presence and frequency
-    penalties over output tokens."""
+    """HF-style repetition penalty (prompt and output tokens); OpenAI-style presence and frequency (output)."""
     seen = b.prompt_mask | (b.output_counts > 0)
     rep = b.repetition[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
@@ -104,9 +63,7 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def draw_reference(logits: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
-    """The token of every row as the kernels draw it (the module docstring's definition), with a sort per sampled
-    row: the path where neither kernel runs, and the tests' reference. Greedy rows (temperature 0) take the
-    argmax."""
+    """The kernels' draw by the sorted definition: the path without them, and the tests' reference."""
     tokens = argmax_rows(logits)
     sampled = (b.temperature > 0).nonzero().squeeze(1)
     if sampled.numel() == 0:
@@ -159,13 +116,7 @@ _CHUNK = 64  # columns per chunk in argmax_rows (a vocabulary padded to a multip
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) for a 2-D tensor, the same indices (the first maximum; NaN counts as the maximum).
-
-    On CPU torch's index-returning reductions run a scalar loop (about 5 ns an element: 2 ms for 256 rows
-    of a 2k vocabulary, most of a greedy decode step's time outside the model), while amax is vectorized.
-    So: the max of each chunk of _CHUNK columns with amax, the first chunk holding the row's maximum (or
-    a NaN; found the same way, over the chunks), and argmax only inside that chunk. On CUDA, or for a
-    width that does not divide, plain argmax."""
+    """x.argmax(dim=-1), NaN a maximum; on a CPU amax per _CHUNK columns, argmax only in the chunk holding it."""
     rows, width = x.shape
     if x.device.type != "cpu" or width % _CHUNK or width <= _CHUNK or rows == 0:
         return x.argmax(dim=-1)

@@ -1,9 +1,5 @@
-"""One step's sampling: the engine's SamplingRequests -> tensors -> the sampler -> a StepOutput of lists.
-
-The sampling tensors are built before the forward is queued (plan_sampling); after it, everything the step
-returns (drawn tokens, their logprobs and top logprobs, beam candidates) is packed into one tensor and moved
-to the host with one `.tolist()`: the only device sync of the step (sample_step).
-"""
+"""One step's sampling: SamplingRequests -> tensors (plan_sampling, before the forward is queued) -> the sampler ->
+a StepOutput of lists, everything moved to the host in one `.tolist()`, the step's only device sync."""
 
 from __future__ import annotations
 
@@ -13,60 +9,8 @@ from operator import attrgetter
 import torch
 
 from batchrun.engine.contract import SamplingRequest, StepOutput
-from batchrun.model.sampling.sampler import SamplingBatch, argmax_rows, sample
-
-_params_of = attrgetter("params")
-
-
-def build_sampling_batch(rows: list[SamplingRequest], seeds: list[int] | None, vocab: int, device: torch.device,
-                         banned: tuple[list[int], list[int]] | None = None,
-                         counters: list[int] | None = None) -> SamplingBatch:
-    """Per-row parameters as tensors; row i draws with seeds[i] from the request rows[i] (a request drawing
-    several samples appears once per seed; None: each row's one seed). `banned`: (row, token id) pairs that
-    may not be drawn (None: from the rows' banned_token_ids). `counters`: each row's output position (None: the
-    request's num_output; a draft row draws for a later position). What
-    holds for the whole step is decided on the distinct parameter objects (a job's rows usually share one),
-    so a greedy step costs one pass over the rows; O(tokens) only for rows with penalties."""
-    dev = device
-    params = list(map(_params_of, rows))
-    distinct = list(dict(zip(map(id, params), params)).values())
-    all_greedy = all(p.temperature == 0.0 for p in distinct)
-    # a greedy step (a batch job's default) is an argmax: none of the draw's tensors are built for it
-    drawing = not all_greedy
-    if drawing and seeds is None:
-        seeds = [r.seeds[0] for r in rows]
-    b = SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        if drawing else None,
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-        if any(p.top_k for p in distinct) else None,
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        if any(p.top_p < 1 for p in distinct) else None,
-        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if any(p.min_p > 0 for p in distinct) else None,
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=dev) if drawing else None,
-        counters=torch.tensor([r.num_output for r in rows] if counters is None else counters, dtype=torch.int64,
-                              device=dev) if drawing else None,
-        all_greedy=all_greedy,
-    )
-    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in distinct):
-        b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
-        b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
-        b.prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-        b.output_counts = torch.zeros(len(rows), vocab, device=dev)
-        for i, r in enumerate(rows):
-            b.prompt_mask[i, torch.tensor(r.token_ids[: r.prompt_len], device=dev)] = True
-            if r.num_output:
-                out = torch.tensor(r.token_ids[r.prompt_len :], device=dev)
-                b.output_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-    banned_rows, banned_ids = _banned_pairs(rows) if banned is None else banned
-    if banned_rows:
-        b.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
-    asked = [p.logprobs for p in distinct if p.logprobs is not None]
-    b.want_logprobs = bool(asked)
-    b.max_logprobs = max(asked, default=0)
-    return b
+from batchrun.model.sampling.batch import SamplingBatch, banned_pairs, build_sampling_batch
+from batchrun.model.sampling.sampler import argmax_rows, sample
 
 
 def _beam_candidates(logits: torch.Tensor, beams: list[SamplingRequest]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +28,7 @@ def _beam_candidates(logits: torch.Tensor, beams: list[SamplingRequest]) -> tupl
 
 @dataclass
 class SamplingPlan:
-    """A step's sampling as tensors, built before the forward is queued: on CUDA the small host-to-device
-    copies then go ahead of the forward instead of waiting behind it."""
+    """A step's sampling as tensors, built before the forward is queued (on CUDA its copies go ahead of it)."""
 
     rows: torch.Tensor | None  # logits row of each drawn sample; None: every row draws once, in order
     batch: SamplingBatch | None  # None: nothing to draw (beam rows only)
@@ -101,10 +44,8 @@ class SamplingPlan:
 
 def plan_draft_sampling(requests: list[SamplingRequest], num_drafts: list[int], vocab: int,
                         device: torch.device) -> SamplingBatch | None:
-    """The draft rows of a step (num_drafts[i] of them after request i's row, in order) drawn as their request
-    would draw at those positions: row j of request i draws output position num_output + 1 + j with the
-    request's seed, which is the token decoding would give there once the drafts before it are kept. None when
-    every drafting request is greedy (the argmax needs no parameters)."""
+    """The draft rows' sampling: row j after request i's draws position num_output + 1 + j with the request's
+    seed, the token decoding would give there. None when every drafting request is greedy."""
     rows: list[SamplingRequest] = []
     counters: list[int] = []
     for r, k in zip(requests, num_drafts):
@@ -124,15 +65,13 @@ _seeds_of = attrgetter("seeds")
 
 def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.device,
                   num_drafts: list[int] | None = None) -> SamplingPlan:
-    """requests[i] samples from logits row i; num_drafts[i] draft rows follow the requests' rows (None: no
-    drafts this step). The common step (every row a plain, unconstrained one-draw row) is recognised with a
-    few C-level passes and keeps the requests themselves as the drawn rows; otherwise one Python pass sorts
-    the rows out."""
+    """requests[i] samples from logits row i, num_drafts[i] draft rows after all of them (None: no drafts). The
+    common step, one plain draw per row, is recognised in a few C-level passes."""
     n = len(requests)
     drafts = plan_draft_sampling(requests, num_drafts, vocab, device) if num_drafts else None
     if (n and not any(map(_beam_candidates_of, requests)) and set(map(len, map(_seeds_of, requests))) == {1}
             and list(map(_grammar_of, requests)).count(None) == n):
-        banned = _banned_pairs(requests) if any(map(_banned_of, requests)) else ([], [])
+        banned = banned_pairs(requests) if any(map(_banned_of, requests)) else ([], [])
         return SamplingPlan(rows=None, batch=build_sampling_batch(requests, None, vocab, device, banned),
                             num_drawn=n, beam_rows=None, beams=[], drafts=drafts)
     drawn: list[SamplingRequest] = []
@@ -182,21 +121,9 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
     )
 
 
-def _banned_pairs(drawn: list[SamplingRequest]) -> tuple[list[int], list[int]]:
-    rows: list[int] = []
-    ids: list[int] = []
-    for i, r in enumerate(drawn):
-        if r.banned_token_ids:
-            rows += [i] * len(r.banned_token_ids)
-            ids += r.banned_token_ids
-    return rows, ids
-
-
 def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor | None = None) -> StepOutput:
-    """logits: float32 [requests, V] -> the step's draws and beam candidates, with one host transfer.
-    drafts: float32 [draft rows, V], the logits of the draft rows (speculative decoding): the token each row
-    gives at its position (plan.drafts; the argmax where every drafting row is greedy) comes back as
-    draft_token_ids."""
+    """float32 logits [requests, V], and the draft rows' -> the step's draws, logprobs, beam candidates and draft
+    tokens, in one host transfer."""
     parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
     result = None
     draft_ids = None

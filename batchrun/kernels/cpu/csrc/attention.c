@@ -1,26 +1,12 @@
-/* Paged attention on CPUs, and the KV store that fills its pool.
- *
- * Computes: out = softmax(scale * q K^T) V for every query row of a step, decode and prefill / extend rows alike,
- * reading K and V in place through the block tables (paged_attention); on CPUs with AMX, bf16 tiles of enough
- * lanes go to AMX tiles (amx_attend_head); int8 and fp8 pools are widened a chunk at a time for the same code
- * (attend_tile_8bit). store_kv copies a step's K/V rows into their pool slots, which every
- * backend does before any row attends. The KV store lives here, not in a file of its own, because it is the
- * other half of the same contract: the pool layout below, written by one and read by the other.
- *
- * Layout: the KV pool of one layer is K [num_blocks, block_size, num_kv_heads, head_dim], V the same; q / k / v
- * rows are token-major with a row stride (views into the fused qkv projection); out is [rows, q_heads, head_dim],
- * contiguous; block tables are int32 [seqs, >= blocks of the longest row].
- *
- * Threads: one OpenMP region per call. Tasks (a tile of up to TILE_ROWS rows of one sequence, with all its kv
- * heads, or one kv head when there are too few tiles for the threads) are claimed dynamically, largest first, each
- * thread with its own scratch and prefetching its next task's first keys. store_kv: a parallel for over tokens. */
+/* Paged attention for every query row of a step, decode and prefill alike, reading K and V in place through the
+ * block tables (vector kernel; AMX tiles for bf16 prefill; int8 / fp8 pools widened a chunk at a time), and the KV
+ * store that fills the pool. A layer's pool: K [num_blocks, block_size, num_kv_heads, head_dim], V the same.
+ * Tasks (a tile of rows of one sequence, with all or one of its kv heads) are claimed dynamically, largest first. */
 #include "common.h"
 
 #if (defined(__clang__) || __GNUC__ >= 12) && VW == 16
 #define HAVE_SHUFFLE 1
-/* sums16(a)[j] = hsum(a[j]) for 16 vectors: a tree of 15 shuffle-and-add pairs instead of 16 separate
- * horizontal sums (64 shuffles and adds), the cost that dominates a decode dot product of 64 dims. Each
- * level halves the partial sums per token and doubles the tokens per vector, in order. */
+/* sums16(a)[j] = hsum(a[j]) for 16 vectors, by a tree of 15 shuffle-and-add pairs (not 16 horizontal sums). */
 ALWAYS vf sums16(vf *a) {
     vf r1[8], r2[4], r3[2];
     for (int i = 0; i < 8; i++)
@@ -46,17 +32,10 @@ ALWAYS vf sums16(vf *a) {
 
 /* ---- paged attention (decode, prefill and extend rows alike) ----------------------------------------- */
 
-/* Every query row of a step, decode or prefill, is the same problem: one query attends to keys [0, n) of
- * its sequence, read in place through the block table (the step's own K/V are stored before attention, so a
- * prefill token at position p is a decode over keys [0, p]). One kernel does all rows, and the arithmetic of
- * a row is a function of that row alone: its scores, its softmax and its weighted sum of V are always taken
- * key by key in the same order, whatever else the step holds, however the rows are tiled and on whatever
- * thread (issue 14: a row's output never depends on its batch). The context is never split.
- *
- * A task is (tile, kv head): a tile is up to TILE_ROWS consecutive rows of one sequence (the rows of a
- * prefill chunk; a decode row is a tile of one). Its K and V are walked in chunks of KEY_CHUNK keys, and
- * each chunk, while in L1, serves every row of the tile and every query head of the GQA group. The block
- * table is resolved once per tile into row offsets, not per key. */
+/* Each row attends to keys [0, n) of its sequence (a prefill token at p is a decode over [0, p]); its scores,
+ * softmax and sum of V are taken key by key in the same order however rows are tiled or threaded, so a row's
+ * output never depends on its batch. A tile is up to TILE_ROWS rows of one sequence; each chunk of KEY_CHUNK keys
+ * serves, while in L1, every row of the tile and every query head of the GQA group. */
 #define TILE_ROWS 16
 #define KEY_CHUNK 64
 
@@ -68,11 +47,8 @@ static void key_offsets(const int32_t *table, int64_t n, int64_t bs, int64_t row
     }
 }
 
-/* The K and V rows a tile will read next, fetched a cache line at a time as it computes: the rows of a paged
- * context are scattered, so the hardware prefetchers do not follow them, and fetching a chunk's rows all at
- * once stalls on the line fill buffers (the perf profile of a decode step had ~40% of the kernel's time on
- * prefetch instructions so issued) while the chunk's compute waits. The cursor walks keys [key, end) line by
- * line, K's line and V's together. */
+/* A cursor over the K and V rows a tile reads next, fetched a line at a time as it computes (scattered rows defeat
+ * the hardware prefetchers, and a whole chunk at once stalls on the line fill buffers). */
 typedef struct {
     const char *k, *v;  /* the task's first kv head in key 0's row (an element offset of off[] from there) */
     const int64_t *off; /* the tile's key offsets (key_offsets) */
@@ -90,8 +66,7 @@ ALWAYS void fetch_lines(Fetch *f, int64_t n) {
     }
 }
 
-/* a[j] = the partial sums (one vector) of q.K[j] for the m keys at off[0..m): fp32 FMAs, or vdpbf16ps on bf16
- * pairs (exact products, fp32 sums) when qb is set. Each key fetches one more line of what comes next (f). */
+/* a[j] = the partial sums of q.K[j] for the m keys at off[0..m): fp32 FMAs, or vdpbf16ps when qb is set. */
 #if HAVE_DPBF16
 #define QB_PARAM , const __m512bh *qb
 #else
@@ -123,8 +98,7 @@ ALWAYS void group_dots(vf *a, const vf *qv QB_PARAM, const void *kh, const int64
 
 #if HAVE_AVX2_ATTENTION
 
-/* Lane j = the sum of a[j]'s 8 lanes, taken as ((0+1)+(2+3)) + ((4+5)+(6+7)) for every j: which vectors share
- * the call never changes a lane's sum (the 8-lane counterpart of sums16). */
+/* Lane j = the sum of a[j]'s 8 lanes, the same tree for every j (sums16's 8-lane counterpart). */
 static inline __m256 sums8(const __m256 *a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -149,8 +123,7 @@ ALWAYS void dots8(__m256 *a, const __m256 *qv, const void *kh, const int64_t *of
     }
 }
 
-/* chunk_scores for d a multiple of 8, up to 128, in groups of 8 keys: q's vectors (8 registers at d = 64) and
- * the group's 8 partial sums fill AVX2's 16 registers, and K's loads go straight into the multiply-adds. */
+/* chunk_scores for d a multiple of 8 up to 128, 8 keys at a time: q and 8 sums fill AVX2's 16 registers. */
 ALWAYS void chunk_scores8(const void *qj, const void *kh, const int64_t *off, int64_t t0, int64_t t1, Fetch *f,
                           float *sc, const int64_t d, float scale, const int bf) {
     __m256 qv[16];
@@ -166,9 +139,8 @@ ALWAYS void chunk_scores8(const void *qj, const void *kh, const int64_t *off, in
     }
 }
 
-/* chunk_pv for d a multiple of 8 and nh <= 3 heads, a slab of 32 dims at a time: the nh x 4 accumulators and
- * a weight fit the 16 registers (V's vectors are loaded again for each head, from L1: holding them too spilled
- * an accumulator). Each dim's sum is the same multiply-add chain over the keys in order as chunk_pv's. */
+/* chunk_pv for d a multiple of 8 and nh <= 3 heads, 32 dims at a time (the accumulators fill AVX2's registers);
+ * each dim's sum is chunk_pv's chain over the keys in order. */
 ALWAYS void chunk_pv8(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
                       float *acc, Fetch *f, const int64_t nh, const int64_t d, const int bf) {
     for (int64_t s0 = 0; s0 < d; s0 += 32) {
@@ -190,9 +162,8 @@ ALWAYS void chunk_pv8(const float *p, int64_t cap, const void *vh, const int64_t
 }
 #endif
 
-/* sc[t] = scale * q.K[t] for t in [t0, t1), t0 a multiple of VW. A key's score depends on q and K[t] only:
- * with sums16 each lane of the result is the tree sum of its own key's partial sums, so which keys share
- * a group (or sit in a group's padded tail) never changes a score. sc has room up to t1 rounded up to VW. */
+/* sc[t] = scale * q.K[t] for t in [t0, t1), t0 a multiple of VW (sc has room to VW past t1); a score depends on
+ * q and K[t] only, whichever keys share its group. */
 ALWAYS void chunk_scores(const void *qj, const void *kh, const int64_t *off, int64_t t0, int64_t t1, Fetch *f,
                          float *sc, const int64_t d, float scale, const int bf) {
 #if HAVE_AVX2_ATTENTION
@@ -245,7 +216,7 @@ ALWAYS void chunk_scores(const void *qj, const void *kh, const int64_t *off, int
 }
 
 #if HAVE_AVX2_ATTENTION
-/* exp_v on 8 lanes (the same range reduction and polynomial), for softmax_numerators8. */
+/* exp_v on 8 lanes (the same reduction and polynomial). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
@@ -264,7 +235,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
 }
 
-/* softmax_numerators on 8 lanes: the 16-float vectors' exp spills AVX2's registers to the stack. */
+/* softmax_numerators on 8 lanes (16-float vectors spill AVX2's registers). */
 static float softmax_numerators8(float *x, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
@@ -292,8 +263,7 @@ static float softmax_numerators8(float *x, int64_t n) {
 }
 #endif
 
-/* x[t] = exp(scale * (x[t] - max x)) in place for t < n (n >= 1); returns their sum, taken in a fixed order.
- * (Scores come scaled, scale 1, except from amx_attend_head.) */
+/* x[t] = exp(scale * (x[t] - max x)) in place for t < n (n >= 1); returns their sum, in a fixed order. */
 static float softmax_numerators(float *x, int64_t n, float scale) {
 #if HAVE_AVX2_ATTENTION
     (void)scale; /* always 1 here: amx_attend_head needs AVX-512 */
@@ -319,13 +289,8 @@ static float softmax_numerators(float *x, int64_t n, float scale) {
     return sum + hsum(acc);
 }
 
-/* acc[h] += sum_{t in [t0, t1)} p[h][t] V[t] for nh heads (p rows `cap` apart, acc rows d apart), key by
- * key in order. With d and nh constants the accumulators and the V row live in registers; one V row load
- * serves the nh heads. */
-/* Whether chunk_pv keeps a row's accumulators with the dims permuted: bf16 V rows are widened by interleaving
- * with zeros (vpunpck{l,h}wd: two instructions per 32 values instead of four), which leaves dims
- * {0-3, 8-11, 16-19, 24-27} of each 32 in the first vector and the others in the second. Only the lanes move:
- * each dim's sum is the same. `unpermute` puts them back when the row is written out. */
+/* Whether chunk_pv keeps the dims permuted: bf16 V widened by interleaving with zeros (vpunpck{l,h}wd) leaves dims
+ * {0-3, 8-11, 16-19, 24-27} of each 32 in the first vector; each dim's sum is the same, `unpermute` restores them. */
 #if defined(__AVX512BW__)
 #define PV_PERMUTED(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 16 * VW)
 #else
@@ -338,6 +303,7 @@ static inline void unpermute(const float *a, float *dst) { /* 32 accumulated dim
     }
 }
 
+/* acc[h] += sum_{t in [t0, t1)} p[h][t] V[t] for nh heads, key by key in order; one V row load serves them all. */
 ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
                      float *acc, Fetch *f, const int64_t nh, const int64_t d, const int bf) {
     if (d % VW == 0 && nh * d <= 16 * VW) {
@@ -378,8 +344,7 @@ ALWAYS void chunk_pv(const float *p, int64_t cap, const void *vh, const int64_t 
     }
 }
 
-/* The g heads of one row's GQA group, in register-sized runs of heads (a run's heads are independent:
- * the split never changes a head's sums). */
+/* The g heads of one row's GQA group, in register-sized runs (which never changes a head's sums). */
 ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t *off, int64_t t0, int64_t t1,
                      float *acc, Fetch *f, int64_t g, const int64_t d, const int bf) {
 #if HAVE_AVX2_ATTENTION
@@ -427,8 +392,7 @@ typedef struct {
 /* The first key a row of row_len n attends: n - window with a sliding window (window > 0), else 0. */
 static inline int64_t first_key(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
 
-/* x[t] = softcap * tanh(x[t] / softcap) for t < n: Gemma 2's soft-capping of the (scaled) attention scores,
- * transformers' arithmetic (a divide, tanh, a multiply). */
+/* x[t] = softcap * tanh(x[t] / softcap): Gemma 2's score soft-capping, transformers' arithmetic. */
 static void soft_cap(float *x, int64_t n, float softcap) {
     for (int64_t t = 0; t < n; t++) x[t] = tanhf(x[t] / softcap) * softcap;
 }
@@ -438,8 +402,7 @@ static int by_cost_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Scratch of one thread: scores [TILE_ROWS * g][cap], accumulators [TILE_ROWS * g][d], sums, the key offsets
- * of its task and of its next one. */
+/* One thread's scratch: scores, accumulators, sums, and the key offsets of its task and its next one. */
 typedef struct {
     float *sc, *acc, *inv;
     int64_t *off, *next_off;
@@ -448,8 +411,7 @@ typedef struct {
     float *ks;  /* and their int8 scales [KEY_CHUNK] */
 } Scratch;
 
-/* The fetch cursor of a task's keys, its first chunk to come, with the task's key offsets written to off (in
- * pool elements of elsize bytes; a (slot, kv head) row is width elements). */
+/* The fetch cursor of a task's first chunk, its key offsets written to off (elements of elsize bytes). */
 static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k, const void *v, const int32_t *bt,
                         int64_t bt_stride, int64_t hkv, int64_t bs, int64_t width, int64_t elsize, int64_t *off) {
     key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, hkv * width, off);
@@ -460,12 +422,9 @@ static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k,
     return f;
 }
 
-/* Rows [first, first + rows) of one sequence, kv heads [h0, h1), its key offsets in s.off and `f` its fetch
- * cursor, past the first chunk. Scratch lanes are (row, query head). Each chunk fetches the next one's rows as
- * it computes, and the last one and the weighted sums of V fetch the first chunk of the thread's next task
- * (`next`). With a sliding window a row's softmax and weighted sum take its keys [first_key, n) only; the
- * tile's chunks start at the one holding the earliest of its rows' first keys (scores of keys before a row's
- * first are computed with the chunk and never read). */
+/* One tile's rows, kv heads [h0, h1), lanes (row, query head): each chunk fetches the next one's rows, the last and
+ * the sums of V the next task's first chunk (`next`). With a window a row's softmax and sums take its keys
+ * [first_key, n) only (scores before it are computed with the chunk, never read). */
 ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q, int64_t q_stride, const void *k,
                         const void *v, const int32_t *row_len, void *out, int64_t hq, int64_t g, int64_t cap,
                         float scale, int64_t window, float softcap, Scratch s, Fetch f, Fetch *next, const int64_t d,
@@ -526,25 +485,11 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
 }
 
 #if HAVE_AMX
-/* bf16 attention on AMX tiles, where head_dim is a multiple of 32 (which tiles come here: see the end of this
- * comment). The vector kernel above spends two thirds of its
- * time reducing each (query, key) dot product across a vector, and as much again on p.V multiply-adds; here a
- * (row, query head) lane of a kv head's GQA group is a row of a 16-lane tile, and one tile product gives 16 lanes
- * x 16 keys of scores over 32 dims, or 16 lanes x 16 dims of p.V over 32 keys:
- *   scores: A = the lanes' queries (16 x 32 dims), B = 16 keys' K with their pairs of dims key-interleaved
- *           (vdpbf16ps's pair layout; a 16 x 16 transpose of K's 32-bit pairs per key group and kv head);
- *   softmax: over each lane's keys [0, n), in fp32, as the vector kernel's (softmax_numerators);
- *   p.V:    A = the lanes' p (16 x 32 keys, zero past n) as two bf16 terms, p's rounding and the rest (so that
- *           p keeps 16 bits: rounded to bf16 alone, the outputs drifted past 1.5 bf16 ulps of the fp32
- *           reference in tests/test_cpu_attention.py), B = V with pairs of keys interleaved.
- * Each lane's sums are chains of tile products over 32 dims, then 32 keys, in order from key 0: a function of
- * the lane's own query, keys and values, whatever rows share the tiles (keys past a row's length add p = 0 exactly),
- * so a row's output does not depend on its batch here either. The sums and the softmax are fp32.
- * A tile of few lanes (a decode row: g lanes, or 2g with a draft) leaves most of each tile product unused and
- * still pays K's transposes: in `python -m benchmarks.phases` (bf16 SmolLM2, no drafts), a decode step of 64
- * sequences took 60.9-61.8 ms with every row on AMX against 51.4-56.3 ms on the vector kernel, while prefill
- * rows ran 1.7-2.2x the vector kernel's speed (benchmarks.kernels). So outside the batch-invariant mode only
- * tiles of at least 16 lanes (prefill chunks) come here (paged_attention's amx_lanes). */
+/* bf16 attention on AMX tiles (head_dim a multiple of 32): a (row, query head) lane of a kv head's GQA group is
+ * a tile row. Scores: the lanes' queries times 16 keys' K, transposed into vdpbf16ps's pair layout; softmax in
+ * fp32 as the vector kernel's; p.V: p as two bf16 terms (its rounding and the rest, so p keeps 16 bits) times V
+ * with pairs of keys interleaved. Each lane's sums are chains of tile products in order from key 0 (keys past its
+ * length add exactly 0): batch invariant. Decode rows gain nothing here; paged_attention's amx_lanes decides. */
 #define AMX_ATTENTION(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 512 && amx_allowed())
 
 typedef struct {
@@ -553,8 +498,7 @@ typedef struct {
     float *ob;               /* one lane tile's p.V sums [16][d] */
 } AmxBuffers;
 
-/* The lanes x key-pair layout of 16 keys' K: rows[i] holds key i's pairs (32-bit) [16c, 16c + 16); out row j
- * gets pair 16c + j of the 16 keys. */
+/* 16 keys' K into the key-pair layout: row i holds key i's 32-bit pairs [16c, 16c + 16); out row j, pair 16c + j. */
 static inline void transpose16x16(__m512i *r) {
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
@@ -581,8 +525,7 @@ static inline void transpose16x16(__m512i *r) {
     }
 }
 
-/* One kv head h of a tile: lanes (r, j) for r < rows, j < g, lane r * g + j. sc: [16 * g][cap] fp32 scores,
- * inv: the lanes' 1 / sums. `f` fetches the task's K/V ahead, `next` the next task's first chunk. */
+/* One kv head h of a tile, lane r * g + j for row r and query head j; `f` fetches ahead, `next` the next task. */
 static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t q_stride, const bf16 *k,
                             const bf16 *v, const int32_t *row_len, bf16 *out, int64_t hq, int64_t g, int64_t cap,
                             float scale, int64_t window, float softcap, const int64_t *off, float *sc, float *inv,
@@ -590,7 +533,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, lanes = rows * g;
     const int64_t lane_tiles = (lanes + 15) / 16, cap32 = (cap + 31) / 32 * 32, key_chunks = (max_len + 31) / 32;
     const int64_t start = tile->start, first_chunk = start / 32; /* a sliding window's first key chunk */
-    /* (the padding lanes of the last lane tile keep whatever they hold: their sums are never read) */
+    /* (the last lane tile's padding lanes are never read) */
     for (int64_t l = 0; l < lanes; l++) memcpy(b.qa + l * d, q + (first + l / g) * q_stride + (h * g + l % g) * d, 2 * d);
     /* scores */
     for (int64_t t0 = start; t0 < max_len; t0 += 16) {
@@ -598,7 +541,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
         for (int64_t c = 0; c < d / 32; c++) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) {
-                if (c == 0) fetch_lines(f, f->lines); /* a key's lines at a time: a burst stalls on the fill buffers */
+                if (c == 0) fetch_lines(f, f->lines); /* a key's lines at a time: a burst stalls */
                 r[i] = i < m ? _mm512_loadu_si512(k + off[t0 + i] + h * d + 32 * c) : _mm512_setzero_si512();
             }
             transpose16x16(r);
@@ -614,8 +557,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
             _tile_stored(0, sc + mt * 16 * cap + t0, cap * 4);
         }
     }
-    /* softmax over each lane's keys [lo, n), and p in bf16 (zero outside them: a key before lo adds 0 to the
-     * lane's sums, so its result is that of its own keys, whatever the tile's first chunk) */
+    /* softmax over each lane's keys [lo, n); p in bf16, zero outside them */
     for (int64_t l = 0; l < lanes; l++) {
         const int64_t n = row_len[first + l / g], lo = first_key(n, window);
         float *x = sc + l * cap;
@@ -692,10 +634,9 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
 }
 #endif
 
-/* A pool's format: K/V in the query's dtype (paged_attention), int8 rows with their scale, or fp8 bytes
- * (paged_attention_int8, paged_attention_fp8). */
+/* A pool's format: K/V in the query's dtype, int8 rows with their scale, or fp8 bytes. */
 enum { KV_FLOAT, KV_INT8, KV_E4M3, KV_E5M2 };
-/* An int8 pool's (slot, kv head) row: head_dim int8 values, then their float32 scale (quantize_row). */
+/* An int8 pool's (slot, kv head) row: head_dim int8 values, then their float32 scale. */
 #define Q8_ROW(d) ((d) + 4)
 
 /* The arguments every task of one call shares. */
@@ -712,8 +653,7 @@ typedef struct {
     int kv;            /* the pool's format (KV_FLOAT, KV_INT8, KV_E4M3, KV_E5M2) */
 } AttentionCall;
 
-/* One task with the dtype a constant. The OpenMP region is outlined before inlining, so a dtype flag
- * passed through it would stay a run-time value in the hot loops; these two functions fix it again. */
+/* One task, the dtype a constant again (attend_task_fp32 / _bf16: the region is outlined before inlining). */
 ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                         Fetch *next, const int bf) {
 #if HAVE_AMX
@@ -746,13 +686,9 @@ static void attend_task_bf16(const AttentionCall *c, const Tile *tile, int64_t h
 
 /* ---- attention over an 8-bit pool (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2) ------------------------------ */
 
-/* An 8-bit pool is read by the float kernel's own code: each chunk of one kv head's K (then V) rows is widened once
- * into a small float buffer that stays in L1 (Scratch.wide), and chunk_scores / group_pv take it from there for
- * every row of the tile and every query head of the GQA group. So each byte of the pool is read from memory once
- * per task, the widening is shared by all the lanes that read the chunk, and a row's arithmetic is the float
- * kernel's (its scores, softmax and sums of V key by key in order: batch invariant, as there). */
-/* VW bytes from p as VW int32, sign- or zero-extended: one vpmov{s,z}xbd (GCC 12 turns a generic
- * __builtin_convertvector of 8-bit lanes into scalar code). */
+/* An 8-bit pool runs on the float kernel's code: each chunk of a kv head's K (then V) rows is widened once into an
+ * L1 buffer (Scratch.wide) that every row and query head of the tile reads; the arithmetic stays batch invariant. */
+/* VW bytes from p as int32, sign- or zero-extended (one vpmov{s,z}xbd: GCC makes scalar code of the generic form). */
 ALWAYS vi widen_bytes(const int8_t *p, const int sign) {
 #if defined(__AVX512F__)
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -767,16 +703,12 @@ ALWAYS vi widen_bytes(const int8_t *p, const int sign) {
 #endif
 }
 
-/* VW values of an 8-bit row from p, as fp32: int8 as its integers (the row's scale is the caller's), fp8 decoded
- * to exactly torch's values by moving the sign, exponent and mantissa bits into an fp32's (a 256-float table
- * would cost a gather or a load per value). Subnormals (exponent 0) are their mantissa, an integer, times a power
- * of two; e4m3fn has no infinities (S.1111.111 is NaN); e5m2's exponent 31 is inf and NaN, as in fp16. */
+/* VW values of an 8-bit row as fp32: int8 as its integers (the scale is the caller's), fp8 exactly torch's values,
+ * its bits moved into an fp32's (e4m3fn: no infinities, S.1111.111 is NaN; e5m2 as fp16). */
 ALWAYS vf widen8(const int8_t *p, const int kv) {
     if (kv == KV_INT8) return __builtin_convertvector(widen_bytes(p, 1), vf);
 #if defined(__F16C__) && (VW == 16 || defined(__AVX2__))
-    /* Through fp16, fewer instructions: an e5m2 byte is the top half of the fp16 of its value, and e4m3fn's
-     * bits moved one place down (the sign kept) are the fp16 of its value / 256; vcvtph2ps widens exactly
-     * (subnormals, inf and NaN included), and e4m3fn's NaN, an fp16 1.875, is made one first. */
+    /* through fp16: e5m2 is its top half, e4m3fn's bits one place down are value / 256 (its NaN made one first) */
     typedef int16_t vs16 __attribute__((vector_size(2 * VW)));
 #if VW == 16
     vh h = (vh)_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
@@ -808,10 +740,8 @@ ALWAYS vf widen8(const int8_t *p, const int kv) {
 #endif
 }
 
-/* Keys [t0, t1) of one kv head's 8-bit rows (kh: that head's first byte in slot 0; off: the keys' byte offsets)
- * widened into dst [t1 - t0][d]: fp32, or bf16 when to_bf (exact: an 8-bit value has at most 7 significant bits).
- * An int8 row's values are multiplied by its scale when fold (each value then the torch reference's dequantized
- * one), else left integers, the scales in ks. Each row fetches `per` more lines of what comes next (f). */
+/* Keys [t0, t1) of one kv head's 8-bit rows widened into dst [t1 - t0][d], fp32 or (to_bf) exact bf16; int8
+ * values times their scale when fold, else integers with the scales in ks. Each row fetches `per` lines ahead. */
 ALWAYS void widen_rows(const int8_t *kh, const int64_t *off, int64_t t0, int64_t t1, void *dst, float *ks, Fetch *f,
                        int64_t per, const int64_t d, const int kv, const int to_bf, const int fold) {
     for (int64_t t = t0; t < t1; t++) {
@@ -827,7 +757,7 @@ ALWAYS void widen_rows(const int8_t *kh, const int64_t *off, int64_t t0, int64_t
             if (kv == KV_INT8 && fold) x *= scale;
             stv(dst, base + i, x, to_bf);
         }
-        if (i < d) { /* a partial vector: through a padded copy (the last row of an fp8 pool ends the buffer) */
+        if (i < d) { /* a partial vector, through a padded copy (an fp8 pool's last row ends the buffer) */
             int8_t pad[VW] = {0};
             float w[VW];
             memcpy(pad, row + i, d - i);
@@ -839,7 +769,7 @@ ALWAYS void widen_rows(const int8_t *kh, const int64_t *off, int64_t t0, int64_t
     }
 }
 
-/* widen_rows with the pool's format, a run-time value, made a constant again (once per chunk). */
+/* widen_rows with the pool's format made a constant (once per chunk). */
 ALWAYS void widen_chunk(int kv, const int8_t *kh, const int64_t *off, int64_t t0, int64_t t1, void *dst, float *ks,
                         Fetch *f, int64_t per, const int64_t d, const int to_bf, const int fold) {
     if (kv == KV_INT8)
@@ -852,10 +782,8 @@ ALWAYS void widen_chunk(int kv, const int8_t *kh, const int64_t *off, int64_t t0
 
 #if VW == 16 && !HAVE_AVX2_ATTENTION
 #define HAVE_DIRECT_PV 1
-/* chunk_pv reading 8-bit V rows in place (vh: the kv head's first byte in slot 0; off: byte offsets), for a tile of
- * one row: each row's values widened once into registers, times its scale, for the nh heads (a V buffer would
- * serve no other row). The same arithmetic as chunk_pv over widen_rows' fp32 values (each value rounded once
- * by its scale, then one multiply-add per key in order), so a row's bits are those of a tile of many rows. */
+/* chunk_pv on 8-bit V rows read in place, for a tile of one row: the same arithmetic as chunk_pv over
+ * widen_rows' fp32 values, so a row's bits are those it gets in a tile of many. */
 ALWAYS void chunk_pv_8bit(const float *p, int64_t cap, const int8_t *vh, const int64_t *off, int64_t t0, int64_t t1,
                           float *acc, Fetch *f, const int64_t nh, const int64_t d, const int kv) {
     const int64_t nv = d / VW;
@@ -901,18 +829,15 @@ ALWAYS void group_pv_8bit(const float *p, int64_t cap, const int8_t *vh, const i
 #define DIRECT_PV(rows, d) 0
 #endif
 
-/* Keys widened at a time: as many as fill 16 KB of fp32 (half of Zen 4's and most x86 cores' L1), a multiple
- * of 16 from 16 to KEY_CHUNK. */
+/* Keys widened at a time: 16 KB of fp32 (half a typical L1), a multiple of 16 from 16 to KEY_CHUNK. */
 static inline int64_t wide_keys(int64_t d) {
     const int64_t n = 4096 / d / 16 * 16;
     return n < 16 ? 16 : n > KEY_CHUNK ? KEY_CHUNK : n;
 }
 
-/* attend_tile over an 8-bit pool (the arguments in c). K is widened to fp32 values times their scale for fp32
- * queries (the reference's dequantized K), or to bf16 integers for bf16 queries (exact, so that chunk_scores takes
- * vdpbf16ps where the CPU has it, as for a bf16 pool), each score then multiplied by its key's scale; V to fp32
- * values times their scale, or, for a tile of one row (a decode row) on AVX-512, straight into registers
- * (chunk_pv_8bit: the same bits). */
+/* attend_tile over an 8-bit pool: K widened to fp32 values times their scale for fp32 queries, or to exact bf16
+ * integers for bf16 ones (vdpbf16ps), each score then times its key's scale; V to fp32 times its scale, or for a
+ * decode row on AVX-512 straight into registers (chunk_pv_8bit). */
 ALWAYS void attend_tile_8bit(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch f,
                              Fetch *next, const int64_t d, const int bf) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, hq = c->hq, g = c->g;
@@ -988,7 +913,7 @@ ALWAYS void attend_tile_8bit(const AttentionCall *c, const Tile *tile, int64_t h
     }
 }
 
-/* One task over an 8-bit pool, the query dtype and the common head_dims constants (see attend_task). */
+/* One task over an 8-bit pool, the query dtype and the common head_dims constants (as attend_task). */
 ALWAYS void attend_task_8bit(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                              Fetch *next, const int bf) {
     if (c->d == 64)
@@ -1007,18 +932,10 @@ static void attend_task_8bit_bf16(const AttentionCall *c, const Tile *tile, int6
     attend_task_8bit(c, tile, h0, h1, s, own, next, 1);
 }
 
-/* out[i, hq, d] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (its block
- * table is row row_seq[i] of bt, bt_stride apart), for every query row i < num_rows: decode rows (row_len =
- * the context) and prefill / extend rows (row_len = the row's position + 1) alike. q rows are q_stride
- * elements apart; out is contiguous [num_rows, hq, d]; q, K/V and out are fp32, or bf16 when bf. The rows of
- * one sequence should be consecutive (they then share K/V loads). row_len[i] >= 1 (a row with 0 gets zeros).
- * amx_lanes > 0: bf16 tiles of at least that many lanes (rows x g) go to AMX where AMX_ATTENTION (1: every
- * row, batch invariant; more: prefill tiles only, a row's bits then depending on whether it came in one);
- * 0: none.
- * window > 0: a sliding window, row i attending keys [row_len[i] - window, row_len[i]) only (block-table entries
- * before a tile's first such key chunk are never read: a freed block's may be anything). softcap > 0: the scores
- * are soft-capped, softcap * tanh(s / softcap), before the softmax (Gemma 2).
- * Returns 0, or 1 if scratch memory could not be allocated (out is then incomplete). */
+/* out[i] = softmax(scale * q[i] K^T) V over keys [0, row_len[i]) of sequence row_seq[i] (block table row
+ * row_seq[i] of bt), q rows q_stride apart, out contiguous [num_rows, hq, d], fp32 or bf16; a row with row_len 0
+ * gets zeros. amx_lanes: the fewest lanes of a bf16 tile that go to AMX (0: none). window > 0: keys
+ * [row_len - window, row_len) only (earlier blocks never read); softcap > 0: scores soft-capped. 1 without memory. */
 static int attend_rows(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                        int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out, int64_t num_rows,
                        int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf, int64_t amx_lanes,
@@ -1051,13 +968,12 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
     const int64_t width = kv == KV_INT8 ? Q8_ROW(d) : d, elsize = kv != KV_FLOAT ? 1 : bf ? 2 : 4;
     const AttentionCall call = {q,         k,      v,       row_len, out,   q_stride, hq, g, cap, d, scale,
                                 amx_lanes, window, softcap, width,   kv};
-    /* A task covers all kv heads of a tile (its K/V rows are then read whole, in address order, which the
-     * hardware prefetchers follow), or one kv head when there are too few tiles to keep the threads busy. */
+    /* a task takes all kv heads of a tile (whole rows, in address order), or one when tiles are too few */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
     const int64_t tasks_per_tile = hkv / heads_per_task, num_tasks = num_tiles * tasks_per_tile;
     const int64_t lanes = TILE_ROWS * hq;
     int failed = 0;
-    int64_t claimed = 0; /* tasks handed out: a dynamic schedule, each thread claiming its next task one ahead */
+    int64_t claimed = 0; /* tasks handed out: each thread claims its next task one ahead */
 #pragma omp parallel if (work * hq * d > PAR_MIN_WORK) reduction(| : failed)
     {
         Scratch s = {malloc(sizeof(float) * (lanes * cap + lanes * d + lanes)), NULL, NULL,
@@ -1100,7 +1016,7 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
                                width, elsize, s.off);
         }
         while (task < num_tasks) {
-            fetch_lines(&ahead, ahead.end * ahead.lines); /* what the task before did not fetch of its first chunk */
+            fetch_lines(&ahead, ahead.end * ahead.lines); /* what the task before did not fetch of it */
             int64_t following;
 #pragma omp atomic capture
             following = claimed++;
@@ -1153,8 +1069,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k, const void *
 
 /* ---- KV store --------------------------------------------------------------------------------------- */
 
-/* Copy each token's K and V rows (width elements of elsize bytes, rows `stride` elements apart) into pool
- * slot slots[i]; a negative slot is padding and is skipped. */
+/* Copy each token's K and V rows (width elements of elsize bytes, `stride` apart) into slot slots[i]; < 0 skipped. */
 void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
               int64_t width, void *kc, void *vc, int64_t elsize) {
     const int64_t row = width * elsize, step = stride * elsize;
@@ -1168,10 +1083,7 @@ void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots
 
 /* ---- the int8 KV pool (kv_cache_dtype: int8) ---------------------------------------------------------- */
 
-/* In an int8 pool each (slot, kv head) row is head_dim int8 values followed by their float32 scale (d + 4 bytes):
- * symmetric, per token and kv head, x ~ scale * q with scale = absmax * (1/127). The scale sits inside the row so that
- * every block move (copy-on-write, swap out and in) carries it with the values. batchrun/kernels/layouts/kv_rows.py is the
- * torch side of the same format; its quantize_rows gives the same bytes as quantize_row here. (Q8_ROW: above.) */
+/* One int8 row (Q8_ROW): the same bytes as layouts/kv_rows.py's quantize_rows. */
 
 static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
     float absmax = 0.0f;
@@ -1179,7 +1091,7 @@ static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
         const float a = fabsf(ld1(x, i, bf));
         absmax = a > absmax ? a : absmax;
     }
-    const float scale = absmax * (1.0f / 127.0f); /* the product, as kv_quant.quantize_rows (torch on CUDA) */
+    const float scale = absmax * (1.0f / 127.0f); /* the product, as kv_rows.quantize_rows (torch on CUDA) */
     for (int64_t i = 0; i < d; i++) {
         float r = scale > 0.0f ? nearbyintf(ld1(x, i, bf) / scale) : 0.0f;
         r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
@@ -1188,8 +1100,7 @@ static void quantize_row(const void *x, int64_t d, int8_t *dst, const int bf) {
     memcpy(dst + d, &scale, 4);
 }
 
-/* Quantize each token's K and V rows (hkv heads of d values, fp32 or bf16, token rows `stride` elements apart)
- * into int8 pool slot slots[i] (rows of hkv * Q8_ROW(d) bytes); a negative slot is padding and is skipped. */
+/* Quantize each token's K and V rows (hkv heads of d values, `stride` apart) into int8 slot slots[i]; < 0 skipped. */
 void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
                    int64_t hkv, int64_t d, void *kc, void *vc, int bf) {
 #pragma omp parallel for if (num_tokens * hkv * d > PAR_MIN_WORK)
@@ -1203,10 +1114,7 @@ void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *
     }
 }
 
-/* paged_attention's contract (the same rows, lengths, window and softcap) over an int8 pool: each key's dot product
- * is taken on its int8 values and multiplied by its scale, and each value row's int8 values by theirs, in fp32
- * (attend_tile_8bit). Batch invariant as paged_attention. Returns 0, or 1 if scratch memory could not be
- * allocated. */
+/* paged_attention's contract over an int8 pool (attend_tile_8bit). */
 int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                          int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                          int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
@@ -1215,7 +1123,7 @@ int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const v
                        window, softcap, KV_INT8);
 }
 
-/* The same over an fp8 pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2: e5m2 = 0 / 1), rows of d bytes, no scale. */
+/* The same over an fp8 pool (e5m2: 0 e4m3fn, 1 e5m2), rows of d bytes. */
 int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                         int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,

@@ -1,13 +1,11 @@
-/* The one piece of state the kernel families share: whether this process may use AMX tiles (attention.c and
- * linears.c ask it). Everything else they share is inline, in common.h. */
+/* The one state the families share: whether this process may use AMX tiles. */
 #include "common.h"
 
 #if HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-/* Linux hands out AMX's tile state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
- * oneDNN asks too, and asking again is harmless. BATCHRUN_AMX=0 keeps the kernels off AMX (the AVX-512 paths,
- * as on a CPU without it). First asked outside any parallel region (packing a linear, or paged_attention). */
+/* Linux grants AMX's tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA; asking again is
+ * harmless). BATCHRUN_AMX=0 keeps the kernels off AMX. */
 int amx_allowed(void) {
     static int state = 0; /* 1 granted, -1 refused or turned off */
     if (state == 0) {

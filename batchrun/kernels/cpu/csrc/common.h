@@ -1,28 +1,11 @@
-/* What every kernel family of the CPU library shares: the CPU feature dispatch, the vector types and the fp32 /
- * bf16 loads and stores, exp, and the threading conventions. The families (attention.c, elementwise.c,
- * sampling.c, linears.c) are compiled together into one shared library (cpu_kernels/__init__.py builds it,
- * keyed by every source and header, the compiler, the flags and the CPU); each includes this header first.
- *
- * On a CPU these ops are bound by memory traffic and by per-op dispatch, not by arithmetic: torch runs an
- * RMSNorm as five passes over the activations and a decode attention as a gather, a copy and SDPA. Each kernel
- * makes one pass and parallelises with OpenMP. Loaded after torch, the library binds to torch's own OpenMP
- * runtime (the same libgomp.so.1), so it shares torch's thread pool instead of adding threads to it. An op below
- * PAR_MIN_WORK floats runs on one thread.
- *
- * Plain C99 (no torch headers: it builds in about a second); written so that GCC vectorises the inner loops for
- * whatever -march=native offers. Every kernel takes fp32 or bf16 tensors (a flag, `bf`): bf16 values are widened
- * to fp32 on load, all arithmetic and accumulation is fp32, and results are rounded to nearest-even bf16 on store.
- * Each kernel body is one always-inlined function with the flag a constant, so the compiler emits a separate loop
- * for each dtype (but an OpenMP region is outlined before inlining: what runs inside one must be entered through
- * a function per dtype, BY_DTYPE, for the flag to be a constant there). On CPUs with AVX512_BF16 (the library is
- * built with -march=native for the CPU it runs on, keyed by its flags) bf16 dot products use vdpbf16ps and the
- * stores vcvtneps2bf16; elsewhere plain AVX-512 / AVX2 shifts do the same. On CPUs with AMX (HAVE_AMX, and the
- * kernel granting the process its tile state: amx_allowed), bf16 attention and the few-row bf16 linears run on
- * AMX tiles (attention.c, linears.c). */
+/* What the kernel families share: the CPU feature dispatch, vector types, fp32 / bf16 loads and stores, exp.
+ * Each family includes it first; all are built into one library. Every kernel takes fp32 or bf16 (the flag `bf`):
+ * bf16 is widened on load, computed and summed in fp32, and rounded to nearest even on store. A kernel body is an
+ * always-inlined function with the flag a constant, so each dtype gets its own loop (BY_DTYPE in OpenMP regions). */
 #ifndef BATCHRUN_COMMON_H
 #define BATCHRUN_COMMON_H
 
-#define _GNU_SOURCE /* syscall() (common.c); every family includes this header first */
+#define _GNU_SOURCE /* syscall() (common.c) */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -31,9 +14,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-/* CPUs with AVX2 and FMA but not AVX-512 (e.g. AMD Zen 2 / 3): the attention's dot products and weighted sums
- * of V take 8-float paths written for their 16 registers (see chunk_scores8); the 16-float vectors below
- * would take two registers each there, and the 16-key score tree would not fit. */
+/* AVX2 + FMA without AVX-512: the attention takes 8-float paths sized for 16 registers (chunk_scores8). */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_ATTENTION 1
 #else
@@ -46,7 +27,7 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define HAVE_AMX 1
-/* Whether this process may use AMX (common.c): asked once, outside any parallel region. */
+/* Whether this process may use AMX (common.c); first asked outside any parallel region. */
 __attribute__((visibility("hidden"))) int amx_allowed(void);
 
 typedef struct {
@@ -55,8 +36,7 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* tmm0-6, each 16 rows x 64 bytes: what amx_panel (C tiles 0-2, A 3, B 4-6) and amx_attend_head (scores: C 0,
- * A 1, B 2; p.V: C 0-3, A 4 and 6, B 5) use. */
+/* tmm0-6, each 16 rows x 64 bytes (amx_panel, amx_attend_head). */
 static inline void amx_configure(void) {
     TileConfig c = {0};
     c.palette = 1;
@@ -72,10 +52,7 @@ static inline void amx_configure(void) {
 
 #define PAR_MIN_WORK 32768 /* below this many floats an op runs on one thread: waking the pool costs more */
 
-/* Explicit vectors of VW floats (GCC/Clang vector extensions): 16 on AVX-512, 8 elsewhere, one register each.
- * GCC does not vectorise a scalar exp written with a float/int bit cast, so exp is written on vectors directly.
- * (16-float vectors on AVX2 were split into scalar compares and divides in exp_v: silu_mul took 2.9 ns an
- * element.) */
+/* Vectors of VW floats, one register each (GCC does not vectorise a scalar exp written with bit casts). */
 #if defined(__AVX512F__)
 #define VW 16
 #else
@@ -91,10 +68,9 @@ typedef uint16_t bf16;
 ALWAYS vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 ALWAYS void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* bf16 <-> fp32: a bf16 is the top half of an fp32, so widening is a shift; narrowing rounds to nearest
- * even (NaNs are not special-cased: the models' activations are finite). */
+/* bf16 <-> fp32: widening is a shift; narrowing rounds to nearest even (NaNs not special-cased). */
 ALWAYS vf vload_bf16(const bf16 *p) {
-#if defined(__AVX512F__) /* one vpmovzxwd (GCC splits the generic conversion into 256-bit halves) */
+#if defined(__AVX512F__) /* one vpmovzxwd (GCC splits the generic conversion) */
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #else
     vh h;
@@ -125,7 +101,7 @@ static inline bf16 f_to_bf16(float f) {
 }
 static inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
 
-/* Element i of an fp32 (bf = 0) or bf16 (bf = 1) array, as fp32; and the 16 elements from i. */
+/* Element i of an fp32 (bf = 0) or bf16 (bf = 1) array as fp32; ldv / stv: VW elements from i. */
 ALWAYS float ld1(const void *p, int64_t i, const int bf) {
     return bf ? bf16_to_f(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
@@ -144,7 +120,7 @@ ALWAYS void stv(void *p, int64_t i, vf v, const int bf) {
     else
         vstore((float *)p + i, v);
 }
-/* x rounded to the storage dtype (what torch's op would have stored between two ops). */
+/* x rounded to the storage dtype, as torch stores it between two ops. */
 ALWAYS vf rnd(vf v, const int bf) {
     if (!bf) return v;
     const vu u = (vu)v;
@@ -154,7 +130,7 @@ ALWAYS float rnd1(float x, const int bf) { return bf ? round_bf16(x) : x; }
 ALWAYS vf vsplat(float x) { return (vf){0} + x; }
 ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 ALWAYS float hsum(vf v) {
-#if (defined(__clang__) || __GNUC__ >= 12) && VW == 16 /* __builtin_shufflevector: a log-depth tree of lane swaps */
+#if (defined(__clang__) || __GNUC__ >= 12) && VW == 16 /* a log-depth tree of lane swaps */
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
@@ -174,8 +150,8 @@ ALWAYS float hsum(vf v) {
 
 
 
-/* exp(x), within 2 ulp of expf for x in [-87, 88] (Cephes' single-precision method: range reduction by
- * ln 2 and a degree-6 polynomial); x is clamped to that range, so exp(-inf) gives ~1e-38, not 0. */
+/* exp(x) within 2 ulp of expf (Cephes: reduction by ln 2, a degree-6 polynomial); x is clamped to [-87, 88],
+ * so exp(-inf) is ~1e-38, not 0. */
 ALWAYS vf exp_v(vf x) {
     x = vselect(x < -87.0f, vsplat(-87.0f), x);
     x = vselect(x > 88.0f, vsplat(88.0f), x);
@@ -197,7 +173,7 @@ ALWAYS vf exp_v(vf x) {
     return p * (vf)((ni + 127) << 23);
 }
 
-/* exp of up to VW floats (a loop tail): padded through a vector. */
+/* exp((x - shift) * scale) of k <= VW floats (a loop tail), through a padded vector. */
 static inline void exp_tail(const float *x, float *out, int64_t k, float shift, float scale) {
     float buf[VW] = {0};
     memcpy(buf, x, sizeof(float) * k);
@@ -209,14 +185,12 @@ static inline void exp_tail(const float *x, float *out, int64_t k, float shift, 
 /* Element i of an fp32 (bf = 0) or bf16 (bf = 1) array, as an address. */
 ALWAYS const void *at(const void *p, int64_t i, const int bf) { return (const char *)p + i * (bf ? 2 : 4); }
 
-/* impl(args..., 1) when bf, else impl(args..., 0), for an always-inlined per-dtype body. Used inside
- * parallel regions: an OpenMP region is outlined before inlining, so a dtype flag passed into it stays a
- * run-time value; called from inside with the flag a literal, each branch inlines its own copy of the body with
- * the dtype a constant in its loops (what attend_task_fp32 / attend_task_bf16 do for paged_attention). */
+/* impl(args..., bf) with bf a literal: an OpenMP region is outlined before inlining, so inside one this makes
+ * the dtype a constant again in each copy of the body. */
 #define BY_DTYPE(bf, impl, ...) do { if (bf) impl(__VA_ARGS__, 1); else impl(__VA_ARGS__, 0); } while (0)
 
 #if HAVE_AVX2_ATTENTION
-/* 8 fp32 (bf = 0) or bf16 (bf = 1) values from element i of p, as fp32 (the AVX2 attention and linear panels). */
+/* 8 values from element i of p as fp32 (the AVX2 attention and linear panels). */
 ALWAYS __m256 ld8(const void *p, int64_t i, const int bf) {
     if (bf)
         return _mm256_castsi256_ps(

@@ -1,28 +1,16 @@
-/* The fused element-wise ops of a decoder layer: rms_norm (with the residual add before it), silu_mul (the MLP's
- * gate times its up projection) and rope (rotary embedding, in place). Each does in one pass what torch does in
- * several ops, with torch's intermediate bf16 roundings (or an fp32 residual stream: rms_norm's res_fp32).
- *
- * Layout: rows of contiguous elements: rms_norm [rows, dim]; silu_mul [rows, 2 * inter] (gate | up) ->
- * [rows, inter]; rope's rows are `stride` elements apart (the fused qkv projection), its cos / sin tables fp32
- * [max_pos, head_dim].
- *
- * Threads: one OpenMP region per call above PAR_MIN_WORK elements; each thread takes a contiguous share of the
- * rows (thread_rows), and enters its per-dtype body through BY_DTYPE. */
+/* The fused element-wise ops of a decoder layer, each one pass with torch's intermediate bf16 roundings; rows are
+ * shared out to the threads in contiguous runs. */
 #include "common.h"
 
-/* This thread's share [r0, r1) of `rows` rows, contiguous (OpenMP's static schedule). */
+/* This thread's share [r0, r1) of `rows` rows (OpenMP's static schedule). */
 static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
     const int64_t n = omp_get_num_threads(), i = omp_get_thread_num(), per = rows / n, extra = rows % n;
     *r0 = i * per + (i < extra ? i : extra);
     *r1 = *r0 + per + (i < extra);
 }
 
-/* out = weight * rmsnorm(h), with h = x + residual written back to residual when add is set (the
- * residual stream of the next op), else h = x. Rows of `dim` contiguous elements. In bf16 the
- * intermediate roundings are torch's (and transformers'): h is stored in bf16 and the norm is taken of
- * the stored h, the normalised row is rounded to bf16 before the weight multiplies it. With res_fp32 (bf16
- * models on a CPU, ops.py) the residual stream is fp32 instead: h is kept unrounded, and only the norm's
- * output is bf16. */
+/* out = weight * rmsnorm(h), h = x + residual (written back to residual) when add, else x. In bf16 the norm is
+ * of the stored h and rounded before the weight multiplies it, as transformers; res_fp32: h stays fp32. */
 ALWAYS void rms_norm_impl(const void *x, void *residual, const void *weight, void *out, int64_t r0, int64_t r1,
                           int64_t dim, float eps, int add, const int res_fp32, const int bf) {
     const int hb = bf && !res_fp32; /* h's storage dtype */
@@ -75,8 +63,7 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     }
 }
 
-/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: the gate and up halves of the fused projection. In bf16,
- * silu's result is rounded before the product, as torch's two ops do. */
+/* out[r, i] = silu(gate) * up over [rows, 2 * inter] (gate | up); silu rounded to bf16 first, as torch's two ops. */
 ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int64_t inter, const int bf) {
     for (int64_t r = r0; r < r1; r++) {
         const void *g = at(gu, r * 2 * inter, bf), *u = at(g, inter, bf);
@@ -105,12 +92,8 @@ void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf) {
     }
 }
 
-/* out[r, i] = gelu(gu[r, i]) * gu[r, inter + i] with gelu's tanh approximation (transformers' gelu_pytorch_tanh,
- * GeGLU: Gemma): 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3), taken as x / (1 + exp(-2y)), the same
- * value without 1 + tanh(y)'s cancellation where tanh is near -1 (within a few ulps of torch's). Every element through the same vector code (a row's tail through a padded
- * vector), so a row's result does not depend on the rows beside it, which torch's op does not promise (its
- * vector and scalar tanh differ in the last bit, and which elements take which depends on the tensor's size). In
- * bf16 gelu's result is rounded before the product, as torch's two ops do. */
+/* gelu_tanh(gate) * up (GeGLU): 0.5 x (1 + tanh(y)) taken as x / (1 + exp(-2y)), without 1 + tanh's cancellation.
+ * Every element goes through the same vector code (tails padded), so a row's bits do not depend on its batch. */
 ALWAYS vf gelu_tanh_v(vf x) {
     const vf y = (x + x * x * x * 0.044715f) * 0.7978845608028654f;
     return x / (1.0f + exp_v(y * -2.0f));
@@ -141,9 +124,7 @@ void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int b
     }
 }
 
-/* x[i] = cap * tanh(x[i] / cap) in place for n fp32 values: Gemma 2's final logit soft-capping. tanh(z) is
- * sign(z) (1 - e) / (1 + e), e = exp(-2|z|) (within about 1e-7 of tanh, absolutely). Every value through the same
- * vector code (the tail through a padded vector), so a logit does not depend on how many rows share the call. */
+/* x = cap * tanh(x / cap) in place (Gemma 2's logit soft-capping), every value through the same vector code. */
 ALWAYS vf tanh_cap_v(vf x, float cap) {
     const vf z = x / cap;
     const vi negative = z < 0.0f;
@@ -169,11 +150,8 @@ void tanh_cap(float *x, int64_t n, float cap) {
     }
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (the q and k heads of the fused qkv
- * projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head's first `rot` dims
- * (all d of them, or fewer with partial rotary: Phi-4-mini; the rest are left as they are), with the cos/sin
- * rows of the token's position (fp32 tables [max_pos, rot], both halves equal, as transformers builds). Rows are
- * `stride` elements apart; in bf16 the rotation is computed in fp32 and rounded once. */
+/* Rotary embedding in place on the first `heads` heads of each row (rows `stride` apart): the two halves of each
+ * head's first `rot` dims rotated by the position's fp32 cos / sin rows [max_pos, rot], rounded once. */
 ALWAYS void rope_impl(void *x, int64_t stride, int64_t r0, int64_t r1, int64_t heads, int64_t d, int64_t rot,
                       const int64_t *positions, const float *cos_t, const float *sin_t, const int bf) {
     const int64_t half = rot / 2;

@@ -1,10 +1,6 @@
-/* GPTQ's per-input loop over one block of inputs (batchrun/model/quant/gptq.py: gptq_quantize, act_order), row by row.
- *
- * Given the upper Cholesky factor of H^-1 on the block (hinv, width x width), the rows are independent: each row
- * rounds its inputs in order and moves each one's error onto the inputs after it in the block (a triangular
- * update of at most width floats, in L1). torch runs the same loop input by input over all rows, a dozen small
- * ops per input (~185 us each on SmolLM2's shapes); here it is one pass over the block. Rounding is to nearest,
- * ties to even (nearbyintf in the default rounding mode), as torch.round. */
+/* GPTQ's per-input loop over one block of inputs (model/quant/gptq.py), row by row: given the upper Cholesky
+ * factor of H^-1 on the block (hinv), each row rounds its inputs in order (to nearest even, as torch.round) and
+ * moves each one's error onto the inputs after it. */
 #include "common.h"
 
 void gptq_block(float *w, const float *scale, const float *hinv, float *q, float *err, int64_t rows, int64_t width,

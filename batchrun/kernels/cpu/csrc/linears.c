@@ -1,36 +1,14 @@
-/* Linears y = x W^T + bias, fp32 and bf16, on weights packed once into column panels (pack_f32_linear,
- * pack_bf16_linear; linear_f32, linear_bf16), and on AMX tiles for bf16 where the CPU has them (linear_amx);
- * f32_linear_panel and amx_linears tell the Python side which of them run here.
+/* Linears y = x W^T + bias, fp32 and bf16, on weights packed once into column panels of PANEL_WIDTH outputs:
+ * register-blocked FMA tiles (widening bf16), vdpbf16ps tiles, or AMX tiles. Threads split the panels, and the rows
+ * go in chunks that stay in L2, so each weight byte is read once per chunk.
  *
- * Layout: W [n, k] is packed into ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, zero past n (for AMX: pairs
- * of k-steps interleaved, see amx_panel); x is [rows, k] (rows ldx apart for fp32, contiguous for bf16), bias
- * NULL or [n], y [rows, n] contiguous; all in the weights' dtype.
- *
- * Threads: one OpenMP region per call above PAR_MIN_WORK; the threads split the panels (a static schedule), so
- * each weight byte is read once per chunk of rows, and an output's sum never depends on the thread or the rows
- * beside it. */
+ * Every output is one chain over k in order from zero, then the bias, whatever the row count, the rows beside it
+ * or the thread: a row's bits never depend on its batch, at every row count. The weights stream with a software
+ * prefetch PANEL_PREFETCH k-steps ahead, and the first row tiles fetch the next panel into L2 meanwhile. */
 #include "common.h"
 
-/* y = x W^T + bias. Every output is one fused multiply-add chain over k = 0 .. K-1, started at zero, plus the
- * bias at the end: the same operations in the same order whatever the row count, the rows beside it or the
- * thread that runs it. So a row's product is bit for bit independent of its batch (EngineArgs.batch_invariant)
- * by construction, at every row count including 1, with no padding or tiling rules. The kernel is a plain
- * register-blocked outer product (PANEL_ROWS rows x PANEL_WIDTH columns of fp32 accumulators, the weights'
- * panel streamed with a software prefetch PANEL_PREFETCH k-steps ahead and the next panel fetched into L2
- * meanwhile): a decode step of a few rows reads the weights from memory, and the prefetch keeps that stream
- * near the memory bandwidth, where oneDNN's fp32 kernels take 1.25-1.55x its time at 8 rows (figures in
- * cpu_linear.py's docstring, which also says which models use it). Threads split the panels, so each weight
- * byte is read once per chunk of rows; the rows go in chunks whose activations stay in L2.
- *
- * bf16 weights (linear_bf16) go through the same kernel, widened to fp32 as they are loaded (a shift): bf16 x
- * bf16 products are exact in fp32, and the sums are fp32, as in oneDNN's bf16 kernels. It serves the few-row
- * calls of a bf16 decode step where oneDNN's AMX kernels read the weights at about half the memory bandwidth
- * (SMALL_ROWS in cpu_kernels/linears.py says up to which row count it wins), and every call where oneDNN has no
- * bf16 kernels (cpu_linear.own_kernel). The bf16 rows of x are widened a chunk at a time into a scratch buffer. */
-/* The register tile of one ISA: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES outputs (AVX-512: 8 x 3 x 16,
- * 24 of its 32 registers; AVX2 + FMA: 4 x 3 x 8, 12 of its 16 registers, the other 4 for the panel's vectors and
- * the broadcast row value). pv_* are the few vector operations the tile needs. The arithmetic of an output is
- * the same on both (one multiply-add chain over k): only how many outputs and rows a tile holds differs. */
+/* The register tile: PANEL_ROWS rows x PANEL_VECS vectors of PV_LANES fp32 sums (AVX-512: 8 x 3 x 16, 24 of 32
+ * registers; AVX2: 4 x 3 x 8, 12 of 16). */
 #if defined(__AVX512F__)
 #define HAVE_PANELS 1
 #define PANEL_ROWS 8
@@ -54,8 +32,7 @@ static inline pv pv_zero(void) { return _mm256_setzero_ps(); }
 static inline pv pv_set1(float x) { return _mm256_set1_ps(x); }
 static inline pv pv_fma(pv a, pv b, pv c) { return _mm256_fmadd_ps(a, b, c); }
 ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
-/* GCC folds each of a k-step's 3 weight loads into its 4 multiply-adds (12 loads instead of 3): an L1-resident
- * slice then ran at 0.70-0.75x the speed of loading them once (a microbenchmark of the 4 x 24 tile, in turn). */
+/* Keeps a weight vector in a register: GCC would fold its load into each of the 4 rows' multiply-adds. */
 #define PV_IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define HAVE_PANELS 0
@@ -68,7 +45,7 @@ ALWAYS pv pv_load(const void *p, const int bf) { return ld8(p, 0, bf); }
 #define PANEL_PREFETCH 32
 #define PANEL_FETCHERS 8 /* the most row tiles of a panel that share fetching the next one */
 
-/* The outputs per panel of pack_linear's layout, or 0 where the panel linears do not run (no AVX-512 or AVX2). */
+/* The outputs per panel, or 0 where the panel linears do not run (no AVX-512 or AVX2). */
 int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
 
 /* bf16 weights on CPUs with AMX, k a multiple of its tiles' 32: pairs of k-steps interleaved (see amx_panel). */
@@ -78,12 +55,12 @@ int f32_linear_panel(void) { return HAVE_PANELS ? PANEL_WIDTH : 0; }
 #define AMX_PANELS(k, es) 0
 #endif
 
-/* bf16 weights on CPUs with AVX512-BF16 where AMX does not take them, k even: the same pair layout, for
- * vdpbf16ps (dp_tile). BATCHRUN_BF16_DOT=0 keeps them on the widening kernel (panel_tile) instead. */
+/* bf16 weights with k even where AMX does not take them: the same pair layout, for vdpbf16ps (dot_tile);
+ * BATCHRUN_BF16_DOT=0 keeps them on the widening kernel. */
 #if HAVE_DPBF16 && HAVE_PANELS && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_DOT 1
 static int dot_allowed(void) {
-    static int state = 0; /* 1 on, -1 off; first asked when a linear is packed, outside any parallel region */
+    static int state = 0; /* 1 on, -1 off; first asked outside any parallel region */
     if (state == 0) {
         const char *env = getenv("BATCHRUN_BF16_DOT");
         state = env == NULL || strcmp(env, "0") != 0 ? 1 : -1;
@@ -96,9 +73,8 @@ static int dot_allowed(void) {
 #define DOT_PANELS(k, es) 0
 #endif
 
-/* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n): ceil(n / PANEL_WIDTH) panels of k x PANEL_WIDTH, of
- * elements of `es` bytes (4: fp32, 2: bf16); with AMX_PANELS or DOT_PANELS, packed[p][i / 2][j][i % 2] instead (the
- * same size). */
+/* packed[p][i][j] = w[PANEL_WIDTH p + j][i] (0 past n), elements of `es` bytes; with AMX_PANELS or DOT_PANELS
+ * packed[p][i / 2][j][i % 2] (pairs of k-steps interleaved). */
 static void pack_linear(const void *w, int64_t n, int64_t k, void *packed, const int64_t es) {
     const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
     const int dp = AMX_PANELS(k, es) || DOT_PANELS(k, es);
@@ -120,8 +96,7 @@ void pack_f32_linear(const float *w, int64_t n, int64_t k, float *packed) { pack
 void pack_bf16_linear(const bf16 *w, int64_t n, int64_t k, bf16 *packed) { pack_linear(w, n, k, packed, 2); }
 
 #if HAVE_PANELS
-/* rows x PV_LANES outputs of vector q of a tile plus the bias, stored at y (row stride ldy) in the weights'
- * dtype; only the first `left` (< PV_LANES: the last panel's tail) when fewer remain. */
+/* Vector q of a tile's rows plus the bias, stored at y (rows ldy apart); only the first `left` in a panel's tail. */
 ALWAYS void panel_store(pv *acc, int rows, int64_t q, void *y, int64_t ldy, int64_t left, const void *bias,
                         const int bf) {
 #if defined(__AVX512F__)
@@ -149,22 +124,15 @@ ALWAYS void panel_store(pv *acc, int rows, int64_t q, void *y, int64_t ldy, int6
     }
 }
 
-/* rows x width outputs at y (row stride ldy, dtype ybf) from fp32 rows of x (stride ldx) and kn k-steps of one
- * packed panel, fp32 (wbf = 0) or bf16 (wbf = 1) weights, x and w at the tile's first k-step. When those are not
- * all of the k (the chunk is blocked in k), the sums so far come from `part` (unless `first`) and go back to it
- * (unless `last`), fp32 (rows x PANEL_WIDTH): the chain of multiply-adds is the same as in one pass. `next`, if
- * not NULL, is the panel after it, fetched into L2 meanwhile (the first row tile of a panel would otherwise wait
- * on memory for its weights): this tile, number `tile` of the `tiles` that share it (the panel's first
- * PANEL_FETCHERS), fetches its part, so that the memory stream goes on while the later tiles compute from cache
- * (fetched by the first tile alone, a 16-row call took the time of the stream plus that of the second tile's
- * compute). Without `stream` (the weights are in L1) it fetches nothing. */
+/* rows x width outputs at y from fp32 rows of x and kn k-steps of a panel (wbf: bf16 weights; ybf: bf16 out).
+ * Blocked in k, the sums come from `part` (unless first) and go back to it (unless last): the same chain. This
+ * tile, `tile` of the `tiles` sharing it, fetches its share of the next panel; without `stream` nothing. */
 ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *panel, int64_t kn, float *part,
                        int first, int last, void *y, int64_t ldy, int64_t width, const void *bias, const void *next,
                        int64_t tile, int64_t tiles, int stream, const int wbf, const int ybf) {
     const int64_t step = PANEL_WIDTH * (wbf ? 2 : 4); /* bytes of one k-step of a panel */
     const char *pw = panel, *pn = next;
-    /* k-step i of this tile fetches row fetch_row of the next panel when i == fetch_at: rows at even steps
-     * over the panel's tiles x k steps */
+    /* k-step fetch_at fetches row fetch_row of the next panel: evenly over the tiles' k-steps */
     int64_t fetch_row = (tile * kn + tiles - 1) / tiles, fetch_at = fetch_row * tiles - tile * kn;
     pv acc[PANEL_ROWS][PANEL_VECS];
     for (int r = 0; r < rows; r++)
@@ -210,9 +178,7 @@ ALWAYS void panel_tile(const int rows, const float *x, int64_t ldx, const void *
     }
 }
 
-/* panel_tile with rows and dtypes constants, compiled on its own: inlined into the chunk loop, its 16 live vectors
- * (AVX2) got spilled to the stack in some of the instantiations (bf16 weights widened per slice ran at half the
- * fp32 speed). */
+/* panel_tile with rows and dtypes constants, not inlined: inlined, its live vectors were spilled (AVX2). */
 #define PANEL_TILE_FN(R, W, Y) \
     static __attribute__((noinline)) void panel_tile_##R##_##W##Y( \
         const float *x, int64_t ldx, const void *panel, int64_t kn, float *part, int first, int last, void *y, \
@@ -260,19 +226,10 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
 }
 
 #if HAVE_AMX
-/* bf16 linears on AMX (AMX_PANELS). A decode step's 2-24 rows make a pass over the weights compute-bound on
- * vector units (widened to fp32, 9 rows took 1.5x the time of 1 row over SmolLM2's linears; vdpbf16ps does no
- * more flops a cycle than fp32 multiply-adds on this CPU and was slower still), where one AMX tile product does
- * 16 rows x 16 outputs x 32 k-steps. Each panel is three B tiles wide (16 pairs of k-steps x 16 outputs,
- * vdpbf16ps's pair layout, rows PANEL_WIDTH * 4 bytes apart); the rows go in tiles of 16, three C tiles of fp32
- * sums each, over k in chunks of 32. With one row tile a panel streams once, with the panel kernel's software
- * prefetch. With more, the panel goes in k blocks of AMX_KB chunks that stay in L1 while every row tile of the
- * call's row chunk takes them in turn (its sums parked in `part` between blocks), instead of each row tile
- * reading the whole panel again from L2 (64 rows: 17.5-18.5 ms against 20.1 over SmolLM2's linears). Past
- * about 128 rows oneDNN's AMX kernels are as fast or faster (AMX_SMALL_ROWS in cpu_kernels/linears.py); here a
- * pass at 128 rows takes about the weight stream's time plus the compute's (30 ms against 11 + 17), and prefetching the
- * next k block during the other row tiles' compute did not change that. An output's sum is the same chain of tile
- * products whatever the row count, so a row's result does not depend on the other rows. */
+/* bf16 linears on AMX (AMX_PANELS): a panel is three B tiles (16 pairs of k-steps x 16 outputs), the rows go in
+ * tiles of 16 with three C tiles of fp32 sums, over k in chunks of 32. With several row tiles the panel goes in k
+ * blocks of AMX_KB chunks that stay in L1 for every tile (sums parked in `part`). Each output's sum is the same
+ * chain of tile products at any row count. */
 #define AMX_ROWS 16
 #define AMX_K 32
 #define AMX_KB 8                        /* chunks of a k block: 24 KiB of the panel */
@@ -290,9 +247,7 @@ static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int6
     }
 }
 
-/* One panel (col, width outputs) for rows [m0, end) of y: row tile i's A rows at a[i] (k bf16 each, k * 2 bytes
- * apart), bias or NULL, part: (end - m0) x PANEL_WIDTH fp32 of scratch. A thread's panels are consecutive in
- * memory, so the prefetch runs on into the next one. */
+/* One panel (col, width outputs) for rows [m0, end) of y: row tile i's A rows at a[i]; part: fp32 scratch. */
 static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char *panel, int64_t k, bf16 *y,
                       int64_t n, int64_t col, int64_t width, const bf16 *bias, float *part) {
     const int64_t pair_row = PANEL_WIDTH * 4, chunk = AMX_K / 2 * pair_row; /* bytes of one k chunk of the panel */
@@ -340,9 +295,7 @@ static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char 
     }
 }
 
-/* y [rows, n] = x [rows, k] W^T + bias on AMX_PANELS weights, in row chunks of about AMX_CHUNK_BYTES of x (a
- * last row tile of fewer than 16 rows through a zero-padded copy); 0, or 1 without scratch memory (y is then
- * not written). */
+/* y = x W^T + bias on AMX_PANELS weights (a last short row tile through a zero-padded copy); 1 without memory. */
 static int linear_amx(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
                       bf16 *y) {
     const int64_t full = rows / AMX_ROWS * AMX_ROWS, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS;
@@ -386,16 +339,9 @@ static int linear_amx(const bf16 *x, int64_t rows, const void *packed, int64_t n
 #endif
 
 #if HAVE_DOT
-/* bf16 linears on vdpbf16ps (DOT_PANELS): a CPU with AVX512-BF16 and no AMX (AMD Zen 4 and 5, Intel Cooper Lake).
- * One vdpbf16ps takes 16 outputs x a pair of k-steps from bf16 inputs as they are, and measured on an AMD EPYC
- * (Zen 4) it does twice the multiply-adds a cycle of an fp32 vfmadd231ps (a loop of independent chains of each,
- * in turn), so a compute-bound call (a prefill's hundreds of rows) runs at about twice the widening kernel's speed,
- * where oneDNN's bf16 kernels, on the same instruction, had run 2.1-2.5x faster than it. The tile is the widening
- * kernel's (PANEL_ROWS rows x PANEL_VECS vectors of 16 fp32 sums) over pairs of k-steps, x read as bf16 in place
- * (no widened copy), the panel streamed with the same prefetch and the next panel fetched by the first tiles.
- * Each output is one chain of vdpbf16ps over the pairs of k in order (each adds x[2i] w[2i] + x[2i+1] w[2i+1]
- * to the sum, its rounding the instruction's own, denormals flushed), plus the bias at the end: the same
- * operations whatever the row count, so a row's result does not depend on the other rows here either. */
+/* bf16 linears on vdpbf16ps (DOT_PANELS: AVX512-BF16, no AMX): the widening kernel's tile over pairs of k-steps,
+ * x read as bf16 in place. Each output is one chain of vdpbf16ps over the pairs in order (the instruction's
+ * rounding, denormals flushed), then the bias: the same at any row count. */
 #define DOT_FETCHERS PANEL_FETCHERS
 
 ALWAYS void dot_tile(const int rows, const bf16 *x, int64_t ldx, const char *panel, int64_t k, bf16 *y, int64_t ldy,
@@ -443,9 +389,7 @@ ALWAYS void dot_tile(const int rows, const bf16 *x, int64_t ldx, const char *pan
     }
 DOT_TILE_FN(1) DOT_TILE_FN(2) DOT_TILE_FN(3) DOT_TILE_FN(4) DOT_TILE_FN(5) DOT_TILE_FN(6) DOT_TILE_FN(7) DOT_TILE_FN(8)
 
-/* y [rows, n] = x [rows, k] W^T + bias on DOT_PANELS weights: the threads split the panels; the rows go in
- * chunks whose bf16 activations stay in L2 beside a panel, every row tile of a chunk through each panel. (No
- * widened copy of x to share, so the threads need no barrier between chunks.) */
+/* y = x W^T + bias on DOT_PANELS weights, in row chunks that stay in L2 (no shared copy of x: no barrier). */
 static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
                        bf16 *y) {
     int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
@@ -458,8 +402,7 @@ static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t 
         const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
         const int64_t tiles = (end - m0 + PANEL_ROWS - 1) / PANEL_ROWS;
         const int64_t fetchers = tiles < DOT_FETCHERS ? tiles : DOT_FETCHERS;
-        /* nowait: a thread's panels are the same in every chunk (a static schedule of the same count), and no
-         * chunk needs another thread's results, so the threads meet only at the end of the call */
+        /* nowait: a thread's panels are the same in every chunk, and no chunk needs another thread's results */
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const char *panel = (const char *)packed + p * k * PANEL_WIDTH * 2;
@@ -487,12 +430,8 @@ static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t 
 }
 #endif
 
-/* A chunk of at least PANEL_BLOCK_TILES row tiles (compute-bound: the weights are read from cache, not memory)
- * walks each panel in slices of PANEL_KC k-steps, every tile of the chunk in turn on one slice, so that the slice
- * stays in L1 (fp32: 24 KiB at AVX2's 24 outputs), instead of each tile streaming the whole panel from L2; a bf16
- * slice is widened to fp32 once, not by every tile. Measured on AVX2 (AMD EPYC, 2 threads, SmolLM2's layer
- * shapes at 512-2048 rows): 1.64x oneDNN's time in one pass, 1.05x blocked. AVX-512 CPUs keep one pass
- * (PANEL_KC 0): measured there, k-blocking did not pay. */
+/* A chunk of at least PANEL_BLOCK_TILES row tiles walks each panel in slices of PANEL_KC k-steps that stay in L1
+ * (fp32: 24 KiB), every tile in turn, a bf16 slice widened once; AVX-512 keeps one pass (PANEL_KC 0). */
 #define PANEL_BLOCK_TILES 4
 #if PV_LANES == 8
 #define PANEL_KC (24576 / (PANEL_WIDTH * 4) / 8 * 8)
@@ -500,10 +439,8 @@ static void linear_dot(const bf16 *x, int64_t rows, const void *packed, int64_t 
 #define PANEL_KC 0
 #endif
 
-/* One thread's share of linear_panels, inside its parallel region (panels split by `omp for`), the dtype a
- * constant: a flag passed into the region would stay a run-time test in the k loop. bf16 rows of x are widened
- * a chunk at a time into xf (chunk x k fp32, shared by the threads), by one thread while the others wait; in a
- * blocked chunk each bf16 weight slice is widened into wf (PANEL_KC x PANEL_WIDTH fp32, the thread's own). */
+/* One thread's share of linear_panels, the dtype a constant: bf16 rows of x are widened a chunk at a time into the
+ * shared xf by one thread; in a blocked chunk each bf16 weight slice into the thread's own wf. */
 ALWAYS void panel_rows(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
                        const void *bias, void *y, int64_t chunk, float *xf, float *part, float *wf, const int bf) {
     const int64_t es = bf ? 2 : 4, panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
@@ -536,9 +473,7 @@ ALWAYS void panel_rows(const void *x, int64_t ldx, int64_t rows, const void *pac
     }
 }
 
-/* y [rows, n] (contiguous) = x [rows, k] W^T + bias, W packed by pack_linear; x, W, bias and y fp32 (bf = 0;
- * x's rows ldx apart) or bf16 (bf = 1; x's rows contiguous, ldx = k). Returns 0, or 1 if the bf16 rows' fp32
- * scratch could not be allocated (y is then not written). */
+/* y [rows, n] = x [rows, k] W^T + bias, all fp32 (x's rows ldx apart) or bf16 (contiguous); 1 without memory. */
 static int linear_panels(const void *x, int64_t ldx, int64_t rows, const void *packed, int64_t n, int64_t k,
                          const void *bias, void *y, int bf) {
     int64_t chunk = PANEL_CHUNK_BYTES / (4 * k) / PANEL_ROWS * PANEL_ROWS;
@@ -550,8 +485,7 @@ static int linear_panels(const void *x, int64_t ldx, int64_t rows, const void *p
     if (bf && xf == NULL) return 1;
 #pragma omp parallel if (n * k > PAR_MIN_WORK)
     {
-        /* the row tiles' partial sums between k slices, chunk x PANEL_WIDTH fp32, and a widened bf16 weight slice
-         * (without them, one pass) */
+        /* the tiles' sums between k slices, and a widened bf16 weight slice (none: one pass) */
         float *part = blocked ? malloc(sizeof(float) * (chunk + PANEL_KC) * PANEL_WIDTH) : NULL;
         BY_DTYPE(bf, panel_rows, x, ldx, rows, packed, n, k, bias, y, chunk, xf, part,
                  part != NULL ? part + chunk * PANEL_WIDTH : NULL);
@@ -562,8 +496,7 @@ static int linear_panels(const void *x, int64_t ldx, int64_t rows, const void *p
 }
 #endif
 
-/* y [rows, n] (contiguous) = x [rows, k] (row stride ldx) W^T + bias; W packed by pack_f32_linear; bias NULL
- * or [n]. A no-op where f32_linear_panel() is 0, or for 0 rows. */
+/* y [rows, n] = x [rows, k] (rows ldx apart) W^T + bias (NULL or [n]); a no-op where f32_linear_panel() is 0. */
 void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                 const float *bias, float *y) {
 #if HAVE_PANELS
@@ -573,8 +506,7 @@ void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, 
 #endif
 }
 
-/* Whether bf16 linears with an even k run on vdpbf16ps here (DOT_PANELS: AVX512-BF16, BATCHRUN_BF16_DOT not 0;
- * where AMX takes them, amx_linears says so). */
+/* Whether bf16 linears with an even k run on vdpbf16ps here (where AMX does not take them). */
 int dot_linears(void) {
 #if HAVE_DOT
     return dot_allowed();
@@ -583,8 +515,7 @@ int dot_linears(void) {
 #endif
 }
 
-/* Whether bf16 linears with k a multiple of 32 run on AMX tiles here (the library built for a CPU with AMX, and
- * the kernel allowing the process its tile state). */
+/* Whether bf16 linears with k a multiple of 32 run on AMX tiles here. */
 int amx_linears(void) {
 #if HAVE_AMX
     return amx_allowed();
@@ -593,9 +524,7 @@ int amx_linears(void) {
 #endif
 }
 
-/* The same for bf16: x [rows, k] bf16 (rows contiguous), W packed by pack_bf16_linear, bias NULL or [n] bf16,
- * y [rows, n] bf16; each output's fp32 sum is rounded to bf16 once. Returns 0, or 1 if the scratch for x's
- * widened rows (a chunk of them at a time) could not be allocated (y is then not written). */
+/* The same in bf16 (x's rows contiguous), each fp32 sum rounded once; 1 without scratch memory (y not written). */
 int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias, bf16 *y) {
 #if HAVE_AMX
     if (AMX_PANELS(k, 2)) return rows > 0 ? linear_amx(x, rows, packed, n, k, bias, y) : 0;

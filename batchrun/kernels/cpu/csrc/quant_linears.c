@@ -1,32 +1,12 @@
-/* Weight-only quantized linears y = x W^T + bias on int8 and int4 weights (batchrun/kernels/layouts/quant_weight.py's layout:
- * w = q * scale[o, g] for 8 bits, w = q * scale[o, g] + offset[o, g] for 4 bits, g = i / group_size, any group
- * size that divides k), with the activations quantized on the fly (W8A8) per row and group of the kernel's `gs`
- * inputs (gs divides the weights' group wgs: a weight group's scale serves wgs / gs of them): x[r, i] ~ xs[r, g] *
- * xq[r, i], xq in -127..127, xs[r, g] = max_{i in g} |x[r, i]| / 127. Then
+/* Weight-only quantized linears y = x W^T + bias on int8 / int4 weights (layouts/quant_weight.py), the activations
+ * quantized on the fly per row and group of gs inputs (gs divides the weights' group wgs):
  *     y[r, o] = sum_g xs[r, g] ( scale[o, g] sum_{i in g} q[o, i] xq[r, i]  (+ offset[o, g] sum_{i in g} xq[r, i]) )
- * with the inner sums exact in int32 and the rest fp32. A scale per group (of 32: cpu_kernels/quant.py,
- * ACTIVATION_GROUP) rather than per row: SmolLM2's activations have a few channels far larger than the rest, and
- * one scale per row cost int8 a tenth of its top-1 agreement with bf16 (89.7%, where groups of 32 keep 97.7%;
- * docs/quantization.md).
+ * xq in -127..127, xs = max |x| / 127; inner sums exact in int32, the rest fp32 (docs/quantization.md).
  *
- * Why: a decode step streams every weight once, so its time is the weights' bytes: int8 is half of bf16's and
- * int4 a quarter. Quantizing the few activation rows costs rows x k, next to the n x k weights it saves.
- *
- * Layout (pack_int8_linear, pack_int4_linear, once at load): panels of QP = 32 outputs (two 16-lane vectors),
- * zero past n. int8: packed[p][i / 4][j][i % 4] = q + 128 (unsigned; a 4-byte dword per output per 4 inputs: what
- * vpdpbusd multiplies), 128 bytes per 4 inputs of a panel. int4: packed[p][i / 8][j][i % 4], the low nibble input
- * 8t + b, the high nibble input 8t + 4 + b: one 64-byte load gives two k-steps of 16 outputs, split by a mask and a
- * shift. Beside them per panel and weight group: the QP scales (fp32), and for int4 the QP offsets (fp32).
- *
- * On CPUs with AVX512-VNNI (vpdpbusd: unsigned bytes times signed bytes, four products summed into each int32
- * lane) the weights are the unsigned operand and the activations the signed one: int4's nibbles as they are,
- * int8's biased by 128, whose 128 * sum xq (the activations' group sums, computed with them) comes back off.
- * On CPUs with AVX2 but not AVX512-VNNI (Haswell to Skylake client, AMD Zen 1-3) vpmaddubsw multiplies the same
- * layout (tile_avx2), and elsewhere a plain C loop does: all three compute the same integer sums (and the same
- * fp32 sums: each goes group by group in order).
- *
- * Threads: the panels are split over the OpenMP threads (static schedule), so each weight byte is read once per
- * call by one thread; the rows go in tiles of QROWS, each tile's integer and fp32 sums in registers. */
+ * Layout (packed once): panels of QP = 32 outputs, zero past n. int8: packed[p][i / 4][j][i % 4] = q + 128, what
+ * vpdpbusd multiplies; int4: packed[p][i / 8][j][i % 4], the low nibble input 8t + b, the high one 8t + 4 + b. Per
+ * panel and weight group: QP fp32 scales (int4: and offsets). The VNNI, AVX2 and plain C kernels compute the same
+ * integer and fp32 sums; the threads split the panels, the rows go in register tiles of QROWS. */
 #include "common.h"
 
 #define QP 32    /* outputs per panel */
@@ -47,8 +27,7 @@
 
 /* The outputs per panel of the packed layout (the Python side sizes its buffers with it). */
 int quant_linear_panel(void) { return QP; }
-/* Which vector kernel is compiled in (the library is built for the CPU it runs on, -march=native): 2 AVX512-VNNI,
- * 1 AVX2, 0 none (the plain C loop). */
+/* The vector kernel compiled in: 2 AVX512-VNNI, 1 AVX2, 0 none (the plain C loop). */
 int quant_isa(void) { return HAVE_VNNI ? 2 : HAVE_AVX2_QUANT ? 1 : 0; }
 
 /* int8 [n, k] weights and fp32 [n, k / gs] scales -> the panel layout (see the top of the file). */
@@ -89,15 +68,8 @@ void pack_int4_linear(const uint8_t *q, const float *scale, const float *offset,
         }
 }
 
-/* The vector tiles read the quantized rows interleaved by tile (quantize_row writes them so, `tiled`): for the
- * tile of QROWS rows from r0 (a multiple of QROWS) and k-step t (4 inputs), the rows' 4 bytes side by side,
- * XTILE(xt, r0, k, t) + 4 r for row r0 + r. A tile's activations are then one sequential stream of 16 bytes per k-step, where in rows of k bytes
- * they were QROWS streams k bytes apart, from L2 once a block of rows outgrows L1. Measured on Llama-3.2-1B's
- * linears, 2 threads, Zen 4 (`python -m benchmarks.quant_linears --preset llama-1b --rows 16,64,256`, old and new
- * alternating, 2026-12-04): int8 at 16 / 64 / 256 rows took 0.89-0.91x / 0.92-0.95x / 0.90-0.91x the time it
- * took from rows; int4 the same time (its nibbles' unpacking bounds it; unpacking each weight group once for all
- * the tiles of a block, into int8's layout, was slower at 8-16 rows and no faster at 64-256); the AVX2 kernels
- * (--march x86-64-v3) int8 0.96x at 64 rows, else the same. The integer sums are the same, so every result is. */
+/* The vector tiles read the quantized rows interleaved by tile, one sequential stream per tile: row r0 + r's 4
+ * bytes of k-step t are at XTILE(xt, r0, k, t) + 4 r (r0 a multiple of QROWS). */
 #define XTILE(xt, r0, k, t) ((xt) + (((r0) / QROWS) * ((k) / 4) + (t)) * (4 * QROWS))
 
 /* Where row r's 4 bytes of k-step t go: interleaved by tile (tiled) or row after row. */
@@ -114,9 +86,8 @@ ALWAYS void put_steps(uint8_t *xq, int64_t r, int64_t k, int64_t i, __m128i b, c
 }
 #endif
 
-/* Row r of x (fp32 or bf16) -> xq[r] (-127..127, as int8; in the tiles' order where tiled),
- * per group of gs inputs its scale xs[r][g] = max |x| / 127 (0 for a zero group) and the sum of its xq (without
- * the bias) xsum[r][g]. rint: round to nearest even, as torch.round (the tests emulate it). */
+/* Row r of x -> xq[r] (in the tiles' order where tiled), and per group of gs inputs its scale xs = max |x| / 127
+ * and the sum of its xq (xsum). Rounding to nearest even, as torch.round. */
 ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_t *xq, float *xs,
                          int32_t *xsum, const int tiled, const int bf) {
     const void *row = at(x, r * k, bf);
@@ -142,8 +113,7 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
         i = g * gs;
         /* |x * inv| <= 127 up to rounding: the clamp only catches that rounding */
 #if defined(__AVX512F__) && VW == 16
-        /* in vector registers: the conversion rounds to nearest even (the default MXCSR mode, as rintf); the
-         * element loop below does not vectorize, and at 16 rows it cost more than the multiplication itself */
+        /* in vectors (the loop below does not vectorize): the conversion rounds to nearest even, as rintf */
         __m512i sv = _mm512_setzero_si512();
         for (; i + VW <= end; i += VW) {
             const vf v = ldv(row, i, bf) * inv;
@@ -154,8 +124,7 @@ ALWAYS void quantize_row(const void *x, int64_t r, int64_t k, int64_t gs, uint8_
         }
         s += _mm512_reduce_add_epi32(sv);
 #elif defined(__AVX2__) && VW == 8
-        /* the same in AVX2 (the element loop below cost as much as the AVX2 kernel's multiplication at 16 rows):
-         * each 128-bit lane's four low bytes gathered, then the two lanes' side by side */
+        /* the same in AVX2: each 128-bit lane's four low bytes gathered, then the two lanes side by side */
         const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
         __m256i sv = _mm256_setzero_si256();
@@ -206,8 +175,7 @@ static void quantize_rows(const void *x, int64_t rows, int64_t k, int64_t gs, ui
     }
 }
 
-/* The finished outputs of one row: acc[j] (fp32, the QP outputs from col) plus the bias, stored in the output
- * dtype; only the first `left` when the panel is the last one. */
+/* One row's QP outputs from col plus the bias, stored in the output dtype; only `left` of them in the last panel. */
 static void store_row(const float *acc, int64_t left, const void *bias, int64_t col, void *y, int ybf) {
     const int64_t m = left < QP ? left : QP;
     for (int64_t j = 0; j < m; j++) {
@@ -217,15 +185,13 @@ static void store_row(const float *acc, int64_t left, const void *bias, int64_t 
     }
 }
 
-/* The fp32 side, the same in every kernel (so that a row's outputs depend on nothing beside it): per weight group
- * wg, part[o] = sum_{g in wg} xs[r, g] * isum[o, g] over its activation groups in order, then
+/* The fp32 side, the same in every kernel: per weight group wg, part[o] = sum_{g in wg} xs[r, g] * isum[o, g] in
+ * order, then
  *     int8: acc[o] += scale[o, wg] * (part[o] - 128 * xw[r, wg])
  *     int4: acc[o] += scale[o, wg] * part[o] + offset[o, wg] * xw[r, wg]
- * with xw[r, wg] = sum_{g in wg} xs[r, g] * xsum[r, g] (weight_group_sums): int8's bias of 128 and int4's offset
- * both multiply the activations' own sums, so they come in once per weight group rather than once per
- * activation group, and a group of 32 activations costs a conversion and one multiply-add per 16 outputs. */
+ * with xw[r, wg] = sum_{g in wg} xs[r, g] * xsum[r, g] (weight_group_sums). */
 
-/* The plain C kernel: rows [r0, r0 + rows) of one panel (int8 weights stored q + 128: the 128 comes off each). */
+/* The plain C kernel: rows [r0, r0 + rows) of one panel. */
 static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float *xw, const float *xs, int64_t k,
                        int64_t gs, int64_t per, int bits, const uint8_t *panel, const float *pscale,
                        const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
@@ -263,9 +229,7 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
     }
 }
 
-/* GCC (13) spilled the unpacked int4 weights of the 4-row tile to the stack on every step, with half the vector
- * registers free, after moving loop invariants out of the group loop; without that pass the loops keep everything
- * in registers (int4 at 64 rows: about 10% faster). */
+/* GCC's loop-invariant motion made the int4 tile spill its unpacked weights; int4 is compiled without it. */
 #if defined(__GNUC__) && !defined(__clang__)
 #define NO_LOOP_MOTION __attribute__((optimize("no-tree-loop-im")))
 #else
@@ -273,19 +237,14 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
 #endif
 
 #if HAVE_VNNI
-/* acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane, in place. As inline assembly because
- * GCC's code for the intrinsic copied every accumulator and reloaded the weights several times per step (its
- * register allocation around the tied operand), which made the int8 loop load-bound. */
+/* acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane; inline assembly, as GCC's code for
+ * the intrinsic copied the accumulators and reloaded the weights. */
 #define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
-/* The four weight vectors of a two-k-step in registers once loaded: GCC otherwise reloaded them from L1 for every
- * row of the tile (11 loads of 64 bytes for 4, seen in `gcc -S`), which bound the int8 loop on loads at many rows. */
+/* The four weight vectors of a two-k-step kept in registers (GCC reloaded them for every row). */
 #define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
 
-/* Two k-steps of 32 outputs for the tile's R rows, from input `at`: the first step's weights (a0, a1) times each
- * row's 4 activation bytes from `at`, the second's (b0, b1) times the next 4. Its sums go to a second set (js) for
- * one or two rows, so that the chains of dependent vpdpbusd are half as long (with 2 chains per row their latency,
- * not the weights' stream, set the pace). A macro, so that int8 and int4 share it and the compiler sees every
- * accumulator in one function. */
+/* Two k-steps of 32 outputs for the tile's R rows from input `at`: (a0, a1) times each row's 4 activation bytes,
+ * (b0, b1) times the next 4. For one or two rows the second step sums into js, halving the dependent chains. */
 #define TWO_STEPS(at, a0, a1, b0, b1)                                             \
     for (int r = 0; r < R; r++) {                                                \
         int32_t xa, xb;                                                          \
@@ -303,21 +262,19 @@ static void tile_plain(int64_t rows, int64_t r0, const uint8_t *xq, const float 
         }                                                                        \
     }
 
-/* AVX512-VNNI: weight group wg of one panel for R rows (a constant, 1..QROWS) from r0: int32 sums per activation
- * group, their fp32 part, folded into the rows' sums in acc (QP floats per row, from row r0). The weights are the
- * unsigned operand, x the signed one. The tile also prefetches its share of the panel's stream ahead: from `fetch`,
- * a line for every `fetch_every` bytes of weights it reads, at the start of each activation group (panel_simd). */
+/* AVX512-VNNI: weight group wg of one panel for R rows from r0, folded into acc (QP floats a row); the tile
+ * prefetches its share of the panel's stream, a line from `fetch` per `fetch_every` bytes it reads. */
 ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xt, const float *xw, const float *xs,
                       const int32_t *xsum, int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
                       const float *poffset, float *acc, const char *fetch, int64_t fetch_every) {
     const int64_t groups = k / gs, wgroups = groups / per;
     const __m512i low4 = _mm512_set1_epi8(15);
-    (void)xsum; /* int8's bias comes off in fp32 (xw): tile_avx2 needs the integer sums */
+    (void)xsum; /* int8's bias comes off in fp32 (xw) */
     int64_t credit = 0;
     __m512 part[QROWS][2];
     for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
     for (int64_t g = wg * per; g < (wg + 1) * per; g++) {
-        /* here, before the group's sums are live: in its inner loop the prefetch's bookkeeping made GCC spill */
+        /* before the group's sums are live: in the inner loop the bookkeeping made GCC spill */
         for (credit += gs * QP * bits / 8; credit >= fetch_every; fetch += 64, credit -= fetch_every)
             _mm_prefetch(fetch, _MM_HINT_T0);
         __m512i is[QROWS][2];
@@ -390,20 +347,10 @@ ALWAYS void tile_vnni(const int R, int64_t r0, int64_t wg, const uint8_t *xt, co
 #elif HAVE_AVX2_QUANT
 #define QH 8 /* outputs per pass of tile_avx2: one ymm of int32 sums per row */
 
-/* AVX2 (no vpdpbusd): what tile_vnni does, for R rows (1..QROWS) and weight group wg of one panel. A panel's 32
- * outputs go in passes of QH, each with its fp32 part in L1 (`part`) between activation groups: a whole panel's
- * four 8-lane sums per row would take all 16 ymm registers at 4 rows, and with passes of 16 GCC 12 already kept
- * five of the eight sums on the stack (no faster, measured; passes of 8 need no spill). A pass reloads the rows'
- * activations (a broadcast from L1 per row and k-step), the cheaper side: the multiplies bound the loop.
- * int8: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums, and the stored q + 128 (up
- * to 255) times 127 passes 32767 in a pair. So the weights go in signed (stored ^ 0x80 is q, -128..127), as |q|
- * (0..128, the unsigned operand) with their signs moved onto the activations (vpsignb; |xq| <= 127, so negating
- * never wraps): pair sums within 2 * 128 * 127 = 32512, exact, widened to int32 by vpmaddwd with ones. Those sums
- * of q xq take 128 * sum xq (xsum) to become the plain loop's sums of (q + 128) xq, so that the fp32 side is the
- * one every kernel shares.
- * int4: nibbles 0..15 times xq, pair sums within 2 * 15 * 127 = 3810, so up to 8 of them per 16-bit lane (32
- * inputs) stay within 32767: the pairs add in 16 bits over up to 32 inputs (the whole activation group, as
- * quant.py's groups are at most 32) and widen once, rather than at every k-step. */
+/* AVX2: tile_vnni's work on vpmaddubsw, in passes of QH outputs (no spill), fp32 parts in L1 between groups.
+ * int8: |q| (unsigned) times xq with q's sign (vpsignb): pair sums within 2 * 128 * 127, exact; adding 128 xsum
+ * gives the plain loop's sums of (q + 128) xq. int4: pair sums within 2 * 15 * 127, so they add in 16 bits over up
+ * to 32 inputs before widening. */
 ALWAYS void tile_avx2(const int R, int64_t r0, int64_t wg, const uint8_t *xt, const float *xw, const float *xs,
                       const int32_t *xsum, int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel,
                       const float *pscale, const float *poffset, float *acc, const char *fetch, int64_t fetch_every) {
@@ -506,11 +453,8 @@ ALWAYS void tile_avx2(const int R, int64_t r0, int64_t wg, const uint8_t *xt, co
 #endif
 
 #if HAVE_VNNI || HAVE_AVX2_QUANT
-/* One panel: rows in blocks of QBLOCK, and within a block weight group by weight group, every tile of QROWS rows
- * (each tile size its own unrolled copy, R a constant) taking the group while it is in cache: the panel streams
- * from memory once per block rather than once per tile. The stream's prefetch (QPREFETCH bytes ahead) is shared
- * out over the block's tiles, each fetching its slice of a group ahead as it goes, so that the memory stream goes
- * on at an even pace while every tile computes, rather than in bursts while the first one does. */
+/* One panel: rows in blocks of QBLOCK, weight group by weight group, every tile taking the group while it is in
+ * cache (the panel streams once per block); the prefetch QPREFETCH ahead is shared out over the block's tiles. */
 ALWAYS void panel_simd(int64_t rows, const uint8_t *xt, const float *xw, const float *xs, const int32_t *xsum,
                        int64_t k, int64_t gs, int64_t per, const int bits, const uint8_t *panel, const float *pscale,
                        const float *poffset, const void *bias, int64_t col, int64_t n, void *y, int ybf) {
@@ -548,8 +492,7 @@ NO_LOOP_MOTION static void panel_simd4(int64_t rows, const uint8_t *xt, const fl
 }
 #endif
 
-/* xw[r, wg] = sum over the activation groups g of weight group wg of xs[r, g] * xsum[r, g], in order: what int8's
- * bias of 128 and int4's offsets multiply (the fp32 side above). */
+/* xw[r, wg] = sum_{g in wg} xs[r, g] * xsum[r, g] in order: what int8's bias and int4's offsets multiply. */
 static void weight_group_sums(int64_t rows, int64_t groups, int64_t per, const float *xs, const int32_t *xsum,
                               float *xw) {
     for (int64_t r = 0; r < rows; r++)
@@ -560,11 +503,8 @@ static void weight_group_sums(int64_t rows, int64_t groups, int64_t per, const f
         }
 }
 
-/* y [rows, n] (ybf: bf16, else fp32) = x [rows, k] (xbf: bf16, else fp32; contiguous) times the packed weight
- * (bits 8 or 4, scales and int4 offsets per group of wgs inputs) plus bias (NULL or [n], y's dtype), the
- * activations quantized per group of gs inputs (gs divides wgs). plain: the C loop even where a vector kernel is there
- * (tests hold them to the same sums). Needs k, gs in multiples of 4 for int8, of 8 for int4 (the Python side checks).
- * Returns 1 when the scratch for the quantized rows cannot be allocated, else 0. */
+/* y [rows, n] (ybf: bf16) = x [rows, k] (xbf: bf16) times the packed weight (weight groups of wgs) plus bias, the
+ * activations in groups of gs; plain: the C loop. k and gs in whole k-steps; 1 without scratch memory. */
 int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t *packed, const float *pscale,
                  const float *poffset, int64_t n, int64_t wgs, int64_t gs, int bits, const void *bias, void *y, int ybf,
                  int plain) {
@@ -572,7 +512,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t 
     const int simd = (HAVE_VNNI || HAVE_AVX2_QUANT) && !plain;
     const int64_t groups = k / gs, wgroups = k / wgs, per = wgs / gs, panels = (n + QP - 1) / QP;
     const int64_t panel_bytes = bits == 8 ? k * QP : k / 2 * QP;
-    /* the vector tiles read xq in their own order (XTILE), its last tile padded to QROWS rows */
+    /* in the tiles' order (XTILE), the last tile padded to QROWS rows */
     uint8_t *xq = malloc((size_t)((simd ? (rows + QROWS - 1) / QROWS * QROWS : rows) * k));
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(rows * groups));

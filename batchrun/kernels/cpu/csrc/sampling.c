@@ -1,21 +1,10 @@
-/* Kernels on a step's logits, between the model's last layer and the drawn tokens: logits_top (bf16 logits
- * widened to fp32, each row's top k found in the same pass), apply_token_bitmask (structured outputs' grammar
- * mask) and sample_rows (every row's token, greedy or drawn through top-k / top-p / min-p, without a sort). Their
- * ctypes wrappers are cpu_kernels/sampling.py.
- *
- * Layout: logits [rows, vocab] (logits_top: contiguous; apply_token_bitmask, sample_rows: fp32 rows `stride`
- * floats apart); the bitmask int32 [rows, words] in xgrammar's layout (bit t % 32 of word t / 32 is token t).
- *
- * Threads: a parallel for over rows, above PAR_MIN_WORK elements (the bitmask: 16 times that; sample_rows
- * shares rows out dynamically, as a row's cost depends on its filters). */
+/* Kernels on a step's logits: logits_top, apply_token_bitmask (the grammar's mask), sample_rows; rows in parallel. */
 #include "common.h"
 
 /* ---- bf16 logits ------------------------------------------------------------------------------------ */
 
-/* out[r, :] = the bf16 logits of row r widened to fp32, and top[r, 0..k) the indices of its k largest (in
- * no order; ties keep the earlier index), in the one pass the widening makes anyway. A candidate has to
- * beat the smallest of the k kept, which after the first few hundred entries almost none does: the common
- * case is one vector compare per 16 logits. */
+/* out = bf16 logits widened to fp32, top[r, 0..k) the indices of row r's k largest (no order, ties the earlier),
+ * found in the same pass: mostly one vector compare against the smallest kept. */
 void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top) {
 #pragma omp parallel for if (rows * vocab > PAR_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
@@ -63,10 +52,8 @@ void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t
 
 /* ---- structured outputs' token mask ----------------------------------------------------------------- */
 
-/* logits[r, t] = -inf where bit t % 32 of bitmask[r, t / 32] is 0, for each row r in rows and t < vocab
- * (fp32 logits, rows `stride` floats apart; bitmask rows `words` int32 apart, xgrammar's layout). The same
- * result as xgrammar's CPU kernel, which tests one bit per token: here one 32-bit word covers two vectors,
- * and a word with every bit set (most of a JSON grammar's allowed tokens) is skipped. */
+/* logits[r, t] = -inf where bit t % 32 of bitmask[r, t / 32] is 0, for the listed rows (xgrammar's layout and
+ * result); a word with every bit set is skipped. */
 void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t words, const int64_t *rows,
                          int64_t num_rows, int64_t vocab) {
     const vf neg_inf = vsplat(-INFINITY);
@@ -92,24 +79,12 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
 
 /* ---- sampling: one token per row without sorting the vocabulary ---------------------------------------- */
 
-/* A sampled row keeps the tokens whose probability passes its filters (top-k, top-p, min-p) and draws one
- * of them by inverse CDF. Every filter is a threshold on e_i = exp((x_i - max x) / T), the unnormalised
- * probability (the largest is exactly 1):
- *   top-k: t_k = the k-th largest e (ties at it are all kept);
- *   top-p: t_p = the largest t whose kept mass sum(e_i >= t) reaches top_p x the mass left by top-k (the
- *          shortest prefix of the sorted row that reaches top_p, ties at its end all kept);
- *   min-p: t_m = min_p (min_p x the largest probability, in e's units).
- * The kept set is {i : e_i >= max(t_k, t_p, t_m)}. Thresholds are found by radix selection on the bits of e
- * (non-negative floats order like their bit patterns): three passes of 10-bit digits, each over the members of
- * the previous level's boundary bucket only, so the value found is exact. The first level runs over the
- * candidates collected while e is computed, the e_i >= CANDIDATE of the row (a few dozen to a few thousand on
- * a language model's rows), when they hold the answer (enough of them for top-k, enough mass for top-p), else
- * over the whole row. The draw walks the kept tokens in id order with a double running sum until it passes
- * u x their mass. A row's token is a function of its logits, its parameters and u alone (batch invariant).
- * Threads: rows are shared out dynamically; each thread keeps its e and index buffers across calls. */
+/* A sampled row keeps {i : e_i >= max(t_k, t_p, t_m)}, e_i = exp((x_i - max x) / T): t_k the k-th largest e,
+ * t_p the largest t whose mass sum(e_i >= t) reaches top_p x top-k's, t_m = min_p. Each is found exactly by radix
+ * selection on e's bits, over the candidates e_i >= CANDIDATE when they hold it, else lower floors or the row.
+ * The draw walks the kept ids in order with a double running sum to u x their mass: batch invariant. */
 #define CANDIDATE 0x1p-16f
-/* the floors tried in turn when the candidates do not hold the kept set (a peaked row's 50th token can be 2^-20
- * of its first), then the whole row */
+/* the floors tried in turn when the candidates do not hold the kept set, then the whole row */
 static const float LOWER_FLOORS[] = {0x1p-24f, 0x1p-32f, 0.0f};
 #define DRAW_BLOCK (4 * VW) /* ids per block of the draw's running sum over a whole row */
 #define RADIX 2048 /* digits of 10, 10 and 11 bits: a non-negative float's 31 bits */
@@ -117,15 +92,15 @@ static const float LOWER_FLOORS[] = {0x1p-24f, 0x1p-32f, 0.0f};
 ALWAYS uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
 ALWAYS float bitsf(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
 
-/* The largest t among e[idx[0..n)] (all > 0) with  sum_{e_i >= t} w_i >= target,  w_i = e_i (by_mass) or 1.
- * tmp holds up to n indices. When rounding keeps the whole set short of target, the smallest value. */
+/* The largest t among e[idx[0..n)] (> 0) with sum_{e_i >= t} w_i >= target, w_i = e_i (by_mass) or 1; when
+ * rounding leaves the whole set short, the smallest. tmp holds n indices. */
 static float select_threshold(const float *e, const int32_t *idx, int64_t n, double target, int by_mass,
                               int32_t *tmp) {
     static const int shift[3] = {21, 11, 0};
     static const uint32_t digit[3] = {1023, 1023, 2047};
     double weight[RADIX];
     const int32_t *members = idx;
-    double above = 0.0; /* the weight of every value above the current bucket's prefix */
+    double above = 0.0; /* the weight above the current bucket */
     uint32_t prefix = 0;
     for (int level = 0; level < 3; level++) {
         const int s = shift[level];
@@ -141,7 +116,7 @@ static float select_threshold(const float *e, const int32_t *idx, int64_t n, dou
             if (above + weight[b] >= target) break;
             above += weight[b];
         }
-        if (b < 0) { /* short of target by rounding: the lowest nonempty bucket */
+        if (b < 0) { /* short by rounding: the lowest nonempty bucket */
             b = last;
             above -= weight[b];
         }
@@ -150,7 +125,7 @@ static float select_threshold(const float *e, const int32_t *idx, int64_t n, dou
         int64_t m = 0; /* the boundary bucket's members, for the next digit */
         for (int64_t j = 0; j < n; j++)
             if (((fbits(e[members[j]]) >> s) & digit[level]) == (uint32_t)b) tmp[m++] = members[j];
-        members = tmp, n = m; /* tmp is rewritten in place at the next level: it only shrinks */
+        members = tmp, n = m; /* rewritten in place at the next level: it only shrinks */
     }
     return bitsf(prefix);
 }
@@ -176,7 +151,7 @@ static int sample_buffers(int64_t vocab) {
     return s->cap ? 0 : 1;
 }
 
-/* The ids of e's values >= lo (> 0 when lo is 0), in id order, into idx (vocab + VW entries); their count. */
+/* The ids of e's values >= lo (> 0 when lo is 0) into idx (vocab + VW entries), in order; their count. */
 static int64_t collect_at_least(const float *e, int64_t vocab, float lo, int32_t *idx) {
     const float floor = lo > 0.0f ? lo : 0x1p-149f;
     int64_t n = 0, i = 0;
@@ -197,10 +172,8 @@ static int64_t collect_at_least(const float *e, int64_t vocab, float lo, int32_t
     return n;
 }
 
-/* The kept set of a row of weights e (>= 0, the largest emax) and its draw: ids idx[0..ncand) (in id order) are
- * the row's e_i >= CANDIDATE x emax, when `select` (a top-k or top-p filter is on) asked for
- * them; total is the row's mass. *threshold gets the kept set's threshold (every e_i >= it is kept; 0: every
- * e_i > 0). Returns the token. */
+/* The token drawn from weights e (>= 0, largest emax); idx[0..ncand): the e_i >= CANDIDATE x emax when `select`
+ * (top-k or top-p on); total: the row's mass. *threshold: the kept set's (0: every e_i > 0). */
 static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx, int64_t ncand, double total,
                          int select, int64_t top_k, float top_p, float min_p, double u, float *threshold) {
     SampleScratch *s = &sample_scratch;
@@ -234,7 +207,7 @@ static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx
     const float tm = min_p * emax;
     if (min_p > 0.0f && tm > t) t = tm;
     *threshold = t;
-    /* the draw: the kept tokens in id order; with a filter on, the candidates (after any lower floor) hold them */
+    /* the draw over the kept ids in order; with a filter on, the candidates hold them */
     double kept_mass = 0.0, run = 0.0;
     int64_t last = -1;
     if (select) {
@@ -246,9 +219,9 @@ static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx
             run += v, last = idx[j];
             if (run > target) return last;
         }
-        return last < 0 ? 0 : last; /* (no token has mass: a row of weights only, never of logits) */
+        return last < 0 ? 0 : last; /* no mass at all: only a test's weights */
     }
-    /* the whole row: the kept mass of each block of DRAW_BLOCK ids (vectors), then the walk inside one block */
+    /* the whole row: each block's kept mass, then the walk inside one block */
     const vf tv = vsplat(t > 0.0f ? t : 0x1p-149f);
     const int64_t nblocks = vocab / DRAW_BLOCK;
     for (int64_t b = 0; b < nblocks; b++) {
@@ -269,12 +242,12 @@ static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx
         run += e[i], last = i;
         if (run > target) return last;
     }
-    /* rounding left the walk short of target: the last kept id */
+    /* rounding left the walk short: the last kept id */
     for (i = vocab - 1; i >= 0; i--) if (e[i] >= tv[0]) return i;
     return 0;
 }
 
-/* One row of logits: its token (greedy when T = 0: the first maximum, or the first NaN as torch's argmax). */
+/* One row's token (T = 0: the first maximum, or the first NaN, as torch's argmax). */
 static int64_t sample_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                           double u, float *threshold) {
     vf mv = vsplat(-INFINITY);
@@ -308,7 +281,7 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
 #endif
     for (i = 0; i + VW <= vocab; i += VW) {
         const vf v = vload(x + i);
-        const vf ev = vselect(v == ninf, zero, exp_v((v - m) * inv_t)); /* masked tokens: no mass at all */
+        const vf ev = vselect(v == ninf, zero, exp_v((v - m) * inv_t)); /* masked tokens: no mass */
         vstore(e + i, ev);
         acc += ev;
         if (select) {
@@ -316,8 +289,7 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
             const __mmask16 hit = _mm512_cmp_ps_mask((__m512)ev, (__m512)cand, _CMP_GE_OQ);
             if (hit) {
                 const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), step);
-                /* compress in a register, then a plain store (a compressing store is microcoded on AMD Zen 4;
-                 * idx has VW spare entries past vocab for the store's tail) */
+                /* compress, then a plain store (a compressing store is microcoded on Zen 4; idx has VW spare) */
                 _mm512_storeu_si512(idx + ncand, _mm512_maskz_compress_epi32(hit, ids));
                 ncand += __builtin_popcount(hit);
             }
@@ -343,7 +315,7 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
     return draw_kept(e, vocab, 1.0f, idx, ncand, total, select, top_k, top_p, min_p, u, threshold);
 }
 
-/* The same filters and draw on given weights w (>= 0; a test's window on draw_kept, with no exp between). */
+/* draw_kept on given weights w >= 0, for tests. */
 int sample_weights(const float *w, int64_t rows, int64_t vocab, const int64_t *top_k, const float *top_p,
                    const float *min_p, const double *u, int64_t *out, float *threshold) {
     for (int64_t r = 0; r < rows; r++) {
@@ -362,9 +334,8 @@ int sample_weights(const float *w, int64_t rows, int64_t vocab, const int64_t *t
     return 0;
 }
 
-/* out[r] = the token row r of logits (fp32, rows `stride` floats apart) draws: temperature[r] = 0 is greedy;
- * top_k[r] <= 0 / top_p[r] >= 1 / min_p[r] <= 0 turn a filter off (NULL: off for every row); u[r] in [0, 1) is
- * the row's uniform. Returns 1 when a thread could not get its buffers. */
+/* out[r] = row r's token: temperature 0 greedy; top_k <= 0, top_p >= 1, min_p <= 0 (or NULL: every row) turn a
+ * filter off; u[r] in [0, 1). Rows shared out dynamically; 1 when a thread could not get its buffers. */
 int sample_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab, const float *temperature,
                 const int64_t *top_k, const float *top_p, const float *min_p, const double *u, int64_t *out) {
     int failed = 0;

