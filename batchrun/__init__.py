@@ -23,18 +23,9 @@ def _others_running() -> int:
 
 
 def _openmp_defaults() -> None:
-    """How OpenMP threads wait between parallel regions; read by libgomp when torch loads it, so this runs
-    before torch is imported. A decode step is dozens of short parallel regions.
-
-    - On a quiet machine, a sleeping worker takes ~100 us (an inter-processor wake in a VM) to start each
-      region: measured here, a 1-sequence decode step ran in 6.1 ms with OMP_WAIT_POLICY=PASSIVE and in
-      2.7 ms when workers spin for GOMP_SPINCOUNT=10000 iterations (tens of microseconds) before sleeping.
-    - On a machine whose cores are already taken, a spinning worker holds a core another process needs:
-      with one busy process beside it on 2 cores, the same step took 13 ms with that short spin, 5.3 ms
-      passive, 15 ms with unbounded spinning (a whole job once ran 5x slower that way).
-    So: passive when other processes are running at start-up, else the short spin. OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT in the environment decides instead; BATCHRUN_OMP_DEFAULTS=0 sets nothing.
-    """
+    """How OpenMP workers wait between parallel regions, set before torch loads libgomp: passive when other
+    processes run at start-up (a spinning worker would hold a core they need), else a short spin (a sleeping
+    worker is slow to wake for each of a step's many short regions). docs/cpu-kernels.md: Threads."""
     if os.environ.get("BATCHRUN_OMP_DEFAULTS", "1") == "0":
         return
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:

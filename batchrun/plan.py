@@ -22,7 +22,7 @@ from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
 from batchrun.io.slicing import RowSlice
 from batchrun.io.sources import Source, open_source
 from batchrun.model.errors import ModelLoadError
-from batchrun.model.weights.locate import ModelSource, locate_model
+from batchrun.model.weights.locate import ModelSource, check_args
 from batchrun.output.folder import check_output_dir
 from batchrun.output.sink import OutputSpec
 from batchrun.output.state import OutputStatus, OutputTarget, read_status
@@ -62,18 +62,12 @@ def check_ray() -> None:
 def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
     """The model and engine settings against this machine, and where the model path points: the same checks
     LLM makes before it loads anything, so that `validate`, `run` and `serve` accept exactly what LLM does."""
-    args = cfg.engine_args()
     try:
-        args.check_environment()
-        source = locate_model(args.model)
-        source.check_max_model_len(args.max_model_len)
-        source.check_quantization(args.quantization)
-        source.check_calibration(args.calibration)
+        return check_args(cfg.engine_args())
     except EngineArgsError as e:
         raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
-    return source
 
 
 def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:

@@ -108,9 +108,9 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
         if plan.openvino_u8:
             headline.append(("openvino", f"{plan.key}-openvino-u8",
                              lambda name: openvino.run(runner, name, base, plan.dtype, ov_kv, kv_cache_precision="u8")))
-    # rounds > 1: every headline system once per round, in turn, and each keeps its fastest run. This VM's
-    # speed drifts by 20-30% over minutes, so systems that run minutes apart are compared at different speeds;
-    # within a round they run back to back.
+    # rounds > 1: every headline system once per round, in turn, and each keeps its fastest run. A shared machine's
+    # speed drifts over minutes, so systems that run minutes apart are compared at different speeds; within a
+    # round they run back to back.
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for _, name, _ in headline}
     for r in range(rounds):
         for _, name, call in headline:

@@ -25,7 +25,7 @@ ARCH_SPECS = {
     "mistral": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
-    # the families of issue 29 (tests/test_families.py): odd GQA ratios and head dims, windows shorter than the
+    # the newer families (tests/test_families.py): odd GQA ratios and head dims, windows shorter than the
     # prompts, each family's own switches set away from their defaults
     "gemma2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=32,
                    sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,

@@ -1,4 +1,4 @@
-"""Batch invariance (issue 14): a request's tokens are a function of its own prompt, parameters and seed,
+"""Batch invariance: a request's tokens are a function of its own prompt, parameters and seed,
 never of the batch it ran in.
 
 The property test runs a few target requests alone (one sequence at a time, no prefix cache), then among
@@ -27,7 +27,7 @@ from batchrun.kernels.cpu import linears as cpu_linears
 from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-# bf16 models have invariant linears through batchrun's bf16 panels (cpu_linear.own_kernel): oneDNN's bf16 kernels
+# bf16 models have invariant linears through batchrun's bf16 panels (layers/linear.py: own_kernel): oneDNN's bf16 kernels
 # change with the row count
 BF16_MODEL = cpu_linears.has_panel_linears()
 
@@ -147,7 +147,7 @@ ROW_COUNTS = (*range(1, 19), 24, 31, 32, 33, 47, 64, 65, 129, 257, 300)
 
 
 def _invariant_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
-    """The module the batch-invariant mode puts in a model's place of nn.Linear(in, out) (cpu_linear)."""
+    """The module the batch-invariant mode puts in a model's place of nn.Linear(in, out) (model/layers/linear.py)."""
     from batchrun.model.layers.linear import reorder_linears, use_onednn
 
     torch.manual_seed(in_features + out_features)

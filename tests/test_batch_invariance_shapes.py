@@ -1,11 +1,11 @@
-"""Batch invariance on a model whose shapes reach every kernel path (issue 27): a Qwen2-shaped model of SmolLM2's
+"""Batch invariance on a model whose shapes reach every kernel path: a Qwen2-shaped model of SmolLM2's
 widths (hidden 576, intermediate 1536, 9 query and 3 KV heads of 64 dims, a tied 49152-token vocabulary, q/k/v
 biases), 2 layers.
 
 The tiny test models of test_batch_invariance.py (hidden 64) keep every linear in cache and every K short: the
 kernels that change with the row count (oneDNN's bf16 kernels past a few rows, its fp32 one-row kernel for
 K >= 1536, AMX tiles, the k-blocked panels) are never reached there. Here ten requests run alone, then among 60
-others under the issue's settings: few sequences a step, many with small token budgets (chunked prefills), no
+others under each of these settings: few sequences a step, many with small token budgets (chunked prefills), no
 prefix cache, drafts off, swap and recompute preemption. Steps then hold from 1 to well over 300 rows. Every
 target's tokens and chosen log-probs must be the ones it gets alone, greedy and seeded temperature 0.8. On the
 CPU (device="cpu" even where there is a GPU): batch invariance is promised there (docs/reproducibility.md), not
@@ -100,7 +100,7 @@ def _others(rng: random.Random, targets: list[list[int]], vocab: int) -> tuple[l
     return prompts, params
 
 
-# (name, engine settings): the issue's settings, and the rest of the paths a row can take
+# (name, engine settings): few sequences a step, small steps, and the rest of the paths a row can take
 SETTINGS = {
     "few-seqs": dict(max_num_seqs=7, num_speculative_tokens=8),
     "small-steps": dict(max_num_seqs=64, max_num_batched_tokens=96, num_speculative_tokens=8),

@@ -1,4 +1,4 @@
-"""The Triton attention kernels compute a query row the same way whatever shares its step (issue 14).
+"""The Triton attention kernels compute a query row the same way whatever shares its step.
 
 Under TRITON_INTERPRET=1 (no CUDA) the arithmetic is NumPy's, so these tests hold the kernels' *structure*:
 which key tiles a row visits, in which order, how partitions are merged. On a GPU `tl.dot` adds one more

@@ -328,7 +328,7 @@ def test_a_baseline_builds_from_the_single_file_layout_and_the_split_one(tmp_pat
         assert torch.equal(got, want) and torch.equal(top, want_top)
 
 
-# ---- issue 33's quantized rows: the plans, their worker arguments and the report (no model runs) ------------
+# ---- the quantized rows: the plans, their worker arguments and the report (no model runs) ------------------
 
 
 class _Captured:

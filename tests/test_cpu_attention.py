@@ -2,7 +2,7 @@
 
 Two properties: (1) a row's output is bit for bit the same however the step that computes it looks
 (full prefill, a chunk of a chunked prefill, after a prefix-cache hit, as a decode, next to other sequences,
-on one thread or two): issue 14's batch invariance for attention; (2) mixed decode + prefill steps agree with
+on one thread or two): batch invariance for attention; (2) mixed decode + prefill steps agree with
 the torch path (`store_kv_torch` + SDPA) within rounding.
 """
 

@@ -19,7 +19,7 @@ def test_fp32_and_bf16_cpu_models_get_the_kernels_chosen_once():
 
     cpu = torch.device("cpu")
     assert isinstance(ops.select_ops(cpu, torch.float32), ops.CpuKernelOps)
-    assert isinstance(ops.select_ops(cpu, torch.bfloat16), ops.CpuKernelOps)  # issue 15: bf16 is first-class
+    assert isinstance(ops.select_ops(cpu, torch.bfloat16), ops.CpuKernelOps)  # bf16 is first-class
     assert type(ops.select_ops(cpu, torch.float16)) is ops.TorchOps
     assert select_backend("auto", cpu, torch.float32).cpu_kernels
     assert select_backend("torch", cpu, torch.bfloat16).cpu_kernels

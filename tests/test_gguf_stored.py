@@ -192,7 +192,7 @@ def test_only_a_processor_that_reorders_rows_is_applied_to_stored_rows():
 
 def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
     """llama.cpp files store output.weight quantized (Q6_K in Q4_K_M files): the engine keeps the lm_head in the
-    model's dtype (quant_linear.KEPT), so it comes dequantized, and the memory plan counts it so."""
+    model's dtype (model/quant/linear.py: KEPT), so it comes dequantized, and the memory plan counts it so."""
     from batchrun.kernels.cpu.quant import packed_nbytes
     from batchrun.kernels.layouts.quant_weight import QuantizedWeight
     from batchrun.model.runner.memory import checkpoint_weight_bytes
@@ -216,7 +216,7 @@ def test_a_quantized_output_weight_stays_a_plain_lm_head(tmp_path):
 
 def test_a_fused_linear_whose_parts_differ_in_type_runs_as_stored(tmp_path):
     """llama.cpp's Q4_K_M files keep v in Q6_K beside q and k in Q4_K (here gate|up mixes the two as well):
-    the fused q|k|v and gate|up run as one kernel call per type (quant_linear.MixedQuantLinear), each part on the
+    the fused q|k|v and gate|up run as one kernel call per type (model/quant/linear.py: MixedQuantLinear), each part on the
     file's own integers, their rows where the plain fused weight has them."""
     from batchrun.model.arch.registry import model_class
     from batchrun.model.quant.linear import MixedQuantLinear, QuantLinear

@@ -165,14 +165,14 @@ def test_the_setting_is_checked_before_anything_loads(tmp_path):
 def test_a_model_that_cannot_be_held_whole_for_calibration_is_refused_before_it_loads(make_ckpt, monkeypatch):
     """Free memory between the two: the quantized weights, a small KV cache and the working memory fit, the
     checkpoint whole in fp32 and the working memory do not; one line, before anything loads."""
-    import batchrun.llm as llm_module
+    import batchrun.build as build_module
     from batchrun.model.runner.memory import GIB, Available, InsufficientMemoryError, checkpoint_weight_bytes
 
     path = make_ckpt("llama")
     full, quantized = checkpoint_weight_bytes(path, 4), checkpoint_weight_bytes(path, 4, QuantSpec.parse("int4"))
     assert full - quantized > 2**17
     tight = Available(GIB + (full + quantized) // 2, 24 * GIB, "1.0 GiB available of 24.0 GiB")
-    monkeypatch.setattr(llm_module, "available_memory", lambda: tight)
-    monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(build_module, "available_memory", lambda: tight)
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(InsufficientMemoryError, match="calibration: builtin holds .* whole in float32 first"):
         LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=1, quantization="int4", calibration="builtin")

@@ -1,5 +1,5 @@
-"""A fake engine implementing batchrun.pipeline.JobEngine (the stepping interface the job layer drives), for
-job-runner tests that need no model.
+"""A fake engine implementing batchrun.pipeline.engine_api.JobEngine (the stepping interface the job layer
+drives), for job-runner tests that need no model.
 
 Used in-process (`FakeLLM` as the llm_factory) and in subprocesses through the BATCHRUN_LLM_FACTORY hook
 ("test_job_fakes:FakeLLM" with tests/ on PYTHONPATH). Completions are a deterministic function of the prompt

@@ -12,9 +12,12 @@ from test_job_fakes import FakeLLM, PacedLLM, real_engine_available
 
 from batchrun.distributed.workers import INDEX, POS, Indexer
 from batchrun.io.rows import RowTask
+from batchrun.io.slicing import RowSlice
 from batchrun.io.sources import Source
 from batchrun.llm import LLM
-from batchrun.pipeline import EngineLoop, JobEngine, OrderedWriter, RowFailure, RowSlice
+from batchrun.output.writer import OrderedWriter, RowFailure
+from batchrun.pipeline.engine_api import JobEngine
+from batchrun.pipeline.executor import EngineLoop
 from batchrun.sampling_params import SamplingParams
 
 

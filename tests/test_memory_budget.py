@@ -1,4 +1,4 @@
-"""Models as large as the machine holds (issue 33): what the machine has (MemAvailable, cgroup limits), the KV pool
+"""Models as large as the machine holds: what the machine has (MemAvailable, cgroup limits), the KV pool
 sized for the job within it, one copy of the weights, a model that cannot fit refused before it loads, and the
 peak RSS of a load and a short job, measured in a child process on a model big enough for a second copy to show."""
 
@@ -123,11 +123,11 @@ def bf16_ckpt(make_ckpt):
 
 
 def test_a_model_that_cannot_fit_is_refused_before_it_loads(bf16_ckpt, monkeypatch):
-    import batchrun.llm as llm_module
+    import batchrun.build as build_module
 
     # room for the working set and 5 MiB: not for the weights (11 MB) and the least KV pool (2048 tokens, 2 MiB)
-    monkeypatch.setattr(llm_module, "available_memory", lambda: Available(GIB + 5 * 2**20, 16 * GIB, "1.0 GiB, say"))
-    monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(build_module, "available_memory", lambda: Available(GIB + 5 * 2**20, 16 * GIB, "1.0 GiB, say"))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(InsufficientMemoryError) as e:
         LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu")  # host memory is planned on the CPU only
     message = str(e.value)
@@ -188,9 +188,9 @@ def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
 def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):
     """Where oneDNN runs a bf16 model, its few-row copy is kept only where it fits; else every linear is packed
     once, for the panels. On a CPU whose panels run on vdpbf16ps (AVX512-BF16, no AMX) they take every linear
-    by default (faster than oneDNN there at every row count: cpu_linear.own_kernel); BATCHRUN_CPU_MATMUL=onednn
+    by default (faster than oneDNN there at every row count: layers/linear.py: own_kernel); BATCHRUN_CPU_MATMUL=onednn
     asks for oneDNN instead."""
-    import batchrun.llm as llm_module
+    import batchrun.build as build_module
     from batchrun.kernels.cpu import linears as cpu_linears
     from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
 
@@ -210,7 +210,7 @@ def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, 
     config = AutoConfig.from_pretrained(bf16_ckpt)
     held = memory.held_weight_bytes(memory.checkpoint_weight_bytes(bf16_ckpt, 2), 2, config, packs_tied_lm_head=True)
     tight = Available(memory.WORKING_BYTES + 64 * 2**20 + held + 2**20, 16 * GIB, "tight")  # the weights fit, not twice
-    monkeypatch.setattr(llm_module, "available_memory", lambda: tight)
+    monkeypatch.setattr(build_module, "available_memory", lambda: tight)
     assert layers(cpu_llm()) == ({PackedLinear}, set())
 
 
@@ -233,7 +233,7 @@ def test_quantized_linears_are_planned_at_their_packed_size(bf16_ckpt, quantizat
 
 
 def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, monkeypatch):
-    import batchrun.llm as llm_module
+    import batchrun.build as build_module
     from batchrun.model.quant.linear import QuantSpec
 
     config = AutoConfig.from_pretrained(bf16_ckpt)
@@ -244,7 +244,7 @@ def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, mon
 
     kv = 2**20
     free = memory.WORKING_BYTES + kv + (weights("int8") + weights("none")) // 2  # int8 fits, bf16 does not
-    monkeypatch.setattr(llm_module, "available_memory", lambda: Available(free, 16 * GIB, "just enough"))
+    monkeypatch.setattr(build_module, "available_memory", lambda: Available(free, 16 * GIB, "just enough"))
     with pytest.raises(InsufficientMemoryError):  # (host memory: planned on the CPU only)
         LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu", kv_cache_memory="1MiB")
     llm = LLM(str(bf16_ckpt), dtype="bfloat16", device="cpu", kv_cache_memory="1MiB", quantization="int8")
@@ -284,9 +284,9 @@ PEAK_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("settings", [{}, {"batch_invariant": True}], ids=["onednn", "batch-invariant"])
 def test_a_bf16_load_and_job_hold_the_weights_once(big_ckpt, bf16_ckpt, settings):
-    """Peak RSS beyond the process's baseline <= 1.15 x the weights + the KV pool + 0.25 GiB (the issue's bound
-    leaves 1 GiB for the baseline too). The few-row copy is turned off in the oneDNN case: it is the one second
-    copy the engine may keep, where it fits (the test above)."""
+    """Peak RSS beyond the process's baseline <= 1.15 x the weights + the KV pool + 0.25 GiB (the bound of
+    benchmarks.micro.large_model leaves 1 GiB for the baseline too). The few-row copy is turned off in the oneDNN
+    case: it is the one second copy the engine may keep, where it fits (the test above)."""
     from batchrun.model.runner.memory import checkpoint_weight_bytes
 
     env = {**cli_env(fake=False), "BATCHRUN_SMALL_BF16_LINEAR": "0"}

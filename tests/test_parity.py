@@ -111,24 +111,24 @@ def test_greedy_parity_with_onednn_linears(make_ckpt, prompts, arch, monkeypatch
 
 
 def test_onednn_choice(make_ckpt, monkeypatch):
-    from batchrun.model.layers import linear as cpu_linear
+    from batchrun.model.layers import linear
     from batchrun.model.weights.loader import load_model
 
     model = load_model(str(make_ckpt("llama")), dtype=torch.float32, device=torch.device("cpu"), max_model_len=None).model
     cpu = torch.device("cpu")
-    assert not cpu_linear.use_onednn(model, cpu, torch.float32)  # a small model's weights stay in cache
-    # bf16: oneDNN's reordered weights beat F.linear at every size (issue 15), where the CPU has bf16 kernels
+    assert not linear.use_onednn(model, cpu, torch.float32)  # a small model's weights stay in cache
+    # bf16: oneDNN's reordered weights beat F.linear at every size, where the CPU has bf16 kernels
     bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert cpu_linear.use_onednn(model, cpu, torch.bfloat16) == bf16
-    assert not cpu_linear.use_onednn(model, cpu, torch.float16)
-    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_BYTES", 0)
-    assert cpu_linear.use_onednn(model, cpu, torch.float32) == torch.backends.mkldnn.is_available()
+    assert linear.use_onednn(model, cpu, torch.bfloat16) == bf16
+    assert not linear.use_onednn(model, cpu, torch.float16)
+    monkeypatch.setattr(linear, "ONEDNN_MIN_BYTES", 0)
+    assert linear.use_onednn(model, cpu, torch.float32) == torch.backends.mkldnn.is_available()
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "mkl")
-    assert not cpu_linear.use_onednn(model, cpu, torch.float32)
-    assert not cpu_linear.use_onednn(model, cpu, torch.bfloat16)
+    assert not linear.use_onednn(model, cpu, torch.float32)
+    assert not linear.use_onednn(model, cpu, torch.bfloat16)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "fast")
     with pytest.raises(ValueError, match="BATCHRUN_CPU_MATMUL"):
-        cpu_linear.use_onednn(model, cpu, torch.float32)
+        linear.use_onednn(model, cpu, torch.float32)
 
 
 def test_a_long_prefill_mlp_runs_in_row_chunks_with_the_same_bits(make_ckpt, prompts, monkeypatch):

@@ -1,4 +1,4 @@
-"""A shared prefix computed once, even when its sharers are admitted in the same step (issue 14, part 2).
+"""A shared prefix computed once, even when its sharers are admitted in the same step.
 
 Sixteen prompts that start with the same 160 tokens, submitted together: the first one admitted computes
 the prefix, the fifteen admitted after it in that step map its blocks (published ahead of the step) and

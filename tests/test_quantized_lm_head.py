@@ -95,8 +95,10 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(make_ckpt):
 
 
 def test_the_memory_plan_counts_the_int8_copy(make_ckpt):
-    """The plan (LLM._plan_memory) adds the int8 lm_head and, for a tied bf16 lm_head, drops the packed bf16
-    copy that cpu_linear would otherwise make of the embedding."""
+    """The plan (batchrun.build.plan_memory) adds the int8 lm_head and, for a tied bf16 lm_head, drops the packed bf16
+    copy that model/layers/linear.py would otherwise make of the embedding."""
+    from batchrun.build import plan_memory
+    from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
     from batchrun.model.weights.loader import load_config, resolve_path
 
     for arch, dtype in (("llama", "float32"), ("qwen2", "bfloat16")):
@@ -105,7 +107,8 @@ def test_the_memory_plan_counts_the_int8_copy(make_ckpt):
         for quantized in (False, True):
             llm = LLM(str(path), dtype=dtype, device="cpu", num_kv_blocks=16, quantize_lm_head=quantized)
             config = load_config(resolve_path(str(path)))
-            plans[quantized] = llm._plan_memory(llm.args, resolve_path(str(path)), config).weights
+            plans[quantized] = plan_memory(llm.args, resolve_path(str(path)), config, llm.dtype, llm.batch_invariant,
+                                           KV_CACHE_DTYPES[llm.args.kv_cache_dtype]).weights
             if quantized:
                 head = llm.engine.runner.model.lm_head
                 assert head.nbytes == LM_HEAD_SPEC.held_bytes(config.vocab_size, config.hidden_size)

@@ -1,14 +1,5 @@
-"""`batchrun merge OUTPUT`: the shard folders of a job array as one ordered output folder.
-
-Shards are committed independently (`OUTPUT/shard-I-of-N/`), so a downstream step that wants one table in
-input order either reads `OUTPUT` with a Parquet reader that sorts paths (contiguous shards sort in input
-order) or runs this: it checks every shard of the array is complete, unifies the column types the shards
-inferred on their own, and writes `DEST` (default `OUTPUT-merged`, outside OUTPUT so that reading OUTPUT
-does not see the rows twice) as parts in input order with `_metrics.json` and `_SUCCESS`. A shard part whose
-size, footer or checksum is not what its manifest records stops the merge (exit 2, naming it); the merged
-parts carry footers and a manifest of their own, with positions in the whole input, so `batchrun verify`
-checks a merged folder as it checks any output.
-"""
+"""`batchrun merge OUTPUT`: a job array's shard folders as one output folder in input order (docs/cluster.md). The
+merged parts carry their own footers and manifest (positions in the whole input): `batchrun verify` checks them."""
 
 from __future__ import annotations
 
@@ -91,10 +82,8 @@ def _schema(parts: list[Path]) -> pa.Schema:
 
 
 def merge(output: str | os.PathLike, dest: str | os.PathLike | None = None, count: int | None = None) -> dict[str, Any]:
-    """Write the shards of `output` into `dest` in input order. Returns the merged counts.
-
-    Holds the lock of every shard folder (no shard run may start, e.g. a resubmitted task with --no-resume,
-    while its parts are read) and of `dest` (no second merge writes it at the same time)."""
+    """The shards of `output` into `dest` in input order; returns the merged counts. Holds the lock of every
+    shard folder (no shard run starts while its parts are read) and of `dest` (no second merge writes it)."""
     output = Path(output)
     dest = Path(dest) if dest is not None else output.with_name(output.name + "-merged")
     if dest.resolve() == output.resolve() or output.resolve() in dest.resolve().parents:
@@ -188,8 +177,7 @@ def _is_merged(path: Path) -> bool:
 
 
 def _write_part(table: pa.Table, dest: Path, i: int, info: PartInfo, manifest: Manifest) -> None:
-    """A merged part, with the footer and manifest entry of any part (positions in the whole input), so that
-    `batchrun verify` checks a merged folder as it checks a job's."""
+    """A merged part, with the footer and manifest entry of any part (positions in the whole input)."""
     data, digest = encode(table, info)
     write_bytes_atomic(dest / part_name(i), data)
     manifest.entries[i] = Entry(info.start, info.end, info.rows, len(data), digest)

@@ -1,16 +1,8 @@
-"""The Ray executor (`executor: {kind: ray}`): the same job, its engines spread over a Ray cluster by Ray Data.
+"""The Ray executor (`executor: {kind: ray}`): the job's engines spread over a Ray cluster by Ray Data.
 
-Pipeline: read the input with Ray Data (`read_parquet`, `from_huggingface`'s readers, or `read_binary_files` for
-JSONL, split into lines in the Indexer exactly as the local reader splits them, so a bad line stays a row
-error: `read_json` would fail the whole file) -> the ordered Indexer (global row indices, this run's
-slice) -> blocks of `batch_size` rows -> `map_batches(EngineReplica)` on an actor pool of `replicas`,
-each holding one engine -> the driver, which takes the results in input order (`preserve_order`) and
-pushes them to the job's OrderedWriter, as the local executor does.
-
-Why the driver writes, not `Dataset.write_parquet`: the output must be the local executor's (same parts,
-schema, row errors, `_metrics.json`) and resumable without duplicates; a part is committed atomically
-only once every row before it is in, which needs one writer that sees the rows in order. Results are
-small next to the work that makes them, so one writer is not the bottleneck.
+Ray Data reads the input -> the ordered Indexer (row indices, this run's slice) -> `map_batches(EngineReplica)`
+on `replicas` actors -> the driver takes the results in input order (`preserve_order`) and puts them to the
+job's OrderedWriter: the same parts and resume as locally (why not `write_parquet`: docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ _SNAPSHOT_GAUGES = ("num_running", "num_waiting", "num_swapped", "kv_blocks_in_u
 
 class RayExecutor(Executor):
     def __init__(self, plan: JobPlan, factory: Any = None) -> None:
-        """factory: what builds each replica's engine (a picklable callable, or None: the replica resolves
-        $BATCHRUN_LLM_FACTORY, else batchrun.llm.LLM)."""
+        """factory: a picklable callable that builds each replica's engine (None: $BATCHRUN_LLM_FACTORY, else LLM)."""
         self.plan, self.cfg, self.ex = plan, plan.cfg, plan.cfg.executor
         self.factory = factory
         self.replica_metrics: dict[str, dict[str, Any]] = {}
@@ -67,8 +58,7 @@ class RayExecutor(Executor):
         common = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
         try:
             if address is None:
-                # Logical CPUs are only tokens: a local Ray gets enough for every replica plus one for
-                # Ray Data's own read/listing tasks, else two replicas on a two-core laptop would deadlock.
+                # logical CPUs are tokens: one per replica plus one for Ray Data's reads, else it can deadlock
                 need = math.ceil(self.ex["replicas"] * self.ex["num_cpus_per_replica"]) + 1
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), **common)
             else:
@@ -111,9 +101,8 @@ class RayExecutor(Executor):
         return self._from_huggingface(rows, src.ds.select_columns(columns) if columns is not None else src.ds)
 
     def _from_huggingface(self, rows: RowSlice, hf: Any) -> tuple[Any, int, bool]:
-        """What `ray.data.from_huggingface` does, without its Hub lookup first: that lookup goes to the
-        network (failing offline, or for a local `json` builder) and may swap in the Hub's Parquet export
-        for the dataset, whose rows need not be the ones the local executor reads."""
+        """`ray.data.from_huggingface` without its Hub lookup, which needs the network and may swap in the Hub's
+        Parquet export, whose rows need not be the ones the local executor reads."""
         import datasets
         import ray.data
 
@@ -128,8 +117,7 @@ class RayExecutor(Executor):
         return ray.data.from_arrow(hf.with_format("arrow")[first:stop]), first, False
 
     def _parquet_files(self, rows: RowSlice) -> tuple[list[str], int]:
-        """The files holding this run's rows (earlier and later files are not read at all) and the
-        global index of the first one's first row."""
+        """The files holding this run's rows (no others are read), and the global index of the first one's start."""
         src = self.plan.source
         first, last = rows.index_range()
         files, start, offset = [], None, 0
@@ -171,8 +159,7 @@ class RayExecutor(Executor):
                               runtime_env={"env_vars": env} if env else None, zero_copy_batch=True)
 
     def _tick_progress(self, receiver: RowReceiver) -> None:
-        """In a thread: progress lines while a batch is generating (rows only arrive a block at a time,
-        so commits need no clock of their own; they happen as blocks arrive, on the main thread)."""
+        """In a thread: progress while a batch generates (commits happen as blocks arrive, on the main thread)."""
         while not self.stop.wait(0.5):
             receiver.tick_progress()
 
@@ -235,8 +222,7 @@ class RayExecutor(Executor):
         return pos
 
     def metrics(self) -> dict[str, Any]:
-        """The engine metrics of the replicas that ran rows: counters summed, fractions averaged, peaks the
-        largest one's."""
+        """The replicas' engine metrics: counters summed, fractions averaged, peaks the largest one's."""
         per = list(self.replica_metrics.values())
         out: dict[str, Any] = {"replicas_used": len(per)}
         for key in sorted({k for m in per for k in m if k != CALLS}):
@@ -263,10 +249,8 @@ class RayExecutor(Executor):
 
 
 def _map_indexer(ds: Any, kwargs: dict[str, Any]) -> Any:
-    """The Indexer stage. A restarted Indexer would count from the start again, so it must not restart
-    (its node failing fails the run; a rerun resumes). Ray Data takes max_restarts only through the
-    deprecated **ray_remote_args; where that is gone, the generation check in RayExecutor._take still
-    catches a restart."""
+    """The Indexer stage, never restarted (it would count from the start again): max_restarts=0 where Ray Data still
+    takes it, else RayExecutor._take's generation check catches a restart."""
     import ray.data
 
     args = dict(fn_constructor_kwargs=kwargs, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,

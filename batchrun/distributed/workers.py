@@ -1,15 +1,8 @@
-"""The two callables the Ray Data pipeline runs in its workers: an ordered Indexer and the engine replicas.
+"""The Ray Data stages: the Indexer and the engine replicas.
 
-Ray Data has no row index, yet every row needs its global input index before it reaches an engine: the
-local executor seeds row i with `seed + i`, numbers rows without an id column, and resumes by position.
-So one Indexer actor (a single actor, sequential, no restarts) sees the input blocks in input order
-(`preserve_order`) and stamps `__index` / `__pos` on them, dropping rows outside this run's slice
-(committed rows on resume, other shards, past `--limit`). JSONL arrives as whole files and is split
-into lines here exactly as the local reader splits them, so a bad line is a row error in both.
-
-EngineReplica holds one batchrun engine; it turns its rows into RowTasks with the local executor's
-RequestBuilder and sends back, per input row, the pickled (RowTask, outputs) pair that the driver hands
-to the same Sink the local executor uses: one code path for row errors, schema and order.
+Ray Data has no row index, yet seeds (`seed + i`), ids and resume need one: a single sequential Indexer actor
+sees the blocks in input order and stamps each row's index and position. EngineReplica builds requests with the
+local executor's RequestBuilder and returns the pickled (RowTask, outputs) of each row, for the same writer.
 """
 
 from __future__ import annotations
@@ -38,11 +31,8 @@ GEN = "__batchrun_indexer"  # which Indexer instance stamped a row: a restarted 
 
 
 class Indexer:
-    """Stamps global row indices on blocks that arrive in input order; keeps only this run's rows.
-
-    start: global index of the first row it will see; rows: this run's RowSlice, which says which indices
-    are its rows and at which positions.
-    """
+    """Stamps row indices and positions on blocks that arrive in input order, keeping this run's rows only.
+    start: the global index of the first row it sees."""
 
     def __init__(self, *, start: int, rows: RowSlice, text: bool = False) -> None:
         self.next = start

@@ -1,7 +1,4 @@
-"""What every input source is: the Source contract and the small helpers the source modules share.
-
-A module of its own so that the format modules (sources.py, hf_datasets.py) import it and not each other.
-"""
+"""The Source contract and its helpers, apart so that sources.py and hf_datasets.py import it, not each other."""
 
 from __future__ import annotations
 

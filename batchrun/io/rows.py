@@ -1,9 +1,5 @@
-"""Input rows -> engine requests: ids, kept columns, prompt text (chat template), token ids, per-row sampling.
-
-A row that cannot become a request (null, empty or non-string prompt, malformed messages, a bad per-row
-sampling value, a prompt too long for the model) becomes a RowTask with `error` set instead; it never
-reaches the engine. Tokenization is batched through the fast tokenizer.
-"""
+"""Input rows -> engine requests (RowTask). A row that cannot become one (a bad prompt, messages or sampling value,
+a prompt too long) becomes a RowTask with `error` set, and never reaches the engine."""
 
 from __future__ import annotations
 
@@ -43,8 +39,6 @@ class RowTask:
 
 
 class RequestBuilder:
-    """Turns batches of input rows into RowTasks for one job."""
-
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
                  check_prompt: Callable[[list[int]], str | None],
                  id_column: str | None,
@@ -221,9 +215,8 @@ class RequestBuilder:
         return self.on_too_long != "error" and self.max_model_len is not None and len(ids) >= self.max_model_len
 
     def _fit(self, task: RowTask, why: str) -> str | None:
-        """input.on_too_long for a prompt the model cannot take: cut it so that it and max_tokens fit (the
-        start kept: truncate_right; the end kept, after the BOS token if it has one: truncate_left), or skip
-        the row. Returns the row error that remains, if any."""
+        """input.on_too_long: cut the prompt so that it and max_tokens fit (truncate_left keeps a leading BOS), or
+        skip the row. Returns the row error that remains, if any."""
         if self.on_too_long == "skip":
             task.skipped = f"{why} (input.on_too_long: skip)"
             return None

@@ -1,15 +1,9 @@
 """RowSlice: which input rows are this run's (its shard, `--limit`, and resume after the last committed row).
 
-Rows are numbered twice: a global `index` in the whole input, and a `pos`ition in this shard's stream of rows
-(what `--limit` counts and what the output's parts record for resume). A contiguous shard holds indices
-[base, base + length) and pos = index - base; a strided shard (an input whose length is unknown) holds every
-`stride`-th row from `base`, pos = (index - base) // stride. A run reads positions [start, end): `start` is
-where the committed rows end, `end` the shard's length or `--limit`, whichever is less; less the positions
-already finished `ahead` of an earlier row (kept aside at the last commit), and plus the positions
-to `redo` before `start` (the range of a damaged part, the error rows of `--retry-errors`).
-
-Both executors use one RowSlice: the local one reads its rows with `read`, the Ray one picks the input files
-and the Indexer's keep test (`position_of`) from it. The dataclass is small and picklable for that.
+A row has a global `index` in the input and a `pos` in this shard (what `--limit` counts and the parts record):
+pos = index - base, or (index - base) // stride for a strided shard. A run computes positions [start, end) less
+`ahead` (finished by an earlier run, kept aside), plus `redo` before `start` (a damaged part, `--retry-errors`).
+The local executor reads with `read`; the Ray one takes its files and the Indexer's `position_of` (so: picklable).
 """
 
 from __future__ import annotations
@@ -61,7 +55,6 @@ class RowSlice:
 
     @property
     def first(self) -> int:
-        """The first position this run reads."""
         return self.redo[0] if self.redo else self.start
 
     @property
@@ -70,7 +63,6 @@ class RowSlice:
         return self.next_wanted(self.first) is None
 
     def wants(self, pos: int) -> bool:
-        """Is position `pos` computed by this run?"""
         if pos < self.start:
             return pos in self._redo
         end = self.end
@@ -116,8 +108,7 @@ class RowSlice:
     # ------------------------------------------------------------ the end of a run
 
     def complete_at(self, pos: int) -> bool:
-        """A run read its rows up to position `pos`, stopping at `end` or where the input ran out: is
-        that the end of the shard (else it stopped at --limit, and a rerun without it continues)?"""
+        """Is `pos`, where a run's reading stopped, the shard's end (else --limit stopped it; a rerun continues)?"""
         end = self.end
         if end is None or pos < end:
             return True  # the input ran out

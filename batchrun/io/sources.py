@@ -1,10 +1,7 @@
-"""Input readers: Parquet, JSONL, Hugging Face datasets and the OpenAI batch format, read as streams.
+"""Input readers, as streams: Parquet, JSONL, OpenAI batch files (Hugging Face datasets: hf_datasets.py).
 
-`open_source(input_section)` checks that the input exists and is readable and returns a Source; nothing
-is read beyond file footers, dataset metadata or the first line. `Source.iter_rows(start, columns)` then
-yields lists of row dicts (a bounded batch at a time) from global row `start` on. A row that cannot be
-parsed (a bad JSON line) comes through as ``{ROW_ERROR: "why"}`` so that it becomes an error row rather
-than stopping the job.
+`open_source` reads no more than footers, metadata or the first line. A row that cannot be parsed (a bad JSON
+line) comes through as ``{ROW_ERROR: "why"}``: a row error, not a failed job.
 """
 
 from __future__ import annotations
@@ -342,12 +339,8 @@ def _response_format(value: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 
 class OpenAIBatchSource(JsonlSource):
-    """OpenAI batch input: {custom_id, method, url, body: {model, messages | prompt, max_tokens, ...}}.
-
-    Each row comes out normalized as {custom_id, url, model, prompt | messages, sampling: {...}}; body fields
-    that are SamplingParams fields (and max_completion_tokens, logprobs/top_logprobs) become per-row
-    sampling values.
-    """
+    """OpenAI batch lines {custom_id, url, body} as rows {custom_id, url, model, prompt | messages, sampling}:
+    the body's SamplingParams fields (and max_completion_tokens, logprobs / top_logprobs) are per-row sampling."""
 
     format = "openai-batch"
     COLUMNS = ["custom_id", "url", "model", "prompt", "messages", "sampling"]

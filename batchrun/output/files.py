@@ -1,11 +1,5 @@
-"""Every file batchrun writes into an output folder goes through here: whole files written to a temporary name,
-fsynced and renamed (a reader, or a rerun after a kill, sees the old file or the new one, never half of one),
-and a failed write reported as one line that names the file and the cause.
-
-A write that fails (a full disk, a quota, an I/O error, a read-only filesystem) raises WriteFailure after
-removing its temporary file, so nothing is left that a rerun would have to clean up; what was committed
-before stays as it was.
-"""
+"""Every write into an output folder: whole files under a temporary name, fsynced, renamed (never half a file).
+A failed write removes its temporary file and raises WriteFailure, one line naming the file and the cause."""
 
 from __future__ import annotations
 
@@ -24,8 +18,6 @@ class SinkError(RuntimeError):
 
 
 class WriteFailure(SinkError):
-    """A write into the output folder failed: `path` could not be written, `error` says why."""
-
     def __init__(self, path: Path, error: OSError) -> None:
         self.path = Path(path)
         self.errno = error.errno
@@ -51,8 +43,7 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview | Iterable[bytes]) -
 
 
 def write_unrenamed(path: Path, data: bytes | memoryview | Iterable[bytes]) -> Path:
-    """The first half of write_bytes_atomic: `data` (or its chunks, in order) durable under `path`'s temporary
-    name, which is returned."""
+    """write_bytes_atomic's first half: `data` (or its chunks) durable under the temporary name, which is returned."""
     path = Path(path)
     tmp = tmp_path(path)
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) or hasattr(data, "to_pybytes") else data
@@ -112,8 +103,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable. Filesystems that cannot fsync a folder (EINVAL) are left as they are;
-    an I/O error is a write failure."""
+    """Make a rename in `path` durable; only EIO is a write failure (some filesystems cannot fsync a folder)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -1,22 +1,10 @@
-"""One writer per output folder: an exclusive flock on OUTPUT/_lock for as long as a run (or a merge) writes.
+"""One writer per output folder: an exclusive flock on OUTPUT/_lock while a run (or a merge) writes.
 
-The lock file holds a one-line JSON record of the holder (host, pid, start time, command), written once the lock
-is taken and emptied when it is released, so a second run can say who holds the folder. The kernel drops a
-flock when its holder dies, however it dies, so a killed run never blocks the next one; the record it leaves
-is just stale text. The lock file itself is never removed: a run that removed it while another opened it
-would let two runs lock two different files of the same name.
-
-Where it holds (docs/durability.md says the same to users):
-- local filesystems: always.
-- NFS: Linux clients since 2.6.12 send a flock to the server as a whole-file POSIX lock (NLM for NFSv3,
-  the protocol's own locks for v4), so runs on different nodes exclude each other, unless the folder is
-  mounted with `nolock` or `local_lock=flock|all`, where the lock is only seen on its own node.
-- Lustre: coherent across nodes only when clients mount with `-o flock`; with `localflock` only on the node;
-  with `noflock` flock fails, and this falls back to the record alone (below).
-
-Where flock fails outright (ENOLCK, ENOSYS, EOPNOTSUPP), the record decides: a record of a live process on
-this host refuses the run; any other record is overwritten with a warning, since a process on another host
-cannot be checked from here.
+The file holds a JSON record of the holder (host, pid, start, command), emptied on release, so a second run can
+name it. The kernel drops a flock when its holder dies, so a killed run never blocks the next. The file is never
+removed (two runs could then lock two different files of one name). Where flock fails (ENOLCK, ENOSYS,
+EOPNOTSUPP) the record decides: a live process on this host refuses the run, any other record is overwritten
+with a warning. NFS, Lustre and other shared filesystems: docs/durability.md.
 """
 
 from __future__ import annotations
@@ -101,10 +89,8 @@ def in_use(folder: Path) -> str | None:
 
 
 class OutputLock:
-    """`with OutputLock(folder, what):` holds folder/_lock exclusively inside, or raises OutputBusy.
-
-    The holder must not open folder/_lock any other way while it holds it: where a flock is carried as a POSIX
-    lock (NFS), closing any descriptor of the file drops the process's lock."""
+    """`with OutputLock(folder, what):` holds folder/_lock, or raises OutputBusy. Never open the file another way
+    meanwhile: where a flock is a POSIX lock (NFS), closing any descriptor of it drops the lock."""
 
     def __init__(self, folder: Path, what: str = "run") -> None:
         self.folder = Path(folder)
@@ -168,7 +154,6 @@ class OutputLock:
         return f"{where}: {holder.describe()}; wait for it to end or stop it"
 
     def _without_flock(self, fd: int, error: OSError) -> None:
-        """The filesystem has no flock: the holder's record is all there is to go by."""
         os.lseek(fd, 0, os.SEEK_SET)
         holder = Holder.parse(os.read(fd, 4096).decode("utf-8", "replace"))
         if holder is not None and holder.pid != os.getpid():

@@ -1,14 +1,8 @@
-"""`_manifest.json`: the size and checksum of every committed part, and the check of the parts against it.
+"""`_manifest.json` (each committed part's range, size and checksum) and `inspect_parts`, the parts' check against it.
 
-A part is committed in three steps: its bytes under a temporary name (fsynced), then the manifest with its
-entry, then the rename. A kill between the last two leaves an entry for a part that does not exist: that is
-a commit that did not happen, and the entry is ignored (and dropped at the next save). A part rewritten in
-place (a repair, `--retry-errors`) keeps its old entry as `previous` until the rename is known to be done,
-so the file may be either one and neither reads as damage.
-
-`inspect_parts` is the check: each part's size and footer against its entry (cheap: a stat and the footer),
-and the checksum of the parts asked for (on resume the last part only; `batchrun verify` all of them).
-A damaged part gets its input range from its entry, or from its neighbours where it has none.
+A commit writes the part's bytes under a temporary name, then the manifest entry, then renames: an entry without
+its part is a commit that did not happen (ignored, dropped at the next save). A part rewritten in place keeps its
+old entry as `previous` until the rename is done, so either file is sound. docs/durability.md: "What a rerun checks".
 """
 
 from __future__ import annotations
@@ -87,8 +81,6 @@ class Manifest:
 
 @dataclass
 class PartState:
-    """One committed part as found on disk."""
-
     index: int
     path: Path
     start: int | None = None  # input range: from the footer, else the entry, else the neighbours
@@ -123,10 +115,9 @@ class Inspection:
 
 def inspect_parts(out_dir: Path, *, checksums: str = "last", fp_hash: str | None = None,
                   accepted: frozenset[str] = frozenset()) -> Inspection:
-    """Check every part of `out_dir` against its footer and the manifest. checksums: "last" | "all" | "none".
-    fp_hash: the job's fingerprint (a part of another job is a SinkError: not damage, a different job);
-    accepted: earlier fingerprints whose parts belong to this output (parts a --retry-errors left as they were).
-    SinkError too when sound parts disagree on the ranges they cover."""
+    """Every part of `out_dir` against its footer and the manifest; checksums: "last" | "all" | "none". SinkError for
+    a part of another job (fp_hash, or an `accepted` earlier one: parts --retry-errors kept) or for sound parts
+    whose ranges disagree."""
     out_dir = Path(out_dir)
     files = {part_index(p): p for p in part_files(out_dir)}
     manifest, problem = Manifest.load(out_dir)

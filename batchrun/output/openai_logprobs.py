@@ -1,14 +1,7 @@
-"""OpenAI's `logprobs` objects, from a completion's per-token {token id: logprob} dicts.
+"""OpenAI's chat and completions `logprobs` objects, from CompletionOutput.logprobs' per-token {token id: logprob}.
 
-The engine gives each generated token a dict of the top N candidates (best first) and the drawn token
-(batchrun.outputs.CompletionOutput.logprobs); OpenAI's shapes name tokens by their text:
-
-- chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}, ...]}, ...]}``
-- completions: ``{tokens, token_logprobs, top_logprobs: [{token: logprob}, ...], text_offset}``
-
-A token's text is what the tokenizer decodes it to alone (a piece of a multi-byte character shows as U+FFFD,
-as in other OpenAI-compatible servers). The output writer has no engine, so it loads the model's tokenizer
-itself, once per process, the first time a row asks for logprobs.
+A token's text is what it decodes to alone (part of a multi-byte character: U+FFFD, as other OpenAI-compatible
+servers). The writer has no engine: it loads the tokenizer itself, once per process, when a row asks for logprobs.
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ def token_decoder(model: str) -> Decode:
 
 
 def _top(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
-    """The top N of one token's dict: the engine puts them first, best first, then the drawn token if it
-    was not among them."""
+    """The top N of one token's dict (the engine puts them first, best first, then the drawn token)."""
     return list(entry.items())[:top_n]
 
 

@@ -1,8 +1,5 @@
-"""OpenAI batch output (`input.format: openai-batch`): `output.jsonl`, one line per request in OpenAI's batch
-output format, resumable.
-
-Lines are appended to ``output.jsonl`` and fsynced, then ``_progress.json`` (input position and byte length) is
-replaced atomically; a rerun cuts ``output.jsonl`` back to the recorded length.
+"""OpenAI batch output: `output.jsonl`, one line per request. A commit appends lines (fsynced), then replaces
+`_progress.json` (input position, byte length) atomically; a rerun cuts `output.jsonl` back to that length.
 """
 
 from __future__ import annotations

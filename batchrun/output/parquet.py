@@ -1,10 +1,6 @@
-"""ParquetSink: an ordered folder of atomic Parquet parts whose footers are the resume state.
-
-Rows collect in memory until `rows_per_part` output rows; a part is written whole under a temporary name, fsynced,
-entered in the manifest with its size and checksum, and renamed to `part-NNNNN.parquet`. Each footer records the
-input positions the part covers, its counts, where its error rows are and the job fingerprint, so a rerun continues
-at the last part's end. On open, a damaged part at the end is dropped; one in the middle is rewritten in place once
-its rows are computed again (`replace_part`, also how `--retry-errors` rewrites a part).
+"""ParquetSink: ordered, atomic Parquet parts of `rows_per_part` rows, committed in manifest.py's order; a rerun
+continues at the last part's end. On open a damaged last part is dropped, one in the middle is rewritten in place
+once its rows are back (`replace_part`, which `--retry-errors` uses too).
 """
 
 from __future__ import annotations
@@ -155,9 +151,8 @@ class ParquetSink(Sink):
         return self.committed
 
     def _record_parts(self, kept: list[PartState]) -> None:
-        """The manifest as the parts are now: entries of parts that were never renamed into place dropped,
-        a rewrite that finished settled, and parts written without an entry (by a batchrun that kept no
-        manifest, or after the manifest was lost) recorded with their checksum as they are now."""
+        """The manifest as the parts are now: entries of parts never renamed into place dropped, finished rewrites
+        settled, parts without an entry (an older batchrun's, a lost manifest) recorded as they are."""
         before = {i: e.to_dict() for i, e in self.manifest.entries.items()}
         entries = {i: e for i, e in self.manifest.entries.items() if i < len(kept)}
         unrecorded = 0
@@ -278,9 +273,8 @@ class ParquetSink(Sink):
         return {i: [e[0] for e in info.errors_at] for i, info in sorted(self.parts.items()) if info.errors_at}
 
     def replace_part(self, index: int, rows: dict[int, tuple[RowTask, list[Any] | None, bool]]) -> None:
-        """Rewrite part `index` in place with rows computed again: (task, outputs, write) by position. A damaged
-        part gets every position of its range; a sound one (--retry-errors) only some of its error rows, and
-        keeps every other row as it is."""
+        """Rewrite part `index` in place with rows computed again, (task, outputs, write) by position: every position
+        of a damaged part; some error rows of a sound one (--retry-errors), every other row kept as it is."""
         info = self.parts.get(index)
         if info is None:
             table, new = self._rebuild(index, rows)
@@ -300,8 +294,7 @@ class ParquetSink(Sink):
         self._refresh_metrics()
 
     def _refresh_metrics(self) -> None:
-        """_metrics.json's counts of what is committed, after a part changed in place: a run stopped before it
-        writes its metrics leaves them true of the parts."""
+        """_metrics.json's counts after a part changed in place (true of the parts if the run stops now)."""
         path = self.out_dir / METRICS
         try:
             metrics = json.loads(path.read_text())

@@ -1,11 +1,8 @@
-"""PartPatcher: rows computed again for parts already committed, written back into their parts in place.
+"""PartPatcher: rows of committed parts computed again, written back into their parts in place.
 
-Two kinds of part are patched: a damaged part found in the middle of the output on resume, rebuilt whole
-once every position of its range is back (its old bytes are worth nothing), and a sound part whose error rows
-`--retry-errors` computes again, rewritten with those rows replaced and every other row kept as it is. The
-latter is also rewritten with whatever of it is back at each commit interval and when the run stops, so a
-kill loses at most that much; each rewrite replaces the part atomically (batchrun.output.parquet.ParquetSink.replace_part),
-so the output is whole at every moment and a rerun retries only the rows still in error.
+A damaged part is rebuilt once its whole range is back; a part with `--retry-errors` rows is also rewritten with
+what is back at each timed commit and stop. Each rewrite is atomic (ParquetSink.replace_part): the output is
+whole at every moment.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""OutputRun: one run's rows into its output folder, from the lock to `_SUCCESS`.
-
-Under the folder's lock, with its status read again: the folder made ready (batchrun.output.folder), the sink and
-the OrderedWriter opened, the producer's rows driven into them (batchrun.output.drive: every finished in-order row
-committed whatever happens), `_metrics.json` written at the end of every run, then `_SUCCESS` when the output is whole.
+"""OutputRun: one run's rows into its folder, under its lock with the status read again there: the folder prepared,
+the writer opened, rows driven (drive.py), `_metrics.json` at the end of every run, `_SUCCESS` last when whole.
 """
 
 from __future__ import annotations

@@ -18,14 +18,12 @@ class JobInterrupted(BaseException):
 
 
 class JobStopped(BaseException):
-    """The caller asked the run to stop (`run_job(stop=...)`: batchrun serve cancelling a batch, or shutting
-    down). Handled like an interrupt: every finished row in order is committed, and a rerun resumes."""
+    """run_job's `stop` event was set (batchrun serve cancelling a batch, or shutting down): as SIGTERM."""
 
 
 class Interrupts:
-    """SIGINT / SIGTERM raise JobInterrupted, except inside `deferred()` sections (commits), where they
-    are remembered and raised when the section ends, and inside `held()` sections, where they are only
-    remembered (the clean-up after a failure must not be cut short by a second Ctrl-C)."""
+    """SIGINT / SIGTERM raise JobInterrupted, except in `deferred()` sections (commits: raised at their end) and
+    `held()` ones (clean-up after a failure: only remembered, so a second Ctrl-C cannot cut it short)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -52,8 +50,7 @@ class Interrupts:
                 signal.signal(sig, old)
             self._old.clear()
 
-    def reinstall(self) -> None:
-        """Take SIGINT / SIGTERM back after a library replaced the handlers (ray.init does)."""
+    def reinstall(self) -> None:  # after a library replaced the handlers (ray.init does)
         for sig in self._old:
             signal.signal(sig, self._handler)
 

@@ -65,8 +65,7 @@ class Counts:
 
 @dataclass
 class StoredRow:
-    """A finished row as the sink keeps it aside (batchrun.output.writer's reorder buffer, `_ahead.*`): its
-    output rows already encoded, so it is written later exactly as `Sink.add` would have written it."""
+    """A finished row kept aside (the reorder buffer, `_ahead.*`), encoded: written later as `Sink.add` would have."""
 
     pos: int
     index: int
@@ -85,15 +84,13 @@ def row_counts(task: RowTask, outputs: list[Any] | None) -> Counts:
 
 
 class Sink(ABC):
-    """Common part: counts, pending rows, commit bookkeeping."""
-
     def __init__(self, out_dir: Path, spec: OutputSpec, rows_per_part: int, fp_hash: str) -> None:
         self.out_dir = Path(out_dir)
         self.spec = spec
         self.rows_per_part = rows_per_part
         self.fp_hash = fp_hash
         self.accepted: frozenset[str] = frozenset()  # earlier fingerprints whose parts are this output's
-        self.checksums = "last"  # which parts' checksums open() checks: "last" | "all" (batchrun.plan says)
+        self.checksums = "last"  # which parts' checksums scan() checks: "last" | "all" (OutputStatus says)
         self.committed = Counts()  # everything committed, earlier runs included
         self.pending = Counts()
         self.this_run = Counts()  # committed by this run
@@ -125,8 +122,7 @@ class Sink(ABC):
         """Clean up leftovers of an interrupted write and prepare to append; returns the committed counts."""
 
     def add(self, task: RowTask, outputs: list[Any] | None, *, write: bool = True) -> None:
-        """The next input row in order: its outputs (None for an error row). write=False skips it but
-        still counts its position (on_error: skip)."""
+        """The next input row in order (outputs None: a row error); write=False (on_error: skip) only counts it."""
         self.add_stored(self.stored(task, outputs), write=write)
 
     def stored(self, task: RowTask, outputs: list[Any] | None) -> StoredRow:
@@ -135,8 +131,7 @@ class Sink(ABC):
                          self._payload(task, outputs))
 
     def add_stored(self, row: StoredRow, *, write: bool = True, earlier: bool = False) -> None:
-        """Sink.add for a row encoded earlier (kept aside; earlier: read back from `_ahead.*`, so not this
-        run's work)."""
+        """Sink.add for a row kept aside; earlier: read back from `_ahead.*`, not this run's work."""
         self.pending.add(row.counts)
         self.pending.end = row.pos + 1
         rows_before = self.pending.rows
@@ -147,12 +142,10 @@ class Sink(ABC):
             self.carried.rows += self.pending.rows - rows_before
 
     @abstractmethod
-    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
-        """One row's output rows, encoded."""
+    def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]: ...  # one row's output rows, encoded
 
     @abstractmethod
-    def _add_payload(self, row: StoredRow) -> None:
-        """Buffer one row's output rows for the next commit."""
+    def _add_payload(self, row: StoredRow) -> None: ...  # buffered for the next commit
 
     # ------------------------------------------------------------ rows finished ahead (kept across a stop)
 

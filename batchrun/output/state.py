@@ -77,8 +77,7 @@ def read_status(target: OutputTarget, *, resume: bool = True, retry_errors: bool
             status.notes.append(note)
     status.accepted = frozenset(earlier - {target.fp_hash})
     done = (out / SUCCESS).exists()
-    # a resume must start fast, and what an interruption can damage is the last part; a complete output is
-    # checked whole (docs/durability.md: "What a rerun checks")
+    # what an interruption can damage is the last part (docs/durability.md: "What a rerun checks")
     status.checksums = "all" if done else "last"
     sink = make_sink(target, status)
     try:

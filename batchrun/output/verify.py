@@ -1,11 +1,5 @@
-"""`batchrun verify OUTPUT`: a full check of an output folder, one line per problem found.
-
-What a resume checks cheaply (each part's size and footer, the last part's checksum), and more: every part's
-checksum against the manifest, every part read whole, the row counts of the footers, the manifest, Parquet
-and `_metrics.json` agreeing, the error rows where the footers say, the ids once each and in input order (read
-from the input again, when it is still there), and `_SUCCESS`. A folder of job-array shards is checked shard
-by shard; a merged folder like any output. The OpenAI batch output (one JSONL file) is checked against
-`_progress.json`: length, lines, count.
+"""`batchrun verify OUTPUT`: the full check of an output folder (docs/durability.md), one line per problem.
+Job-array shards are checked one by one; OpenAI batch output against `_progress.json` (length, lines, count).
 """
 
 from __future__ import annotations

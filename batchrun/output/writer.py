@@ -1,16 +1,9 @@
-"""OrderedWriter: finished rows, in any order, back into input order and into the sink, committed on time.
+"""OrderedWriter: finished rows, in any order, into the sink in input order, committed on time.
 
-It owns the reorder buffer (rows finished ahead of an earlier one still generating; the local executor
-bounds it by holding back input), the sink, the commit clock and the signals: a part is committed when it
-holds `rows_per_part` rows, or when `commit_interval_s` has passed since the last commit (checked whenever
-the executor hands over a row or ticks). SIGINT / SIGTERM arriving during a commit wait for it to finish.
-
-No finished row is thrown away: at every timed commit, and when the run stops (a signal, a failure), the rows
-waiting in the reorder buffer are kept aside too (`Sink.save_ahead`, e.g. `_ahead.parquet`); a rerun reads
-them back (`open`), does not compute them again (`ahead`), and writes them in their place when the rows
-before them arrive. So a SIGKILL loses at most `commit_interval_s` of finished work, rows finished out of
-order included, and a SIGTERM none. Rows of parts already committed that are computed again (a damaged
-part, `--retry-errors`) go to a PartPatcher instead (batchrun.output.patches).
+A part is committed at `rows_per_part` rows, or once `commit_interval_s` has passed (checked on every put and
+tick); SIGINT / SIGTERM wait for a commit to end. At each timed commit and at a stop the reorder buffer's rows are
+kept aside too (`Sink.save_ahead`), and a rerun writes them without computing them again: a SIGKILL loses at most
+`commit_interval_s` of finished rows, a SIGTERM none. Rows of committed parts computed again go to a PartPatcher.
 """
 
 from __future__ import annotations
@@ -62,9 +55,8 @@ class OrderedWriter:
     # -------------------------------------------------------- lifecycle (the job's side)
 
     def open(self, *, retry_errors: bool = False) -> int:
-        """Open the sink (clean up an interrupted write); returns the position after the committed rows.
-        Rows an earlier run finished ahead are read back (`ahead`). Damaged parts the sink found in the middle,
-        and with retry_errors the parts holding error rows, are patched: their positions are in `redo`."""
+        """Open the sink and read back the rows kept aside (`ahead`); returns the position after the committed rows.
+        Damaged parts in the middle, and with retry_errors the parts holding error rows, are patched (`redo`)."""
         self.next_pos = self.sink.open().end
         for row in self.sink.load_ahead():
             self.buffer[row.pos] = row
@@ -106,8 +98,7 @@ class OrderedWriter:
                                f"(the next due is position {self.next_pos})")
 
     def commit_finished(self) -> None:
-        """Commit every finished row that is in order (up to a row that fails the run), keep the others aside,
-        write what is back of patched parts; signals held off."""
+        """Commit the finished rows in order (up to one failing the run), keep the rest aside, flush the patches."""
         with self.interrupts.deferred():
             try:
                 self._drain()
@@ -127,18 +118,15 @@ class OrderedWriter:
 
     @property
     def buffered(self) -> int:
-        """Rows this run finished that are not yet written (waiting for an earlier one). Rows read back from an
-        earlier run are not counted: the bound is for what this run holds, and the row they wait for may not
-        be read yet."""
+        """Rows this run finished, not yet written. Rows read back from an earlier run do not count: the row they
+        wait for may not be read yet, and the executor's bound is on what this run holds."""
         return len(self.buffer) - self.from_earlier
 
     def start(self) -> None:
-        """The engines are up: the progress bar and the commit clock start now."""
         self.progress = self.make_progress(self.next_pos) if self.make_progress is not None else None
         self.last_commit = time.monotonic()
 
     def put(self, task: RowTask, outputs: list[Any] | None) -> None:
-        """One finished row (outputs None for a row error), in any order."""
         self.done_rows += 1
         if outputs is None:
             self.errors += 1
@@ -158,7 +146,6 @@ class OrderedWriter:
             self._drain()
 
     def tick(self) -> None:
-        """Called often (every engine step, every block of results): commits on time, keeps progress alive."""
         if self.stop is not None and self.stop.is_set():
             raise JobStopped()
         now = time.monotonic()
@@ -171,13 +158,11 @@ class OrderedWriter:
         if self.on_tick is not None:
             self.on_tick(now)
 
-    def tick_progress(self) -> None:
-        """Progress only, from another thread (commits stay on the main thread)."""
+    def tick_progress(self) -> None:  # from another thread: commits stay on the main thread
         if self.progress is not None:
             self.progress.tick()
 
     def reclaim_signals(self) -> None:
-        """Take SIGINT / SIGTERM back after a library replaced the handlers (ray.init does)."""
         self.interrupts.reinstall()
 
     # -------------------------------------------------------- writing
@@ -213,8 +198,7 @@ class OrderedWriter:
         return error is None or self.on_error == "record"
 
     def _commit(self, *, keep_ahead: bool = False) -> None:
-        """The pending rows as a part; with keep_ahead (a timed commit, a stop) the buffer's rows kept aside
-        and what is back of patched parts written too."""
+        """The pending rows as a part; keep_ahead (timed commits, stops): the buffer kept aside, patches flushed."""
         self.sink.commit()
         if keep_ahead:
             self._keep_ahead()
@@ -223,8 +207,8 @@ class OrderedWriter:
         self.last_commit = time.monotonic()
 
     def _keep_ahead(self) -> None:
-        """The buffer's rows to the sink's side file, after the commit of the rows before them (a kill between
-        the two leaves a side file whose committed rows are skipped when read back)."""
+        """The buffer's rows to the side file, after the commit before them (a kill between the two leaves a side
+        file whose committed rows are skipped when read back)."""
         if not self.unsaved:
             return
         for pos, entry in self.buffer.items():

@@ -1,10 +1,4 @@
-"""What the job layer needs from an engine: the `JobEngine` protocol.
-
-The executors drive an engine themselves (add requests while under their in-flight bound, step, hand the
-finished rows on), so they need a handful of stepping methods, not `LLM`'s whole surface. `batchrun.llm.LLM`
-satisfies this protocol; so do the test fakes (tests/test_job_fakes.py) and any engine a caller plugs in
-through the `llm_factory` hook.
-"""
+"""JobEngine: what an executor drives; batchrun.llm.LLM, the test fakes and `llm_factory` engines satisfy it."""
 
 from __future__ import annotations
 
@@ -19,41 +13,27 @@ from batchrun.sampling_params import SamplingParams
 
 @runtime_checkable
 class JobEngine(Protocol):
-    """An engine the job layer can drive, one step at a time."""
-
-    # A Hugging Face (fast) tokenizer: rows are tokenized and chat templates rendered with it, in batches,
-    # before they reach the engine.
-    tokenizer: Any
-    # The longest prompt plus completion a request may have (input.on_too_long cuts prompts to fit it).
-    max_model_len: int
+    tokenizer: Any  # a Hugging Face fast tokenizer: rows are tokenized and templated with it, before the engine
+    max_model_len: int  # the longest prompt plus completion (input.on_too_long cuts prompts to fit it)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
         """None when the prompt can run, else a one-line reason (the row becomes a row error)."""
         ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one request (already checked). `params.seed` set: its random stream is a function of it."""
+        """Queue a checked request; with `params.seed` set, its random stream is a function of the seed."""
         ...
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; the requests that finished in it, their `request_id` the caller's."""
+        """One engine step: the requests that finished in it, under the caller's `request_id`."""
         ...
 
-    def has_unfinished(self) -> bool:
-        """Whether any request added is not yet returned by `step`."""
-        ...
-
-    def abort_all(self) -> None:
-        """Drop every request in flight (a run stopping half way)."""
-        ...
-
-    def metrics(self) -> dict[str, Any]:
-        """Counters and gauges (batchrun.engine.metrics.EngineMetrics' names), for progress and _metrics.json."""
-        ...
+    def has_unfinished(self) -> bool: ...
+    def abort_all(self) -> None: ...
+    def metrics(self) -> dict[str, Any]: ...  # batchrun.engine.metrics.EngineMetrics' names
 
 
-# Dev / test hook: "module:callable" used instead of batchrun.llm.LLM to build the engine (it travels to
-# Ray replicas with the other BATCHRUN_* variables).
+# "module:callable" that builds the engine instead of batchrun.llm.LLM (dev, tests; it travels to Ray replicas)
 LLM_FACTORY_ENV = "BATCHRUN_LLM_FACTORY"
 
 

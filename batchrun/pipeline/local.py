@@ -1,9 +1,4 @@
-"""LocalExecutor: one engine in this process, driven step by step.
-
-It adds requests while fewer than `max_in_flight` are generating and the reorder buffer has room, takes an
-engine step, and hands each finished row to the receiver. Rows that cannot run (row errors) never reach
-the engine; they go to the receiver as soon as they are read.
-"""
+"""LocalExecutor: one engine in this process, given rows while under the in-flight and reorder bounds."""
 
 from __future__ import annotations
 
@@ -26,8 +21,6 @@ class LocalExecutor(Executor):
     REORDER_FACTOR = 4  # rows finished or in flight but not yet written: at most this x max_in_flight
 
     def __init__(self, plan: JobPlan, factory: Callable[..., JobEngine]) -> None:
-        """factory(model path, **cfg.llm_kwargs()) builds the engine, its KV pool sized for the rows of this run
-        (plan.kv_cache_tokens) unless the job sizes it."""
         self.cfg, self.source, self.id_column = plan.cfg, plan.source, plan.id_column
         self.kv_cache_tokens = plan.kv_cache_tokens
         self.factory = factory
@@ -59,7 +52,7 @@ class LocalExecutor(Executor):
                 # it is full the oldest unwritten row is in flight (else the buffer would drain): a step frees room.
                 while len(loop) >= self.max_in_flight or len(loop) + receiver.buffered >= self.reorder_limit:
                     self._step(receiver)
-                if not task.runs:
+                if not task.runs:  # a row error, or skipped: never reaches the engine
                     receiver.put(task, None)
                 else:
                     loop.add(task)

@@ -1,10 +1,6 @@
-"""A batch's input checked line by line before it runs, with what the engine does not see: the envelope
-(custom_id, method, url) and the body's fields.
-
-A line with a problem does not stop the batch: it becomes an error line of its own (batchrun.serve.source
-puts the problem in its place), and the other lines run. What the engine checks itself (message shapes,
-sampling values, prompt length, structured outputs) becomes an error line the same way, in the pipeline.
-Only a file with no request fails the batch.
+"""A batch's input checked line by line before it runs: the envelope (custom_id, method, url) and the body's
+fields, which the engine does not see. A bad line becomes an error line of its own (batchrun.serve.source puts
+it in place) and the others run; what the engine checks itself fails its line the same way, in the pipeline.
 """
 
 from __future__ import annotations

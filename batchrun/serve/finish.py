@@ -1,11 +1,7 @@
-"""The end of a batch: its job's output.jsonl (one line per request, in input order, from
-batchrun.output.openai_sink.OpenAIBatchSink) split into the batch's output file (the requests answered, status 200)
-and error file (the others), with the request counts and token usage.
-
-A cancelled or expired batch also gets an error line, `response: null` and `error.code` batch_cancelled or
-batch_expired, for each request that did not run, so that every line of the input has exactly one line in
-the output or error file. Finishing is idempotent: the result files' ids are a function of the batch, and
-only what _progress.json records as committed is read (a crash may leave a torn line after it).
+"""The end of a batch: its job's output.jsonl split into the output file (status 200) and the error file, with
+the counts and usage; a cancelled or expired batch also gets an error line for each request that did not run.
+Idempotent: the result files' ids are a function of the batch, and only the lines _progress.json records as
+committed are read (a crash may leave a torn line after them).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The two threads behind the API: one checks new batches' input, one runs batches through the job pipeline
-on the server's one engine, one batch at a time, in order of creation.
+"""The two threads behind the API: one checks new batches' input, the other runs batches one at a time, in
+order of creation, each as `batchrun.job.run_job` on its own job folder and the server's one engine.
 
-A batch's life, each step written to its batch.json before the next begins (so a restarted server carries
-on where the last one stopped):
-
-    validating --checks--> in_progress --job complete--> finalizing --files written--> completed
-         |                      |  \\--job failed--> failed                 (no request: failed)
-         +--cancel--> cancelling --(the job stopped, files written)--> cancelled
-                                in_progress past expires_at --> expired
-
-A running batch is `batchrun.job.run_job` on its own job folder, with `stop` set by a cancel, by the
-completion window's end or by the server shutting down; its finished lines are committed every
-`commit_interval_s`. After a kill -9 the restarted runner finds the batch in_progress and runs the same job
-again, which resumes after the committed lines: every request is answered once.
+Each status change (docs/serve.md: A batch's life) is written to batch.json before the next step, so a
+restarted server carries on. A cancel, the completion window's end or the server's shutdown sets the job's
+`stop`; after a kill -9 the same job runs again and resumes after its committed lines: every request is
+answered once.
 """
 
 from __future__ import annotations

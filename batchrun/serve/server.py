@@ -1,6 +1,5 @@
-"""`batchrun serve` from start to stop: every check that needs no model (settings, model path, state folder,
-port) as a JobError (exit 2), then the engine, loaded once, then uvicorn until SIGINT / SIGTERM. Stopping
-commits the running batch's finished lines; it carries on at the next start on the same state folder.
+"""`batchrun serve` from start to stop: every check that needs no model as a JobError (exit 2), the engine
+loaded once, then uvicorn until SIGINT / SIGTERM (the running batch commits, and resumes at the next start).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""OpenAI's objects, field for field as its API returns them, so that the `openai` SDK parses ours unchanged:
-file objects, batch objects, cursor pages, error bodies. Plain dicts: they are stored as JSON and served
-as they are.
+"""OpenAI's objects (file, batch, cursor page, error body) field for field, so that the `openai` SDK parses
+ours unchanged. Plain dicts: stored as JSON and served as they are.
 """
 
 from __future__ import annotations

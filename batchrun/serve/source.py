@@ -1,9 +1,7 @@
-"""A batch's input as the job reads it: the OpenAI batch reader, with each line that failed the checks
-(batchrun.serve.checks) replaced by a row error that says why.
-
-It reads the file in binary and counts the non-blank lines exactly as the checks do, so a problem lands on
-its own line, whatever the file holds (a first line that is not JSON, bytes that are not UTF-8); and it
-opens nothing at construction (the plain reader refuses a file whose first line is not JSON).
+"""The OpenAI batch reader, with each line that failed batchrun.serve.checks replaced by a row error saying
+why. It reads bytes and counts non-blank lines as the checks do, so each problem lands on its own line
+whatever the file holds; and it opens nothing at construction (the plain reader refuses a first line that
+is not JSON).
 """
 
 from __future__ import annotations

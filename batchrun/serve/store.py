@@ -1,16 +1,7 @@
-"""The state folder of `batchrun serve`: everything a restarted server needs, and nothing else.
-
-    STATE/.lock                      held (flock) while a server uses the folder: one server at a time
-    STATE/files/FILE_ID              an uploaded file's bytes, or a batch's output / error file
-    STATE/files/FILE_ID.json         its file object
-    STATE/batches/BATCH_ID/batch.json  the batch object, replaced atomically on every change
-    STATE/batches/BATCH_ID/input.jsonl the input file (a hard link: deleting the file leaves the batch whole)
-    STATE/batches/BATCH_ID/checks.json the per-line problems found before it ran (batchrun.serve.checks)
-    STATE/batches/BATCH_ID/job/      the batch's job output folder (batchrun.job: output.jsonl, _progress.json)
-
-A file appears under its id only once whole (written under a temporary name, then renamed). The records are
-also kept in memory: the lock makes this process their only writer. Internal fields start with "_" and
-never reach a client.
+"""The state folder of `batchrun serve` (its layout: docs/serve.md): uploaded files, each batch's record,
+input and job folder; one server at a time (a flock on STATE/.lock). A file appears under its id only once
+whole (written under a temporary name, then renamed). The records are also kept in memory: the lock makes
+this process their only writer. Internal fields start with "_" and never reach a client.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU check for the CUDA path, in one run of well under 8 minutes on one H200:
+"""GPU check for the CUDA path, in one run that fits a device call:
 
 1. the kernel tests, compiled on CUDA (`pytest tests/test_kernels.py tests/test_quant_matmul.py`);
 2. decode-attention bandwidth: bytes of K/V read per second, and as a share of the GPU's peak, for batch
@@ -16,8 +16,8 @@
     python -m benchmarks.gpu.check --dry-run      # CPU plumbing check on a tiny model, about a minute
 
 Each part reports its own failure and the script goes on, so one broken baseline still leaves figures for
-the rest. Exit code 1 if any part failed. First run on an H200 on 2026-12-04 (benchmarks/gpu/session.sh runs it after
-the GPU tests; figures in docs/performance.md, "On a GPU").
+the rest. Exit code 1 if any part failed. benchmarks/gpu/session.sh runs it after the GPU tests; figures in
+docs/performance.md, "On a GPU".
 """
 
 from __future__ import annotations
@@ -224,8 +224,7 @@ def run_batchrun(path: Path, work: Workload, device: str, enforce_eager: bool, q
     requests = [{"prompt_token_ids": p} for p in work.prompts]
     # warm-up: the whole workload once, untimed. Triton compiles a kernel specialisation at its first use, and the
     # eager steps (prefill chunks beside decodes) reach specialisations that neither the graphs' capture nor a few
-    # short prompts do: after a 4-prompt warm-up, the first configuration of a process spent 4.9 ms of host time
-    # per step in its forward against 0.7 ms for the next ones (H200, 2026-12-04), its compiles in the timed run
+    # short prompts do: with a short warm-up, the first configuration of a process pays its compiles in the timed run
     llm.generate(requests, [params(n) for n in work.output_lens], use_tqdm=False)
     sync()
     before = llm.metrics()

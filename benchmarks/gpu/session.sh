@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session lent a GPU runs, as one device call (about 9 minutes on an H200 once the machine is up):
+# What a session lent a GPU runs, as one device call:
 # versions, the tests that take the CUDA path, then benchmarks.gpu.check without its own test part.
 # Logs and gpu_check's JSON go under $OUT (the device tool brings that folder back).
 #
@@ -33,9 +33,9 @@ echo "tests: $(( $(date +%s) - start ))s" | tee -a "$OUT/pytest.log"
 
 start=$(date +%s)
 # the tile sweep (part 5) only with SWEEP=1: it tunes the MMA kernel's tiles, and part 4 (every product at 9 row
-# counts, about 140 s) already says which product each row count takes
-# end to end: the runs not timed yet (the 8-bit KV caches, the int4 rule) beside the baseline and one peer; the
-# eager, int8-weight and static-batch runs were timed on 2026-12-04 (E2E_RUNS=... for others)
+# counts) already says which product each row count takes
+# end to end: the 8-bit KV caches and the int4 rule beside the baseline and one peer; the eager, int8-weight and
+# static-batch runs only when E2E_RUNS names them
 timeout "${CHECK_TIMEOUT:-330}" $PY -m benchmarks.gpu.check --skip tests $([ "${SWEEP:-0}" = 1 ] || echo --skip sweep) \
   --e2e-runs "${E2E_RUNS:-graphs,int4,hf-cb,kv-int8,kv-fp8}" \
   --time-budget "${E2E_BUDGET:-170}" --json-out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"

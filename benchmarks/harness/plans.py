@@ -9,8 +9,8 @@ from typing import Any
 from benchmarks.harness.workload import Decoding, LengthDist, ModelShape, Workload, sharegpt_like
 
 SCENARIOS = ("prefix", "budget", "n4")
-# batchrun's KV block: 8 tokens wastes half as many slots in each sequence's last block as 16 (KV slot
-# utilisation 98.6% against 97.2% on the headline workload) at no measurable cost in speed on this machine.
+# batchrun's KV block: 8 tokens wastes half as many slots in each sequence's last block as 16, at no measurable
+# cost in speed.
 BLOCK_SIZE = 8
 # transformers' paged cache keeps its own page size (same KV bytes as batchrun).
 HF_PAGE_SIZE = 16
@@ -19,7 +19,7 @@ THREADS = 2
 
 @dataclass
 class Plan:
-    """What to run on one model. Lengths follow issue 6: prompt 16..512, output 16..256, log-normal."""
+    """What to run on one model. Lengths are log-normal: prompt 16..512, output 16..256."""
 
     key: str
     builtin: str
@@ -52,13 +52,13 @@ class Plan:
     openvino_u8: bool = False  # also OpenVINO with its CPU default u8 KV cache, a row of its own
     batchrun_kwargs: dict[str, Any] = field(default_factory=dict)  # extra LLM arguments for this plan's rows
     op_profile: int = 32  # requests of batchrun's op-profile pass after its timed run (0: none)
-    # Quantized rows (issue 33): what every system's row runs, named in the report ("int8 weights", "int8 KV")
+    # Quantized rows: what every system's row runs, named in the report ("int8 weights", "int8 KV")
     fmt: str = ""
     openvino_weights: str = "fp32"  # the export's weight format (benchmarks.peers.openvino.env.WEIGHT_OPTIONS)
     openvino_kv: str = ""  # the OpenVINO row's KV cache precision ("": the row's dtype; "u8": its CPU default)
     vllm_checkpoint: str = ""  # "w8a8-int8" / "w4a16-g128": vLLM runs benchmarks.peers.vllm.checkpoint's copy
     baseline: str = ""  # the plan whose batchrun row this plan's batchrun row is compared with (its bf16 row)
-    baseline_target: float = 0.0  # decode tok/s over the baseline's that issue 33 asks
+    baseline_target: float = 0.0  # the decode tok/s over the baseline's that the row aims at
     weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
     lm_head_bytes_per_param: float = 0.0  # the same for batchrun's lm_head (0: the dtype's; int8: quantize_lm_head)
 
@@ -67,12 +67,12 @@ class Plan:
 # up to 8 draft tokens from a match of the last 3 down to 1 tokens. Off by default in vLLM.
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
-# Medians and spreads like ShareGPT's, scaled so that the whole tiny-model run (where transformers' static
-# batches, which run each batch to its longest output, cost the most) stays near 5 minutes on 2 cores.
+# Medians and spreads like ShareGPT's, scaled so that the whole tiny-model run stays short (transformers' static
+# batches, which run each batch to its longest output, cost the most there).
 PROMPT = LengthDist(median=96, sigma=0.8, lo=16, hi=512)
 OUTPUT = LengthDist(median=48, sigma=0.7, lo=16, hi=256)
 
-# The work users bring (issue 32): SmolLM2-135M-Instruct's real weights answering CHAT_QUESTIONS, greedy and sampled.
+# The work users bring: SmolLM2-135M-Instruct's real weights answering CHAT_QUESTIONS, greedy and sampled.
 SAMPLED = Decoding(temperature=0.8, top_p=0.95, seed=0)
 CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, prompt=PROMPT, output=OUTPUT,
             static_batches=(), cb_requests_per_step=(), scenarios=(), vllm_ngram=False)
@@ -83,11 +83,11 @@ LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static
 
 PLANS: dict[str, Plan] = {
     "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
-    # The small model costs ~10x the tiny one per token: 64 requests keep its run near 15 minutes on 2 cores,
-    # and the scenarios (batchrun only) are left to the tiny model.
+    # The small model costs far more per token than the tiny one: half the requests, and the scenarios (batchrun
+    # only) are left to the tiny model.
     "small": Plan("small", "small-llama", 64, PROMPT, OUTPUT, scenarios=(),
-                  note="Small-model workload reduced to 64 requests (issue 6 asks 128) to keep its run near 15 "
-                       "minutes on 2 cores; the scenarios run on the tiny model only."),
+                  note="Small-model workload of 64 requests (half the tiny model's) to keep its run short on "
+                       "2 cores; the scenarios run on the tiny model only."),
     # bf16 plans: batchrun against vLLM only (transformers' bf16 CPU paths are not what a user picks for speed).
     "small-bf16": Plan("small-bf16", "small-llama", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
                        scenarios=(), dtype="bfloat16"),
@@ -113,7 +113,7 @@ PLANS: dict[str, Plan] = {
     # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
     # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
     "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
-    # The same row quantized (issue 33), each beside its peers on the same format; asked for by name
+    # The same row quantized, each beside its peers on the same format; asked for by name
     # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
     # int8 weights: batchrun's symmetric int8 in groups of 128 (W8A8 where VNNI runs it), lm_head int8 as OpenVINO's
     # exports keep it (quantize_lm_head); OpenVINO's
@@ -156,7 +156,7 @@ PLANS: dict[str, Plan] = {
                         note="bf16 weights, 8-bit KV cache: batchrun kv_cache_dtype int8, OpenVINO GenAI "
                              "KV_CACHE_PRECISION u8, vLLM CPU kv_cache_dtype fp8 (e4m3). The KV budget is the bf16 "
                              "row's bytes: every system holds the whole workload at once."),
-    # The newer families beside vLLM (issue 29), random weights at real small shapes (batchrun/model/weights/builtin.py):
+    # The newer families beside vLLM, random weights at real small shapes (batchrun/model/weights/builtin.py):
     # a Gemma (sliding and global layers, GeGLU, a 262k vocabulary) and a mixture of experts. Asked for by name.
     "gemma3-270m": Plan("gemma3-270m", "gemma3-270m", 64, PROMPT, OUTPUT, static_batches=(), cb_requests_per_step=(),
                         scenarios=(), note="Gemma 3 270M's shape, random weights"),
@@ -173,7 +173,7 @@ PLANS: dict[str, Plan] = {
 # ignored on the same real model (a second view); the other plans are asked for by name.
 DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "smollm2-bf16",
                  "smollm2")
-# Issue 33's quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
+# The quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
 QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
 PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS}
 

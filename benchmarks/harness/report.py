@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Issue 6's targets (CPU, ratios from one run). The model keys match benchmarks.run's plans.
+# The CPU targets (ratios from one run). The model keys match benchmarks.run's plans.
 TARGETS: dict[str, dict[str, float]] = {
     "tiny": {"ratio_static": 5.0, "ratio_cb": 4.0},
     "small": {"mfu": 0.50, "ratio_cb": 3.0},
@@ -22,11 +22,11 @@ OTHER_LOAD_NOISY = 0.15
 NOISY_MARK = " \\*"
 OVERHEAD_TARGET = 0.10  # share of step time outside the model forward, with >= 64 running sequences
 KV_UTIL_TARGET = 0.98
-VLLM_TARGET = 1.25  # issue 15: batchrun >= 1.25x vLLM CPU gen tok/s on every plan vLLM runs
+VLLM_TARGET = 1.25  # batchrun >= 1.25x vLLM CPU gen tok/s on every plan vLLM runs
 
 SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "openvino": "OpenVINO GenAI",
                  "hf_static": "transformers generate (static batches)", "hf_cb": "transformers continuous batching"}
-PEERS = ("vllm", "openvino")  # the engines a CPU user would pick instead (issue 32: the ratio is to the fastest)
+PEERS = ("vllm", "openvino")  # the engines a CPU user would pick instead (the ratio is to the fastest)
 PEER_TARGET = 1.25
 
 
@@ -140,9 +140,9 @@ def decode_tok_s(d: dict[str, Any]) -> float | None:
 
 
 def link_baselines(res: dict[str, Any]) -> None:
-    """For each plan with a baseline (a quantized row and its bf16 row, issue 33) where both batchrun rows ran:
-    batchrun's tokens/s over the baseline's, end to end and at decode, and the issue's decode target among the
-    plan's targets. Idempotent: a re-rendered report recomputes the same entries."""
+    """For each plan with a baseline (a quantized row and its bf16 row) where both batchrun rows ran:
+    batchrun's tokens/s over the baseline's, end to end and at decode, and the plan's decode target among its
+    targets. Idempotent: a re-rendered report recomputes the same entries."""
     models = res["models"]
     for m in models.values():
         d = m["derived"]
@@ -464,7 +464,7 @@ def markdown(res: dict[str, Any]) -> str:
                       f"{_pct(det['engine_overhead_fraction'])} | {_pct(det['engine_overhead_ge_64'])} "
                       f"({det['steps_ge_64']} of {det['num_steps']} steps) | "
                       f"{det.get('accepted_draft_tokens')} / {det.get('draft_tokens')} |"]
-        lines += ["", "Targets (issues 6 and 15):", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
+        lines += ["", "Targets:", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
         for t in d["targets"]:
             meas = t["measured"]
             shown = "n/a" if meas is None else (f"{meas:.2f}x" if "x" in t["goal"] else _pct(meas))

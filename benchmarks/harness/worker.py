@@ -51,7 +51,7 @@ def task_peak(spec: dict[str, Any]) -> Result:
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # No bf16 matmul instructions (no AVX512-BF16 or AMX, e.g. AMD Zen 3): bf16 work runs on the fp32 FMAs
         # (batchrun widens bf16 weights as it loads them), so the fp32 peak is the bf16 one. torch's own bf16 mm
-        # falls back to a path so slow here that a 4096^3 product did not finish in 30 minutes.
+        # falls back to a path far too slow to time here.
         measured = torch.float32
     a, b = torch.randn(n, n, dtype=measured), torch.randn(n, n, dtype=measured)
     c = torch.empty(n, n, dtype=measured)

@@ -1,7 +1,7 @@
 """What batch_invariant costs: `python -m benchmarks.micro.invariant_cost [--model M] [--dtype bfloat16] [--repeats 3]`.
 
 Times one `LLM.generate` over the same prompts with batch_invariant off and on, each in a fresh process, the two in
-turn within each of --repeats rounds (this VM's speed drifts over minutes: only the ratio within a round is read),
+turn within each of --repeats rounds (a machine's speed drifts over minutes: only the ratio within a round is read),
 and prints each round's wall times and the ratio on / off. The workload: --prompts random prompts of 64-300 tokens,
 --max-tokens generated tokens each, greedy with EOS ignored, so both runs compute exactly the same tokens.
 """

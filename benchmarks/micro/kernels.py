@@ -79,8 +79,8 @@ def mentions(src: dict[str, bytes], text: str) -> bool:
 
 def _baseline(ref: str) -> ctypes.CDLL | None:
     src = revision_source(ref)
-    if mentions(src, "int paged_attention("):  # (without amx_lanes before 2026-12-02, window and softcap before
-        restype, args = cpu_attention.SIGNATURES["paged_attention"]  # issue 29)
+    if mentions(src, "int paged_attention("):  # (an older revision's has no amx_lanes, or no window and
+        restype, args = cpu_attention.SIGNATURES["paged_attention"]  # softcap either)
         args = args if mentions(src, "softcap") else args[:-2]
         args = args if mentions(src, "amx_lanes") else args[:-1]
         signatures = {"paged_attention": (restype, args)}

@@ -1,10 +1,10 @@
-"""A model as large as the machine holds (issue 33): a job on a Llama-3.1-8B-shaped bf16 checkpoint, with its peak RSS.
+"""A model as large as the machine holds: a job on a Llama-3.1-8B-shaped bf16 checkpoint, with its peak RSS.
 
 Makes a checkpoint of the shape with random bf16 weights, shard by shard (a shard's tensors at a time, so the
 machine never holds the model while writing it), then runs a job of --requests prompts on it with `batchrun run`
 and the default engine settings, in a child process whose own peak RSS (VmHWM) is the figure. The report (one JSON
 object, also to --json) has the exit code, tokens/s, the weights' size from the checkpoint's headers, the KV pool
-the engine chose (from _metrics.json) and the bound the issue sets: peak RSS <= 1.15 x weights + KV pool + 1 GiB.
+the engine chose (from _metrics.json) and the bound it is held to: peak RSS <= 1.15 x weights + KV pool + 1 GiB.
 
     python -m benchmarks.micro.large_model --dir /tmp/llama8b            # the 8B shape: 15 GiB of disk, ~18 GiB of RAM
     python -m benchmarks.micro.large_model --shape small --dir /tmp/lm    # the same steps on a 0.3 GiB model

@@ -7,9 +7,9 @@ lm_head, at each row count, through
   - oneDNN on its reordered weights (OneDNNLinear's matmul), what they stand in for; for bf16 on a CPU where
     oneDNN has no bf16 kernels (no AVX512-BF16 or AMX), torch's F.linear instead;
   - with --baseline REF, the same kernels as built from git REF's C sources (when REF has them).
-The systems run in turn within each of --repeats rounds, and each figure is the median of its rounds: this
-VM's speed drifts over minutes, and the ratios are what to read. The shapes default to SmolLM2-135M's (hidden
-576, MLP 1536, 9/3 heads of 64, vocab 49152, 30 layers); cpu_kernels.linears.SMALL_ROWS quotes a run of it.
+The systems run in turn within each of --repeats rounds, and each figure is the median of its rounds: a
+machine's speed drifts over minutes, and the ratios are what to read. The shapes default to SmolLM2-135M's (hidden
+576, MLP 1536, 9/3 heads of 64, vocab 49152, 30 layers); docs/cpu-kernels.md quotes a run of it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ same way in both engines, each in its own process (vLLM's with its recommended C
     of 110 generated tokens minus that of 10, over 100, for sequences of a 150-token prompt;
   - prefill throughput: 64 prompts of 128 tokens, one generated token each.
 Every call uses prompts no earlier call used (both engines cache prefixes). Each figure is the best of
---repeats. The two engines alternate --rounds times, since this VM's speed drifts by 20% or more over minutes:
-compare figures within a round.
+--repeats. The two engines alternate --rounds times, since a machine's speed drifts over minutes: compare
+figures within a round.
 
     python -m benchmarks.micro.phases --model smollm2 --dtype float32 --rounds 2
 """

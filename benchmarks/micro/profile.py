@@ -6,7 +6,7 @@ Runs the same headline workload as `benchmarks.run` (batchrun only, in this proc
     workload is many steps with few sequences, each paying the whole weight read and per-step overhead);
   - with --ops, torch profiler tables of one prefill step and ten decode steps (the C kernels are ctypes
     calls, so they show as the gap between the op total and the step time).
-This is what the issue-6 notes quote; use it before and after an engine change.
+Use it before and after an engine change.
 """
 
 from __future__ import annotations

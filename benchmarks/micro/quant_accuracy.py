@@ -10,7 +10,7 @@ With --openvino, OpenVINO's own quantized exports (nncf's data-free weight compr
 against the same bf16 replies, each prompt and reply in one forward (benchmarks.peers.openvino.accuracy).
 The default model is the built-in SmolLM2-135M-Instruct; --model PATH takes any checkpoint (the lead's
 random-weight 1B model: its replies are noise, but agreement still says how far the quantized logits move).
-Targets (issue 33): int8 >= 97%, int4 >= 90% agreement. tests/test_quant_accuracy.py holds the built-in model's
+Targets: int8 >= 97%, int4 >= 90% agreement. tests/test_quant_accuracy.py holds the built-in model's
 figures to them on a shorter run.
 """
 

@@ -2,18 +2,18 @@
 
 Times one pass over a model's layer linears (q|k|v, o, gate|up, down; --layers distinct copies, so that the
 weights stream from memory as in a decode step) at each row count, bf16 activations in and out, through
-  - bf16: the engine's default bf16 path (cpu_linear.OneDNNLinear: oneDNN's reordered weights, and batchrun's
+  - bf16: the engine's default bf16 path (model/layers/linear.py: OneDNNLinear: oneDNN's reordered weights, and batchrun's
     few-row panels up to cpu_kernels.linears.SMALL_ROWS rows);
-  - bf16-panels: batchrun's bf16 panels at every row count (cpu_linear.PackedLinear): what a bf16 model runs on
+  - bf16-panels: batchrun's bf16 panels at every row count (model/layers/linear.py: PackedLinear): what a bf16 model runs on
     where oneDNN has no bf16 kernels (a CPU without AVX512-BF16 or AMX: the AVX2 CPUs of --march x86-64-v3);
-  - int8, int4, int4-g32: quant_linear.QuantLinear (csrc/quant_linears.c) on the weights quantized as the engine
+  - int8, int4, int4-g32: model/quant/linear.py: QuantLinear (csrc/quant_linears.c) on the weights quantized as the engine
     quantizes them (EngineArgs.quantization), on the vector kernel this build has (VNNI, AVX2);
   - int8-plain, int4-plain, ...: the same linears (the same packed weights, held once) on the plain C loop.
 --march builds the C library for another target than this CPU (BATCHRUN_CPU_MARCH): x86-64-v3 times the AVX2
 kernels on an AVX-512 machine (pair it with bf16-panels; oneDNN still picks its kernels by the CPU itself).
 The lm_head is left out: it stays bf16 in every format. The systems run in turn within each of --repeats rounds,
-each figure the median of its rounds; the ratio to the first format (bf16 by default) is what to read (issue
-33's decode targets: int8 >= 1.7x, int4 >= 2.5x bf16's speed). The shapes default to SmolLM2-135M's; --preset
+each figure the median of its rounds; the ratio to the first format (bf16 by default) is what to read (the
+decode targets: int8 >= 1.7x, int4 >= 2.5x bf16's speed). The shapes default to SmolLM2-135M's; --preset
 llama-1b takes Llama-3.2-1B's (16 layers of hidden 2048, MLP 8192: 2.4 GB of bf16 weights, 3.6 GB held with the
 quantized copies).
 """

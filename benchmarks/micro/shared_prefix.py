@@ -2,8 +2,8 @@
 
 The start of a batch job (and of every batch a Ray replica takes): many rows that begin with the same
 system prompt arrive together and are admitted in the same steps. With prefix caching on, the first row
-admitted computes the prompt's full blocks and the rows admitted after it in that step map them (issue 14,
-part 2); with it off, every row computes the whole prompt. For each setting it queues every row on one engine
+admitted computes the prompt's full blocks and the rows admitted after it in that step map them; with it off,
+every row computes the whole prompt. For each setting it queues every row on one engine
 and reports the time to the first finished row, the total time, the prompt tokens computed and the
 prefix-cache hits, then checks that both settings gave the same greedy tokens. On a shared machine the wall
 times are noisy; the CPU seconds of the process (all its threads) and the tokens computed much less so.

@@ -12,7 +12,7 @@ the job would; with it on, every run after the first would find its prompts cach
   target: >= 0.85 of the unconstrained generated tokens per second);
 - `unconstrained`: the job as a user would run it without a schema (max_tokens, stops at EOS), for scale.
 The ratio is taken per repeat, between its two back-to-back runs, and the median over the repeats is
-reported (each run's best over the repeats too): on a shared 2-core VM a whole run can be 20% slower than the
+reported (each run's best over the repeats too): on a shared machine one whole run can be much slower than the
 next, so a ratio of two runs far apart in time, or of two bests, measures the machine as much as the grammar.
 Prints one JSON object (and writes it to --json-out).
 """

@@ -1,4 +1,4 @@
-"""`make test-cluster`: jobs/slurm_array.sh under a real Slurm, submitted as a user submits it (issue 34).
+"""`make test-cluster`: jobs/slurm_array.sh under a real Slurm, submitted as a user submits it.
 
 It installs Debian's slurm-wlm and munge when they are missing (apt-get, as root), starts munged, slurmctld and
 slurmd directly (no systemd) on a one-node slurm.conf (proctrack/linuxproc, task/none, select/cons_tres, no

@@ -196,3 +196,16 @@ def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_ro
         setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
         del linear  # the last reference to its plain weight (unless tied to the embedding)
     return count
+
+
+def prepare_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool,
+                        few_rows_room: bool) -> None:
+    """Pack every linear once for the kernel chosen for it on this CPU (use_onednn, own_kernel), and say which."""
+    if not use_onednn(model, device, dtype, batch_invariant, few_rows_room):
+        return
+    kernel = "oneDNN"
+    if own_kernel(model, batch_invariant, few_rows_room):
+        kernel = "batchrun's panel kernel" + (f" ({cpu_linears.bf16_kernel()})" if dtype == torch.bfloat16 else "")
+    count = reorder_linears(model, batch_invariant, few_rows_room)
+    log.info("%d linear layers reordered for %s%s (docs/performance.md: linear kernels on a CPU)", count, kernel,
+             ", batch invariant" if batch_invariant else "")

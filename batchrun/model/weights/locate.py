@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.engine_args import EngineArgsError
+from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.weights.compressed_tensors import StoredScheme, stored_scheme
@@ -194,3 +194,14 @@ def _cached_snapshot(repo_id: str) -> Path | None:
         return None
     except Exception:  # noqa: BLE001 - a cache entry that cannot be read is one that is not there
         return None
+
+
+def check_args(args: EngineArgs) -> ModelSource:
+    """The settings against this machine and where the model path points, before anything loads: what `validate`,
+    `run`, `serve` and LLM all check (EngineArgsError, ModelLoadError)."""
+    args.check_environment()
+    source = locate_model(args.model)
+    source.check_max_model_len(args.max_model_len)
+    source.check_quantization(args.quantization)
+    source.check_calibration(args.calibration)
+    return source

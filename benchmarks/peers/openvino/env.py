@@ -33,7 +33,7 @@ OPENVINO = ["openvino==2026.4.1", "openvino-genai==2026.4.1.0", "openvino-tokeni
             "optimum-intel[openvino]==1.27.0"]
 # The weight formats an export can take, each with the optimum-cli options that make it; the name is the cache
 # folder's suffix. "int8" / "int4" are optimum-cli's own defaults (asymmetric; int4 in groups of 128, its embedding
-# and lm_head int8 asymmetric). The "-sym" ones are set to match batchrun's quantized linears for issue 33's rows:
+# and lm_head int8 asymmetric). The "-sym" ones are set to match batchrun's quantized linears for the quantized rows:
 # int8 symmetric per output channel; int4 symmetric in groups of 128 on every linear (ratio 1.0: no layer left in
 # int8 by a sensitivity rule), the embedding and lm_head (tied in Llama-3.2-1B) int8 symmetric, as nncf keeps them
 # unless --all-layers is given.

@@ -1,4 +1,4 @@
-"""Quantized copies of a bench checkpoint in the compressed-tensors layouts vLLM's CPU build runs (issue 33's rows).
+"""Quantized copies of a bench checkpoint in the compressed-tensors layouts vLLM's CPU build runs (the quantized rows).
 
 vLLM 0.32's CPU build has no int8 weight-only linear: its CPU weight-only kernel (CPUWNA16LinearKernel,
 vllm/model_executor/kernels/linear/mixed_precision/cpu.py) takes 4-bit weights only (uint4 / uint4b8). Its int8 path

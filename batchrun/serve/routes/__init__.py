@@ -1,0 +1,1 @@
+"""The HTTP routes, one module per resource; each `router(...)` takes the state it reads."""
