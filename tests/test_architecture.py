@@ -244,3 +244,42 @@ def test_no_import_name_is_shared_with_another_distribution():
     shared = {name: sorted(set(dists)) for name, dists in packages_distributions().items()
               if "batchrun" in dists and set(dists) - {"batchrun"}}
     assert shared == {}
+
+
+def docstring_share(root: Path) -> tuple[int, int]:
+    """(docstring lines, Python lines) of the modules under root: module, class and function docstrings."""
+    doc = total = 0
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        total += len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                        isinstance(first.value.value, str):
+                    doc += first.end_lineno - first.lineno + 1
+    return doc, total
+
+
+def test_code_states_rules_in_short_docstrings():
+    """Docstrings say what holds and why in a few lines; measurements and history live in docs/ (at most 7% of
+    the package's lines are docstrings)."""
+    doc, total = docstring_share(ROOT / "batchrun")
+    assert doc / total <= 0.07, f"docstrings are {doc} of {total} lines ({100 * doc / total:.1f}%)"
+
+
+def test_the_facades_stay_thin():
+    """LLM's constructor and serve's app factory hand the work to build_engine and to the routers."""
+    def length(module: str, qualname: str) -> int:
+        tree = ast.parse(MODULES[module].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and f"{node.name}.{item.name}" == qualname:
+                        return item.end_lineno - item.lineno + 1
+            if isinstance(node, ast.FunctionDef) and node.name == qualname:
+                return node.end_lineno - node.lineno + 1
+        raise KeyError(qualname)
+
+    assert length("batchrun.llm", "LLM.__init__") <= 40
+    assert length("batchrun.serve.app", "create_app") <= 40
