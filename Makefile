@@ -43,10 +43,11 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check batchrun tests benchmarks
 
-# docs/jobs.md's key tables, from the settings' declarations (tests/test_docs.py fails when they are stale).
+# the generated tables of docs/ (jobs.md, cpu-kernels.md, python-api.md), from the code (their tests fail when stale).
 docs: setup
 	$(PY) docs/gen_jobs.py
 	$(PY) docs/gen_kernels.py
+	$(PY) docs/gen_python_api.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

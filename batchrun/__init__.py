@@ -51,18 +51,25 @@ _EXPORTS = {
     "StructuredOutputsParams": "batchrun.sampling_params",
     "RequestOutput": "batchrun.outputs",
     "CompletionOutput": "batchrun.outputs",
+    "Logprob": "batchrun.outputs",
+    "TokensPrompt": "batchrun.inputs",
+    "TextPrompt": "batchrun.inputs",
+    "PromptType": "batchrun.inputs",
+    "LoRARequest": "batchrun.inputs",
     "BeamSearchParams": "batchrun.beam_search",
     "BeamSearchOutput": "batchrun.beam_search",
     "BeamSearchSequence": "batchrun.beam_search",
 }
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "TokensPrompt", "TextPrompt", "PromptType", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "__version__"]
 
 if TYPE_CHECKING:
     from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from batchrun.engine_args import EngineArgs
+    from batchrun.inputs import LoRARequest, PromptType, TextPrompt, TokensPrompt
     from batchrun.llm import LLM
-    from batchrun.outputs import CompletionOutput, RequestOutput
+    from batchrun.outputs import CompletionOutput, Logprob, RequestOutput
     from batchrun.sampling_params import SamplingParams, StructuredOutputsParams
 
 

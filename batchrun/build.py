@@ -85,14 +85,15 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     device = resolve_device(args.device)
     configure_threads(args.num_threads)  # before the weights load: reordering them runs on these threads
     path = resolve_path(source.load_spec)
-    config = load_config(path)  # the dtype and the memory plan need the config before the weights
+    config = load_config(path, args.trust_remote_code)  # the dtype and the memory plan need it before the weights
     dtype = resolve_dtype(args.dtype, device, getattr(config, "dtype", None))
     batch_invariant = resolve_batch_invariant(args.batch_invariant, device, dtype)
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     memory = plan_memory(args, path, config, dtype, batch_invariant, kv_dtype) if device.type == "cpu" else None
     loaded = load_model(source.load_spec, dtype=dtype, device=device, max_model_len=args.max_model_len,
                         quantization=QuantSpec.parse(args.quantization), gguf_as_stored=args.quantization == "gguf",
-                        quantize_lm_head=args.quantize_lm_head, calibration=args.calibration)
+                        quantize_lm_head=args.quantize_lm_head, calibration=args.calibration,
+                        tokenizer=source.tokenizer, trust_remote_code=args.trust_remote_code)
     shape = cache_shape(loaded.model, args.block_size, dtype, kv_dtype)
     num_blocks = kv_blocks(args, memory, shape, loaded.model, device)
     num_host_blocks = args.swap_space_bytes // shape.bytes_per_block

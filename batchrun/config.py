@@ -2,8 +2,9 @@
 
 Every key is declared once: the `model:` and `engine:` sections are EngineArgs' fields (their defaults and
 rules live in batchrun.engine_args), the `sampling:` section is SamplingParams' own fields, checked by
-SamplingParams itself, and the other sections are declared in SCHEMA. A mistake raises JobError with one
-line naming the key path, e.g. ``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
+SamplingParams itself, the other sections are declared in SCHEMA, and the keys beside the sections (`task`) in
+TOP_KEYS. A mistake raises JobError with one line naming the key path, e.g.
+``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
@@ -60,6 +61,17 @@ class Key(Rule):
         return super().kind_problem(value)
 
 
+TASKS = ("generate", "loglikelihood")  # what a job does with each row
+
+# Keys beside the sections, at the top of the job file.
+TOP_KEYS: dict[str, Rule] = {
+    "task": Key("generate", "str", TASKS, doc=(
+        "What each row is. generate: a prompt (or messages), completed under `sampling:`. loglikelihood: a context "
+        "and a continuation (`input.context_column`, `input.continuation_column`), scored: the continuation's "
+        "summed log-probability after the context, whether greedy decoding gives it, its token count (Scoring "
+        "continuations, below); `sampling:` does not apply.")),
+}
+
 SCHEMA: dict[str, dict[str, Rule]] = {
     "model": job_rules("model"),  # path, dtype, device, max_model_len
     "input": {
@@ -72,6 +84,12 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "messages_column": Key(None, "str", nullable=True, doc=(
             "Instead of `prompt_column`: a column of chat messages, `[{role, content}, ...]`, rendered with the "
             "tokenizer's chat template.")),
+        "context_column": Key("context", "str", doc=(
+            "`task: loglikelihood`: the column of contexts, tokenized as a prompt (with the tokenizer's special "
+            "tokens).")),
+        "continuation_column": Key("continuation", "str", doc=(
+            "`task: loglikelihood`: the column of continuations, tokenized without special tokens and scored "
+            "after their context.")),
         "id_column": Key("id", "str", nullable=True, doc=(
             "The column the output's `id` is copied from; null, or the default `id` absent from the input: the "
             "row numbers.")),
@@ -90,7 +108,8 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "on_too_long": Key("error", "str", ("error", "truncate_left", "truncate_right", "skip"), doc=(
             "A prompt longer than the model takes: error (a row error), truncate_left (keep its end) or "
             "truncate_right (keep its start) so that it and `max_tokens` fit, skip (written with "
-            "`finish_reason: skipped`); docs/durability.md.")),
+            "`finish_reason: skipped`); docs/durability.md. `task: loglikelihood`: truncate_left cuts the context "
+            "from the left, never the continuation.")),
     },
     "engine": job_rules("engine"),  # block_size, kv_cache_memory, ... (EngineArgs)
     "output": {
@@ -133,6 +152,7 @@ class JobConfig:
     engine: dict[str, Any]
     output: dict[str, Any]
     executor: dict[str, Any]
+    task: str = "generate"  # TOP_KEYS["task"]: what each row is
     source: str = "<job>"  # where it was read from, for messages
     explicit: set[str] = field(default_factory=set)  # key paths the job file (or --set) gave
 
@@ -203,7 +223,7 @@ def _parse_yaml(text: str, source: str) -> dict:
         raise JobError(f"{source}: the job file is empty")
     if not isinstance(raw, dict):
         raise JobError(f"{source}: the job file must be a mapping of sections "
-                       f"({', '.join(SCHEMA)} and sampling), got {type(raw).__name__}")
+                       f"({', '.join(SCHEMA)} and sampling) and keys ({', '.join(TOP_KEYS)}), got {type(raw).__name__}")
     return copy.deepcopy(raw)
 
 
@@ -255,7 +275,12 @@ def apply_set(raw: dict, item: str) -> None:
     except yaml.YAMLError as e:
         raise JobError(f"--set {item}: the value is not valid YAML: {getattr(e, 'problem', e)}") from None
     section = parts[0]
-    known = list(SCHEMA) + ["sampling"]
+    if section in TOP_KEYS:
+        if len(parts) > 1:
+            raise JobError(f"--set {item}: {section} has no sub-keys")
+        raw[section] = value
+        return
+    known = list(SCHEMA) + ["sampling"] + list(TOP_KEYS)
     if section not in known:
         raise JobError(f"--set {item}: unknown section {section!r}{_suggest(section, known)}")
     keys = _section_keys(section)
@@ -311,15 +336,23 @@ def _expand_env(node: Any, path: str, source: str) -> Any:
 def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
     sections: dict[str, dict] = {}
     explicit: set[str] = set()
+    known = [*TOP_KEYS, *SCHEMA, "sampling"]
     for name in raw:
-        if name not in SCHEMA and name != "sampling":
-            raise JobError(f"{source}: {name}: unknown section{_suggest(str(name), list(SCHEMA) + ['sampling'])}")
+        if name not in known:
+            raise JobError(f"{source}: {name}: unknown section{_suggest(str(name), known)}")
+    top = {}
+    for name, rule in TOP_KEYS.items():
+        if name in raw:
+            explicit.add(name)
+            top[name] = _check(f"{source}: {name}", raw[name], rule)
+        else:
+            top[name] = copy.deepcopy(rule.default)
     for name in SCHEMA:
         sections[name] = _validate_section(name, raw.get(name), source, explicit)
     sampling = _validate_sampling(raw.get("sampling"), source, explicit)
     cfg = JobConfig(model=sections["model"], input=sections["input"], sampling=sampling,
                     engine=sections["engine"], output=sections["output"], executor=sections["executor"],
-                    source=source, explicit=explicit)
+                    task=top["task"], source=source, explicit=explicit)
     try:  # each key passed its rule above; this is the one path LLM takes too
         cfg.engine_args()
     except EngineArgsError as e:
@@ -463,16 +496,40 @@ def _structured_section(value: Any, source: str) -> dict[str, Any]:
     return value
 
 
+# The output columns of each task, beside the id, the kept input columns and `prompt` (output.include_prompt).
+TASK_COLUMNS = {
+    "generate": ("completion", "finish_reason", "prompt_tokens", "completion_tokens", "error", "sample_index",
+                 "token_ids", "logprobs", "prompt_logprobs"),
+    "loglikelihood": ("logprob", "is_greedy", "num_tokens", "prompt_tokens", "token_ids", "error"),
+}
+# input keys that only one task reads
+_TASK_INPUT_KEYS = {"loglikelihood": ("context_column", "continuation_column"),
+                    "generate": ("prompt_column", "messages_column", "sampling_columns")}
+
+
 def _cross_checks(cfg: JobConfig) -> None:
     src, inp = cfg.source, cfg.input
+    # a key of the other task is refused once it differs from its default (a job file naming every key passes)
+    for task, keys in _TASK_INPUT_KEYS.items():
+        for key in keys:
+            if cfg.task != task and inp[key] != SCHEMA["input"][key].default:
+                raise JobError(f"{src}: input.{key}: used with task: {task} only (this job's task is {cfg.task})")
+    if cfg.task == "loglikelihood":
+        own = {f.name: f.default for f in fields(SamplingParams)}
+        given = sorted(k for k, v in cfg.sampling.items() if v != SAMPLING_DEFAULTS.get(k, own.get(k)))
+        if given:
+            raise JobError(f"{src}: sampling.{given[0]}: not used with task: loglikelihood (each row's prompt is "
+                           "scored, nothing is sampled)")
+        if inp["on_too_long"] == "truncate_right":
+            raise JobError(f"{src}: input.on_too_long: truncate_right would cut the continuation; with task: "
+                           "loglikelihood use truncate_left (cuts the context from the left), skip or error")
     if "input.prompt_column" in cfg.explicit and inp["messages_column"]:
         raise JobError(f"{src}: input.messages_column: set either prompt_column or messages_column, not both")
     names = SamplingParams.field_names() + list(STRUCTURED_KINDS)
     for k in inp["sampling_columns"]:
         if k not in names:
             raise JobError(f"{src}: input.sampling_columns.{k}: not a SamplingParams field{_suggest(str(k), names)}")
-    reserved = {"completion", "finish_reason", "prompt_tokens", "completion_tokens", "error", "sample_index",
-                "token_ids", "logprobs", "id"}
+    reserved = {"id", *TASK_COLUMNS[cfg.task]}
     if cfg.output["include_prompt"]:
         reserved.add("prompt")
     for col in inp["keep_columns"]:

@@ -140,6 +140,19 @@ class EngineArgs:
     model: str = _setting(MISSING, "str", "model.path",
         doc='The model: `builtin:NAME`, a local Hugging Face checkpoint folder, a `.gguf` file (or a folder '
             'holding one), or a Hub id already in the local Hugging Face cache. Nothing is downloaded.')
+    # where the tokenizer comes from and which snapshot of a Hub id: batchrun.model.weights.locate: check_args
+    tokenizer: str | None = _setting(None, "str", "model.tokenizer", nullable=True,
+        doc="Another tokenizer than the model's own: a folder holding one, `builtin:NAME`, a `.gguf` file, or a Hub "
+            "id already in the local Hugging Face cache. null: the model's own. Its ids must fit the model's "
+            "vocabulary.")
+    revision: str | None = _setting(None, "str", "model.revision", nullable=True,
+        doc="Which snapshot of a Hub id `path` is read from the local Hugging Face cache: a branch, a tag or a "
+            "commit hash, as huggingface_hub names them (nothing is downloaded). null: `main`. Only for a Hub id.")
+    tokenizer_revision: str | None = _setting(None, "str", "model.tokenizer_revision", nullable=True,
+        doc="The same for the tokenizer's Hub id (`tokenizer`, or the model's own); null: `revision`.")
+    trust_remote_code: bool = _setting(False, "bool", "model.trust_remote_code",
+        doc="Let transformers run the Python code a checkpoint ships for its config or tokenizer (`auto_map`). The "
+            "model itself always runs on batchrun's own code for its family.")
     # auto: float32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype on CUDA
     dtype: str = _setting("auto", "str", "model.dtype", choices=("auto", "float32", "float16", "bfloat16"),
         doc="The weights' and activations' dtype. auto: float32 on a CPU, the checkpoint's dtype on CUDA.")
@@ -198,7 +211,7 @@ class EngineArgs:
             'engine may take.')
     swap_space: int | str = _setting(0, "size", "engine.swap_space",
         doc='Host memory for swap preemption, in bytes or a size like `"8GiB"`; 0: no host pool, so a preempted '
-            'sequence is recomputed.')
+            'sequence is recomputed. (`LLM(swap_space=4)` is 4 GiB, as vLLM means it: batchrun/llm_args.py.)')
     max_num_seqs: int = _setting(256, "int", "engine.max_num_seqs", min=1,
         doc='The most sequences running in one step.')
     max_num_batched_tokens: int = _setting(4096, "int", "engine.max_num_batched_tokens", min=1,
@@ -249,6 +262,9 @@ class EngineArgs:
             why = f.metadata["rule"].problem(getattr(self, f.name))
             if why:
                 raise EngineArgsError(f.name, why)
+        swap = self.swap_space
+        if isinstance(swap, int) and not isinstance(swap, bool) and 0 < swap < 1024:
+            raise EngineArgsError("swap_space", f"{swap} bytes hold no KV block: give a size like '{swap}GiB'")
         if self.calibration != "none":
             if self.quantization not in ("int8", "int4", "int4-g32"):
                 raise EngineArgsError("calibration", f"{self.calibration} calibrates quantization int8, int4 or "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.beam_search import BeamSearchOutput, BeamSearchParams
@@ -12,6 +13,8 @@ from batchrun.build import build_engine
 from batchrun.chat import render_conversations
 from batchrun.collect import beam_search_output, in_input_order
 from batchrun.engine_args import EngineArgs
+from batchrun.inputs import TokensPrompt, check_lora_request
+from batchrun.llm_args import engine_args
 from batchrun.outputs import RequestOutput
 from batchrun.prompts import (
     PreparedRequest,
@@ -21,7 +24,7 @@ from batchrun.prompts import (
     prompt_problem,
     tokenize_prompt,
 )
-from batchrun.sampling_params import SamplingParams
+from batchrun.sampling_params import SamplingParams, scores_prompt
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,13 @@ class LLM:
     """Load a model once, then generate for batches of prompts.
 
     `LLM(model, **kwargs)` takes EngineArgs' fields as keyword arguments (see batchrun.engine_args for each
-    one's default and rule), or `LLM(EngineArgs(...))` / `LLM.from_engine_args(args)` the settings whole.
-    Every setting and the model path are checked before anything loads (ValueError naming the field).
+    one's default and rule) and vLLM's constructor arguments (batchrun.llm_args: each honoured, accepted where it
+    changes nothing here, or refused), or `LLM(EngineArgs(...))` / `LLM.from_engine_args(args)` the settings whole.
+    Every setting and the model path are checked before anything loads (ValueError naming the argument).
     """
 
     def __init__(self, model: str | EngineArgs, **kwargs: Any) -> None:
-        if isinstance(model, EngineArgs):
-            args = dataclasses.replace(model, **kwargs) if kwargs else model
-        else:
-            args = EngineArgs(model, **kwargs)
+        args = engine_args(model, kwargs)
         built = build_engine(args)
         self.args, self.seed = args, args.seed
         self.engine, self.tokenizer, self.config = built.engine, built.tokenizer, built.config
@@ -52,13 +53,23 @@ class LLM:
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         return cls(args)
 
+    # ---- vLLM's views of the loaded model ---------------------------------------------------------
+    def get_tokenizer(self):
+        """The tokenizer prompts are tokenized with (transformers')."""
+        return self.tokenizer
+
+    @functools.cached_property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's `llm.llm_engine`: its `model_config` and `tokenizer`, what clients read of it."""
+        return LLMEngine(self)
+
     # ---- inputs (batchrun/prompts.py) ------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput, where: str) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, self.config.vocab_size, prompt, where)
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
-        """None when the prompt can run, else a one-line reason (for a row error)."""
-        return prompt_problem(prompt_token_ids, self.max_model_len)
+    def check_prompt(self, prompt_token_ids: list[int], scored: bool = False) -> str | None:
+        """None when the prompt can run, else a one-line reason (for a row error); `scored`: see prompt_problem."""
+        return prompt_problem(prompt_token_ids, self.max_model_len, scored)
 
     # ---- structured outputs ----------------------------------------------------------------------
     @property
@@ -91,13 +102,24 @@ class LLM:
 
     def _prepare(self, prompts, sampling_params) -> list[PreparedRequest]:
         return prepare_requests(prompts, sampling_params, self._tokenize,
-                                lambda ids, params: self.check_prompt(ids) or self.check_structured(params))
+                                lambda ids, params: self.check_prompt(ids, scores_prompt(params)) or self.check_structured(params))
 
     # ---- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: PromptInput | list[PromptInput],
+    def generate(self, prompts: PromptInput | list[PromptInput] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in input order. Every prompt is checked before anything runs."""
+                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Outputs in input order. Every prompt is checked before anything runs. `lora_request`: None (adapters are
+        refused); `prompt_token_ids`: vLLM's older way to give TokensPrompts."""
+        check_lora_request(lora_request)
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("give prompts or prompt_token_ids, not both")
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("prompts is missing: give at least one prompt")
         requests = self._prepare(prompts, sampling_params)
         stream = ((i, {"prompt_token_ids": r.prompt_token_ids, "prompt": r.prompt}, r.params)
                   for i, r in enumerate(requests))
@@ -105,14 +127,17 @@ class LLM:
         return in_input_order(finished, len(requests), desc="generate", use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: Any = None, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation ([{role, content}, ...]) or a list of them (vLLM's `chat`).
 
         Each conversation is rendered with the tokenizer's chat template (or `chat_template`), then runs as
         `generate` on the rendered text; the template already holds the special tokens, so none are added.
-        `continue_final_message` extends the last (assistant) message instead of opening a new one."""
+        `continue_final_message` extends the last (assistant) message instead of opening a new one.
+        `lora_request`: None (adapters are refused)."""
+        check_lora_request(lora_request)
         prompts = render_conversations(self.tokenizer, messages, model_path=self.model_path,
                                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                                        add_generation_prompt=add_generation_prompt,
@@ -142,7 +167,7 @@ class LLM:
                         break
                     text, ids = self._tokenize(prompt, f"request {key!r}")
                     if not _checked:
-                        reason = self.check_prompt(ids)
+                        reason = self.check_prompt(ids, scores_prompt(sp))
                         if reason:
                             raise ValueError(f"request {key!r}: {reason}")
                     rid = f"{self._requests}"
@@ -161,14 +186,16 @@ class LLM:
 
     # ---- stepping: what the job layer drives (batchrun.pipeline.engine_api.JobEngine) -------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, score_from: int = 1) -> None:
         """Queue one request whose prompt passed `check_prompt`; `step()` hands it back as a RequestOutput
         with this `request_id` (the caller's, unique among those in flight). Without `params.seed`, its
-        random stream derives from the LLM's seed and the number of requests added before it."""
+        random stream derives from the LLM's seed and the number of requests added before it. `score_from`: with
+        `prompt_logprobs`, the first prompt token scored (a loglikelihood row's continuation: its context may come
+        from the prefix cache)."""
         _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
         seed = params.seed if params.seed is not None else derive_seed(self.seed, self._requests)
         grammar = self._grammar(params, f"request {request_id!r}")
-        self.engine.add_request(request_id, prompt, ids, params, seed, grammar=grammar)
+        self.engine.add_request(request_id, prompt, ids, params, seed, grammar=grammar, score_from=score_from)
         self._requests += 1
 
     def step(self) -> list[RequestOutput]:
@@ -213,3 +240,57 @@ class LLM:
 
     def metrics(self) -> dict[str, float | int]:
         return self.engine.metrics_dict()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """vLLM's `llm.llm_engine.model_config`: the loaded model as clients read it (the chat template is the
+    tokenizer's: `llm.get_tokenizer().chat_template`)."""
+
+    model: str  # as given to LLM
+    tokenizer: str  # the tokenizer as given (the model's when none was)
+    tokenizer_mode: str
+    trust_remote_code: bool
+    revision: str | None
+    tokenizer_revision: str | None
+    dtype: Any  # a torch.dtype
+    seed: int
+    max_model_len: int  # the engine's: the model's limit, or max_model_len, capped at what the KV cache holds
+    quantization: str | None  # None when the weights are plain
+    enforce_eager: bool
+    hf_config: Any = field(repr=False)  # the checkpoint's transformers config
+
+    @property
+    def hf_text_config(self) -> Any:
+        return self.hf_config
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model
+
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_sliding_window(self) -> int | None:
+        return getattr(self.hf_config, "sliding_window", None)
+
+
+class LLMEngine:
+    """vLLM's `llm.llm_engine`, the parts clients read: `model_config`, `tokenizer`, `get_tokenizer()`."""
+
+    def __init__(self, llm: LLM) -> None:
+        args = llm.args
+        self.model_config = ModelConfig(
+            model=args.model, tokenizer=args.tokenizer or args.model, tokenizer_mode="auto",
+            trust_remote_code=args.trust_remote_code, revision=args.revision,
+            tokenizer_revision=args.tokenizer_revision if args.tokenizer_revision is not None else args.revision,
+            dtype=llm.dtype, seed=args.seed, max_model_len=llm.max_model_len,
+            quantization=None if args.quantization == "none" else args.quantization,
+            enforce_eager=args.enforce_eager, hf_config=llm.config)
+        self.tokenizer = llm.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config

@@ -1,8 +1,30 @@
-"""What generate() returns: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What generate() returns: vLLM's RequestOutput / CompletionOutput / Logprob shapes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+class Logprob(float):
+    """A token's log-probability: this float itself (also `.logprob`, vLLM's name), with its `rank` in the
+    vocabulary (1: the most likely) and `decoded_token` (None when the request asked `detokenize=False`)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
 @dataclass
@@ -11,9 +33,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    # With SamplingParams.logprobs = N: one dict per generated token, {token_id: logprob} for the top N and
+    # With SamplingParams.logprobs = N: one dict per generated token, {token_id: Logprob} for the top N and
     # the sampled token.
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" | "length" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     # set when the text is not what was asked: a structured output cut off before its grammar completed
@@ -30,3 +52,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs = K: one entry per prompt token, None for the first, else
+    # {token_id: Logprob} for the prompt's own token and the K most likely there.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    lora_request: None = None  # vLLM's field; batchrun runs no adapters

@@ -76,7 +76,13 @@ def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
     spec = cfg.sampling.get("structured_outputs")
     if spec is None:
         return
-    from batchrun.model.weights.loader import eos_ids, load_config, load_tokenizer, resolve_path
+    from batchrun.model.weights.loader import (
+        eos_ids,
+        load_config,
+        load_tokenizer,
+        resolve_path,
+        tokenizer_path,
+    )
     from batchrun.sampling_params import SamplingParams
 
     try:
@@ -85,8 +91,9 @@ def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
         raise JobError(f"sampling.structured_outputs: {e}") from None
 
     try:
-        path = resolve_path(model.load_spec)
-        config, tokenizer = load_config(path), load_tokenizer(path)
+        path, trust = resolve_path(model.load_spec), cfg.model["trust_remote_code"]
+        config = load_config(path, trust)
+        tokenizer = load_tokenizer(tokenizer_path(model.tokenizer) if model.tokenizer else path, trust)
     except (ModelLoadError, OSError, ValueError) as e:
         raise JobError(f"model.path: cannot read the tokenizer for sampling.structured_outputs: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -135,6 +142,9 @@ def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
     fp = {**source.identity(), "prompt_column": inp["prompt_column"], "messages_column": inp["messages_column"],
           "id_column": inp["id_column"], "keep_columns": inp["keep_columns"],
           "sampling_columns": inp["sampling_columns"], "on_error": inp["on_error"]}
+    if cfg.task == "loglikelihood":  # the columns it reads instead (absent otherwise: earlier outputs resume)
+        del fp["prompt_column"], fp["messages_column"], fp["sampling_columns"]
+        fp.update(context_column=inp["context_column"], continuation_column=inp["continuation_column"])
     if inp["on_too_long"] != "error":  # absent at its default: outputs written before the key existed resume
         fp["on_too_long"] = inp["on_too_long"]
     return fp
@@ -157,14 +167,22 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     inp = cfg.input
     id_column = inp["id_column"]
     if source.format == "openai-batch":
+        if cfg.task != "generate":
+            raise JobError(f"task: {cfg.task} reads ({inp['context_column']}, {inp['continuation_column']}) rows; "
+                           "openai-batch input holds requests (a completions request with echo, logprobs and "
+                           "max_tokens 0 scores its prompt)")
         id_column = None
         for key in ("prompt_column", "messages_column", "id_column", "keep_columns", "sampling_columns"):
             if f"input.{key}" in cfg.explicit and inp[key]:
                 raise JobError(f"input.{key}: not used with openai-batch input (each request's body says "
                                "its prompt or messages and its sampling values; custom_id is the id)")
     else:
-        text_key = "messages_column" if inp["messages_column"] else "prompt_column"
-        _need_column(source, inp[text_key], f"input.{text_key}")
+        if cfg.task == "loglikelihood":
+            text_keys = ["context_column", "continuation_column"]
+        else:
+            text_keys = ["messages_column" if inp["messages_column"] else "prompt_column"]
+        for text_key in text_keys:
+            _need_column(source, inp[text_key], f"input.{text_key}")
         if id_column and not source.has_column(id_column):
             if "input.id_column" in cfg.explicit:
                 _need_column(source, id_column, "input.id_column")
@@ -187,6 +205,8 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
                    "input": _input_fingerprint(cfg, source), "sampling": cfg.sampling,
                    "output": {k: cfg.output[k] for k in ("include_prompt", "include_token_ids")},
                    "shard": str(shard) if shard else None}
+    if cfg.task != "generate":  # absent for generation: outputs written before the key existed resume
+        fingerprint["task"] = cfg.task
     for key in NUMERICS_KEYS:
         section, name = key.split(".")
         value = getattr(cfg, section)[name]
@@ -254,6 +274,8 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
     sampling, columns = cfg.sampling, cfg.input["sampling_columns"]
     max_len = cfg.model["max_model_len"] or (plan.model.max_position_embeddings if plan.model else None)
     max_tokens = sampling.get("max_tokens", SamplingParams().max_tokens)
+    if cfg.task == "loglikelihood":
+        max_tokens, columns = 0, {}  # a scored row is its prompt alone
     n = 1 if "n" in columns else int(sampling.get("n", 1))
     rows = None if plan.total is None else max(0, plan.total - plan.status.committed)
     seqs = min(cfg.engine["max_num_seqs"], rows * n if rows is not None else cfg.engine["max_num_seqs"])
@@ -261,12 +283,17 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
         return None
     longest = 0
     if max_tokens is not None and "max_tokens" not in columns:
-        key = None if plan.source.format == "openai-batch" else \
-            (cfg.input["messages_column"] or cfg.input["prompt_column"])
+        if plan.source.format == "openai-batch":
+            keys: list[str | None] = [None]
+        elif cfg.task == "loglikelihood":  # a context and its continuation (and a token for an empty context)
+            keys = [cfg.input["context_column"], cfg.input["continuation_column"]]
+        else:
+            keys = [cfg.input["messages_column"] or cfg.input["prompt_column"]]
         read = 0
         try:
-            for batch in plan.row_slice(plan.status.committed).read(plan.source, [key] if key else None):
-                longest = max([longest, *(_prompt_bytes(row, key) for _, _, row in batch)])
+            for batch in plan.row_slice(plan.status.committed).read(plan.source, keys if keys[0] else None):
+                longest = max([longest, *(len(keys) - 1 + sum(_prompt_bytes(row, k) for k in keys)
+                                          for _, _, row in batch)])
                 read += len(batch)
                 if read >= KV_SAMPLE_ROWS:
                     break
@@ -290,7 +317,8 @@ def _output_spec(cfg: JobConfig, source: Source, id_column: str | None) -> Outpu
         include_prompt=cfg.output["include_prompt"], include_token_ids=cfg.output["include_token_ids"],
         sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
         logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
-        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"])
+        prompt_logprobs=cfg.sampling.get("prompt_logprobs") is not None or "prompt_logprobs" in sampling_cols,
+        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"], task=cfg.task)
     if id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
     return spec
@@ -310,5 +338,6 @@ def describe_plan(plan: JobPlan) -> str:
     model = plan.cfg.model["path"]
     if plan.model is not None and plan.model.hub_id:
         model += f" (from the Hugging Face cache: {plan.model.path})"
+    task = f"; task {plan.cfg.task}" if plan.cfg.task != "generate" else ""
     return (f"ok: model {model}; input {src.path} ({src.format}, {rows} rows{shard}); "
-            f"output {plan.out_dir} {what}{on}")
+            f"output {plan.out_dir} {what}{on}{task}")

@@ -1,15 +1,16 @@
 """Request building for `LLM`: prompts and sampling params checked and tokenized before anything runs, one set of
-checks for `generate`, `chat`, `stream` and `beam_search`, each ValueError naming the prompt (`prompts[3]: ...`)."""
+checks for `generate`, `chat`, `stream` and `beam_search`, each ValueError naming the prompt (`prompts[3]: ...`).
+A prompt is vLLM's PromptType (batchrun/inputs.py): text, a TextPrompt or a TokensPrompt."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from batchrun.inputs import UNSUPPORTED_PROMPT_KEYS, PromptType
 from batchrun.sampling_params import SamplingParams
 
-PromptInput = Any  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
+PromptInput = PromptType  # str | TextPrompt {"prompt": str} | TokensPrompt {"prompt_token_ids": list[int]}
 
 
 @dataclass
@@ -24,6 +25,9 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: PromptInput, where: str)
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, dict):
+        unsupported = next((k for k in UNSUPPORTED_PROMPT_KEYS if prompt.get(k) is not None), None)
+        if unsupported:
+            raise ValueError(f"{where}: {unsupported} is not supported: {UNSUPPORTED_PROMPT_KEYS[unsupported]}")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
@@ -38,14 +42,18 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: PromptInput, where: str)
                      f"got {type(prompt).__name__}")
 
 
-def prompt_problem(prompt_token_ids: list[int], max_model_len: int) -> str | None:
-    """None when the prompt can run, else a one-line reason (a row error in a job, a ValueError in the API)."""
+def prompt_problem(prompt_token_ids: list[int], max_model_len: int, scored: bool = False) -> str | None:
+    """None when the prompt can run, else a one-line reason (a row error in a job, a ValueError in the API). A
+    scored prompt (`scores_prompt`) may fill max_model_len: it then generates nothing and ends by length."""
     n = len(prompt_token_ids)
     if n == 0:
         return "empty prompt"
-    if n >= max_model_len:
+    if scored and n > max_model_len:
+        return f"prompt has {n} tokens; max_model_len={max_model_len} scores at most {max_model_len}"
+    if not scored and n >= max_model_len:
         return f"prompt has {n} tokens, leaving no room to generate within max_model_len={max_model_len}"
     return None
+
 
 
 def derive_seed(base: int, index: int) -> int:

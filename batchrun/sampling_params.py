@@ -121,6 +121,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # a JSON schema, regex, choice or grammar the output must follow (a mapping of its fields is taken too)
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # K: each prompt token's log-probability and the K most likely there
+    # the Python API's only (vLLM's names): not job keys
+    detokenize: bool = True  # False: no text, no decoded tokens in the log-probabilities
+    spaces_between_special_tokens: bool = True  # accepted; the tokenizer's own decoding decides
+    logits_processors: list | None = None  # vLLM's hook: only None or [] (batchrun runs none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,8 +168,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            bad("max_tokens", "must be an integer >= 0 (0: the prompt only; None for up to max_model_len)")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -177,15 +182,23 @@ class SamplingParams:
             bad("seed", "must be an integer or None")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0 or None")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "must be an integer >= 0 or None")
+        if self.logits_processors:
+            bad("logits_processors", "is not supported (batchrun runs no Python logits processors; "
+                                     "structured_outputs constrains the output)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
 
     @classmethod
     def field_names(cls) -> list[str]:
         """The user-settable fields (what a job file's `sampling:` section may name)."""
-        return [f.name for f in fields(cls) if not f.name.startswith("_")]
+        return [f.name for f in fields(cls) if not f.name.startswith("_") and f.name not in API_ONLY]
 
+
+API_ONLY = ("detokenize", "spaces_between_special_tokens", "logits_processors")  # not job keys
 
 # What each field means, for a user: the `sampling:` section of docs/jobs.md is generated from these and the
 # fields' defaults (docs/gen_jobs.py; tests/test_docs.py fails when a field has no entry here).
@@ -199,7 +212,7 @@ FIELD_DOCS: dict[str, str] = {
     "presence_penalty": "Subtracted from the logit of every token already generated, in [-2, 2].",
     "frequency_penalty": "Subtracted from a token's logit once per time it was generated, in [-2, 2].",
     "max_tokens": "The most tokens generated; a completion ends earlier at the end of sequence or a stop. "
-                  "null: up to max_model_len.",
+                  "0: none (the prompt only, e.g. for `prompt_logprobs`); null: up to max_model_len.",
     "min_tokens": "End of sequence and stop tokens are banned until this many tokens are generated.",
     "stop": "A string or a list of strings that end the completion (not included unless "
             "`include_stop_str_in_output`).",
@@ -210,7 +223,15 @@ FIELD_DOCS: dict[str, str] = {
     "logprobs": "N: for each generated token, the log-probabilities of the N most likely tokens and of the drawn one.",
     "include_stop_str_in_output": "Keep the stop string that ended the completion in its text.",
     "skip_special_tokens": "Leave special tokens out of the text.",
+    "prompt_logprobs": "K: for each prompt token after the first, its log-probability, its rank and the K most "
+                       "likely tokens there (a `prompt_logprobs` column in a job).",
     "structured_outputs": "Constrain the output: one of `{json: <schema>}` (`json_file: schema.json` in a job file), "
                           "`{regex: ...}`, `{choice: [a, b]}`, `{grammar: <EBNF>}`, `{json_object: true}`; "
                           "`disable_any_whitespace: true` for compact JSON. Needs `batchrun[structured]`.",
 }
+
+
+def scores_prompt(params: SamplingParams | None) -> bool:
+    """A request that asks for its prompt's log-probabilities or generates nothing: its prompt may fill the
+    context (an evaluation harness's windows of exactly max_model_len tokens)."""
+    return params is not None and (params.prompt_logprobs is not None or params.max_tokens == 0)

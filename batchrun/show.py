@@ -1,9 +1,10 @@
 """`batchrun show OUTPUT`: the first rows of an output folder as a table a person reads in a terminal.
 
 OUTPUT is a job's Parquet output folder, a folder of job-array shards (shard-I-of-N/, shown in shard
-order with a `shard` column), or an OpenAI batch output folder (output.jsonl: custom_id, completion, error). Only the rows shown are read. By default the columns are the id, the question
-(a chat `messages` column as its last user message, else the prompt), the completion, and the error when a
-shown row has one. Long cells are wrapped to the terminal's width.
+order with a `shard` column), or an OpenAI batch output folder (output.jsonl: custom_id, completion, error). Only
+the rows shown are read. By default the columns are the id, the question (a chat `messages` column as its last user
+message, else the prompt), the completion (a loglikelihood job's `logprob`, `is_greedy` and `num_tokens`), and the
+error when a shown row has one. Long cells are wrapped to the terminal's width.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from batchrun.output.folder import OPENAI_OUTPUT, SHARD_RE
 from batchrun.output.parts import part_files
 
 QUESTION_COLUMNS = ("messages", "prompt")  # the first one present is shown as the question
+SCORE_COLUMNS = ("logprob", "is_greedy", "num_tokens")  # a loglikelihood job's answer
 
 
 def output_folders(output: Path) -> list[tuple[str | None, Path]]:
@@ -92,7 +94,7 @@ def _rows_of(folder: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
 def default_columns(names: list[str], rows: list[dict[str, Any]]) -> list[str]:
     cols = [c for c in ("shard", "id", "custom_id") if c in names]
     cols += [c for c in QUESTION_COLUMNS if c in names][:1]
-    cols += [c for c in ("completion",) if c in names]
+    cols += [c for c in ("completion", *SCORE_COLUMNS) if c in names]
     if "error" in names and any(r.get("error") for r in rows):
         cols.append("error")
     return cols

@@ -9,6 +9,8 @@ results.json, report.md and throughput.png into --out.
     python -m benchmarks.run --model tiny         # one plan
     python -m benchmarks.run --quick              # a seconds-long end-to-end check of the harness
     python -m benchmarks.run --rounds 2 --model quant   # the quantized 1B rows beside the bf16 one
+    python -m benchmarks.run --rounds 2 --model loglik  # scoring four-choice items (an evaluation harness's work)
+    python -m benchmarks.run --quick --model loglik     # a seconds-long check of the loglikelihood rows
     python -m benchmarks.run --model tiny --scenarios none --llm-kwargs '{"max_num_seqs": 128}'
 """
 
@@ -30,10 +32,12 @@ from typing import Any
 
 from benchmarks.harness import report
 from benchmarks.harness.clock import best_of
+from benchmarks.harness.loglik import build_items
 from benchmarks.harness.plans import (
     BLOCK_SIZE,
     DEFAULT_PLANS,
     HF_PAGE_SIZE,
+    LOGLIK_PLANS,
     PLANS,
     QUANT_PLANS,
     QUICK,
@@ -42,6 +46,7 @@ from benchmarks.harness.plans import (
     VLLM_NGRAM,
     Plan,
     headline_workload,
+    quick_plans,
     select_plans,
 )
 from benchmarks.harness.runner import ROOT, Runner
@@ -150,6 +155,53 @@ def run_model(plan: Plan, runner: Runner, scenarios: tuple[str, ...], llm_kwargs
     return m
 
 
+def run_loglik(plan: Plan, runner: Runner, llm_kwargs: dict[str, Any], repeat: int = 1,
+               vllm: VllmSetup | None = None, rounds: int = 1) -> dict[str, Any]:
+    """A loglikelihood plan: its items (harness/loglik.py) scored by batchrun as its jobs run, batchrun through vLLM's
+    names and vLLM, in turn (`rounds` times, each keeping its fastest), then transformers once; each in its own
+    process. batchrun and vLLM get the KV budget a batchrun job would size: max_num_seqs sequences of the longest
+    request."""
+    from batchrun.engine_args import EngineArgs
+    from batchrun.model.weights.builtin import builtin_path
+
+    path = builtin_path(plan.builtin)
+    wl = build_items(path, plan.num_requests, plan.seed)
+    shape = ModelShape.from_checkpoint(path)
+    shape = ModelShape(**{**shape.__dict__, "dtype_bytes": 2 if plan.dtype == "bfloat16" else 4})
+    br_kwargs = {"block_size": BLOCK_SIZE, "dtype": plan.dtype, **plan.batchrun_kwargs, **llm_kwargs}
+    seqs = br_kwargs.get("max_num_seqs") or {f.name: f.default for f in dataclasses.fields(EngineArgs)}["max_num_seqs"]
+    kv_blocks = seqs * math.ceil(wl.max_len / BLOCK_SIZE)
+    kv_bytes = kv_blocks * BLOCK_SIZE * shape.kv_bytes_per_token
+    br_kwargs = {"num_kv_blocks": kv_blocks, **br_kwargs}
+    base = {"model_path": str(path), "loglik": wl.to_json(), "repeat": repeat}
+    s = wl.summary()
+    runner.log(f"[{plan.key}] {plan.builtin}: {len(wl)} items x {wl.num_choices} choices, {s['request_tokens']} "
+               f"request tokens ({s['scored_tokens']} scored), KV {kv_blocks} blocks ({kv_bytes / 2**20:.1f} MiB)")
+    headline: list[tuple[str, str, Callable[[str], dict[str, Any]]]] = [
+        ("batchrun", f"{plan.key}-batchrun", lambda name: runner(name, {**base, "task": "loglik_batchrun",
+                                                                        "llm_kwargs": br_kwargs})),
+        ("batchrun", f"{plan.key}-batchrun-generate",
+         lambda name: runner(name, {**base, "task": "loglik_batchrun_generate", "llm_kwargs": br_kwargs}))]
+    if plan.vllm and vllm is not None:
+        vllm_kv = max(kv_bytes, seqs * math.ceil(wl.max_len / 16) * 16 * shape.kv_bytes_per_token)
+        headline.append(("vllm", f"{plan.key}-vllm", lambda name: vllm.run(
+            runner, name, {**base, "task": "loglik"}, plan.dtype, vllm_kv, wl.max_len, plan.vllm_kwargs)))
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for _, name, _ in headline}
+    for r in range(rounds):
+        for _, name, call in headline:
+            per_round[name].append(call(name if rounds == 1 else f"{name}-round{r + 1}"))
+    runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "vllm": [], "hf": []}
+    for kind, name, _ in headline:
+        runs[kind].append(_fastest(per_round[name]))
+    for bs in plan.static_batches:  # once, after the rounds, as the generation plans' transformers rows
+        runs["hf"].append(runner(f"{plan.key}-hf-b{bs}", {**base, "task": "loglik_hf", "batch_size": bs,
+                                                           "dtype": plan.dtype}))
+    return {"key": plan.key, "kind": "loglik", "model": plan.builtin, "model_path": str(path), "dtype": plan.dtype,
+            "shape": shape.__dict__, "workload": s, "gold": [it["gold"] for it in wl.items], "block_size": BLOCK_SIZE,
+            "kv_blocks": kv_blocks, "kv_bytes": kv_bytes, "runs": runs, "llm_kwargs": br_kwargs, "note": plan.note,
+            "plan": {"workload": "loglik"}}
+
+
 def vllm_base(plan: Plan, base: dict[str, Any]) -> dict[str, Any]:
     """The vLLM worker's base spec: the plan's checkpoint, or the quantized copy the plan asks for (made here, once);
     {"error": ..., "config": ...} (a failed row) when the copy cannot be made."""
@@ -196,6 +248,7 @@ def _strip_outputs(m: dict[str, Any]) -> None:
     for variants in m["runs"].values():
         for v in variants:
             v.pop("outputs", None)
+            v.pop("scores", None)
 
 
 def _peer(res: dict[str, Any], runner: Runner, key: str, label: str, setup: Callable[[int], PeerSetup]
@@ -212,9 +265,10 @@ def _peer(res: dict[str, Any], runner: Runner, key: str, label: str, setup: Call
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="all",
-                    help=f"comma-separated plans of {','.join(PLANS)}, and groups: 'all' ({','.join(DEFAULT_PLANS)}), "
-                         f"'quant' ({','.join(QUANT_PLANS)})")
+    ap.add_argument("--model", default=None,
+                    help=f"comma-separated plans of {','.join(PLANS)}, and groups: 'all' ({','.join(DEFAULT_PLANS)}, "
+                         f"the default), 'quant' ({','.join(QUANT_PLANS)}), 'loglik' ({','.join(LOGLIK_PLANS)}); "
+                         "with --quick, a loglikelihood plan asks for the quick loglikelihood check")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out (no venv is made)")
     ap.add_argument("--no-openvino", action="store_true", help="leave OpenVINO GenAI out (no venv is made)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers' baselines out")
@@ -240,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         ap.error(f"unknown scenarios {sorted(unknown)}; choose from {','.join(SCENARIOS)}")
+    keys = select_plans(args.model or "all")
+    if set(keys) - set(PLANS):
+        ap.error(f"unknown plans {sorted(set(keys) - set(PLANS))}; choose from {','.join(PLANS)}")
     if args.quick:
-        plans = [QUICK]
+        plans = quick_plans(keys) if args.model else [QUICK]
     else:
-        keys = select_plans(args.model)
-        if set(keys) - set(PLANS):
-            ap.error(f"unknown plans {sorted(set(keys) - set(PLANS))}; choose from {','.join(PLANS)}")
         plans = [PLANS[k] for k in keys]
     if args.no_hf:
         plans = [dataclasses.replace(p, static_batches=(), cb_requests_per_step=()) for p in plans]
@@ -278,9 +332,13 @@ def main(argv: list[str] | None = None) -> int:
 
         openvino = _peer(res, runner, "openvino", "OpenVINO GenAI", OpenvinoSetup)
     for plan in plans:
-        m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
-                      max(1, args.rounds), openvino)
-        m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"))
+        if plan.workload == "loglik":
+            m = run_loglik(plan, runner, args.llm_kwargs, max(1, args.repeat), vllm, max(1, args.rounds))
+            m["derived"] = report.derive_loglik(m)
+        else:
+            m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
+                          max(1, args.rounds), openvino)
+            m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"))
         _strip_outputs(m)
         res["models"][plan.key] = m
     report.link_baselines(res)

@@ -1,7 +1,7 @@
 """Generate the key reference of docs/jobs.md from the declarations the job file is checked against.
 
 The `model:` and `engine:` keys are EngineArgs' fields (batchrun/engine_args.py), `input:`, `output:` and
-`executor:` are config.SCHEMA's, and `sampling:` is SamplingParams' fields with the job's own defaults
+`executor:` are config.SCHEMA's, the keys beside the sections (`task:`) config.TOP_KEYS', and `sampling:` is SamplingParams' fields with the job's own defaults
 (config.SAMPLING_DEFAULTS); each declaration carries its meaning (`doc=`, sampling_params.FIELD_DOCS). So a default,
 an allowed value or a new key cannot differ between the code and the page: tests/test_docs.py fails when the page
 is not what this script writes.
@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from batchrun.config import SAMPLING_DEFAULTS, SCHEMA, describe_type
+from batchrun.config import SAMPLING_DEFAULTS, SCHEMA, TOP_KEYS, describe_type
 from batchrun.engine_args import Rule
 from batchrun.sampling_params import FIELD_DOCS, SamplingParams
 
@@ -104,18 +104,23 @@ def sampling_rows() -> list[tuple[str, str, str, str]]:
 
 def section_rows(section: str) -> list[tuple[str, str, str, str]]:
     if section == "sampling":
-        return sampling_rows()
+        return [(f"sampling.{key}", *rest) for key, *rest in sampling_rows()]
+    return _rule_rows(SCHEMA[section], f"{section}.")
+
+
+def _rule_rows(rules: dict[str, Rule], prefix: str) -> list[tuple[str, str, str, str]]:
     rows = []
-    for key, rule in SCHEMA[section].items():
+    for key, rule in rules.items():
         if not rule.doc:
-            raise KeyError(f"{section}.{key} has no doc= in its declaration (batchrun/engine_args.py or config.py)")
-        rows.append((key, allowed(rule), _default(rule), rule.doc))
+            raise KeyError(f"{prefix}{key} has no doc= in its declaration (batchrun/engine_args.py or config.py)")
+        rows.append((f"{prefix}{key}", allowed(rule), _default(rule), rule.doc))
     return rows
 
 
 def example_job() -> list[str]:
     """Every key of every section at its default (required keys with an example value)."""
     lines = ["```yaml"]
+    lines += [f"{key}: {yaml_value(rule.default)}" for key, rule in TOP_KEYS.items()] + [""]
     for section in SECTIONS:
         lines.append(f"{section}:")
         if section == "sampling":
@@ -134,10 +139,11 @@ def example_job() -> list[str]:
 def generate() -> str:
     """The generated part of docs/jobs.md, markers included."""
     out = [BEGIN, ""]
-    for section in SECTIONS:
-        out += [f"### `{section}:`", "", "| key | value | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{section}.{key}` | {_cell(kind)} | {_cell(default)} | {_cell(doc)} |"
-                for key, kind, default, doc in section_rows(section)]
+    tables = [("Beside the sections", _rule_rows(TOP_KEYS, ""))]
+    tables += [(f"`{section}:`", section_rows(section)) for section in SECTIONS]
+    for title, rows in tables:
+        out += [f"### {title}", "", "| key | value | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(doc)} |" for key, kind, default, doc in rows]
         out.append("")
     out += ["### Every key at its default", "",
             "A job file naming every key with its default (the three paths are examples: they are required).", ""]

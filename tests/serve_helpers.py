@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,3 +61,26 @@ def raw_request(method: str, url: str, *, key: str | None = None, body: bytes | 
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def serving(settings, options, state_dir):
+    """A `batchrun serve` in this process (uvicorn in a thread) until the block ends; yields its Server."""
+    import uvicorn
+
+    from batchrun.serve.server import build
+
+    built = build(settings, options, str(state_dir))
+    uv = uvicorn.Server(built.config())
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield built
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        built.store.close()

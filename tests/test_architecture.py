@@ -169,7 +169,7 @@ def test_serve_is_a_top_layer():
 # belongs to exactly one layer (test_every_module_has_a_layer), so a new one must be placed here.
 LAYERS: list[tuple[str, ...]] = [
     # the package root serves the API names (LLM, SamplingParams, ...) lazily, from every layer below
-    ("batchrun.cli", "batchrun"),
+    ("batchrun.cli", "batchrun", "batchrun.vllm_compat"),
     ("batchrun.serve",),
     ("batchrun.job", "batchrun.report", "batchrun.show"),
     ("batchrun.distributed",),
@@ -178,7 +178,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchrun.output",),
     ("batchrun.io",),
     ("batchrun.config",),
-    ("batchrun.llm", "batchrun.build", "batchrun.prompts", "batchrun.chat", "batchrun.collect"),
+    ("batchrun.llm", "batchrun.build", "batchrun.prompts", "batchrun.chat", "batchrun.collect", "batchrun.llm_args"),
     ("batchrun.engine", "batchrun.structured"),
     # the model's rooms, top to bottom
     ("batchrun.model.runner",),
@@ -194,7 +194,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchrun.kernels",),
     # leaves: plain data and helpers shared by every layer above
     ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.outputs", "batchrun.beam_search",
-     "batchrun.progress", "batchrun.timeseries", "batchrun.paths"),
+     "batchrun.progress", "batchrun.timeseries", "batchrun.paths", "batchrun.inputs"),
 ]
 
 

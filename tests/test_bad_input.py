@@ -9,7 +9,7 @@ from batchrun.model.weights.loader import ModelLoadError
 
 BAD_FIELDS = [
     ("n", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("max_tokens", 0),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("prompt_logprobs", -1),
     ("max_tokens", -1), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", "x"),
     ("logprobs", -1), ("ignore_eos", "yes"), ("temperature", "hot"), ("max_tokens", 2.5),
 ]

@@ -522,3 +522,164 @@ def test_report_gives_quantized_rows_their_ratio_to_the_bf16_row():
     assert "vs_baseline" not in models["llama1b-int4"]["derived"]  # its baseline did not run: no ratio
     line = next(x for x in summary_table(res) if "int8 weights" in x)
     assert "| 1.50x (1.80x) |" in line
+
+
+# ---- the loglikelihood rows: items, scoring as the clients do it, the report --------------------------------
+
+
+def test_loglik_items_are_the_repositorys_text_built_the_same_every_time(tiny_llama_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.harness.loglik import DISTINCT_PREFIX, build_items, passages
+
+    a = build_items(tiny_llama_path, num_items=16, seed=0)
+    assert a.items == build_items(tiny_llama_path, num_items=16, seed=0).items
+    assert build_items(tiny_llama_path, num_items=16, seed=1).meta["fingerprint"] != a.meta["fingerprint"]
+    assert len(a) == 16 and len(a.requests()) == 64 and sum(a.meta["sources"].values()) == 16
+    tok = AutoTokenizer.from_pretrained(tiny_llama_path)
+    texts = [(p.source, " ".join(p.sentences)) for p in passages()]
+    for it in a.items:
+        ctx, choices, gold = it["context"], it["choices"], it["gold"]
+        assert 50 <= len(ctx) <= 300 and len(choices) == 4 and 0 <= gold < 4
+        assert all(6 <= len(c) <= 64 for c in choices) and len({tuple(c) for c in choices}) == 4
+        # the context, then its answer: running text of a passage of the item's source; the context tokenized as a
+        # prompt alone
+        own = [t for source, t in texts if source == it["source"] and tok.decode(ctx + choices[gold]) in t]
+        assert own and ctx == tok(tok.decode(ctx), add_special_tokens=True)["input_ids"]
+        # each distractor is a sentence from another passage
+        for c in choices[:gold] + choices[gold + 1:]:
+            assert not any(tok.decode(c).strip() in t for t in own)
+    assert len({tuple(it["context"][:DISTINCT_PREFIX]) for it in a.items}) == 16  # no KV block shared across items
+    assert len({it["gold"] for it in a.items}) > 1
+
+
+def test_loglik_scores_read_as_the_clients_read_them():
+    from types import SimpleNamespace as LP
+
+    from benchmarks.harness.loglik import answers, lm_eval_order, score_prompt_logprobs
+
+    reqs = [([1, 2], [3]), ([1, 2, 3], [4, 5]), ([9], [8, 7]), ([1, 2], [4])]
+    assert lm_eval_order(reqs) == [1, 0, 3, 2]  # longest first; equal lengths by their tokens, ascending
+    ids = [5, 6, 7, 8]
+    entries = [None, {6: LP(logprob=-1.0, rank=1)}, {7: LP(logprob=-0.5, rank=1)},
+               {8: LP(logprob=-2.0, rank=2), 3: LP(logprob=-0.1, rank=1)}]
+    assert score_prompt_logprobs(entries, ids, 2) == (-2.5, False)  # 3 is more likely than 8 at the last position
+    assert score_prompt_logprobs(entries, ids, 2, by_rank=True) == (-2.5, False)
+    assert score_prompt_logprobs(entries[:3], ids[:3], 1) == (-1.5, True)
+    assert score_prompt_logprobs(entries[:3], ids[:3], 1, by_rank=True) == (-1.5, True)
+    assert answers([[-3, 0], [-1, 0], [-2, 1], [-9, 0], [-2, 0], [-2, 0]], 3) == [1, 1]  # a tie: the first
+
+
+def test_lm_eval_hf_scores_equal_a_direct_log_softmax(tiny_llama_path):
+    """The transformers row's scorer (batches, right padding, the input less its last token) against each request
+    alone through the model and a log_softmax: the same sums and greedy flags."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.harness.worker import lm_eval_hf_scores
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    reqs = [(torch.randint(3, 500, (n,), generator=g).tolist(), torch.randint(3, 500, (k,), generator=g).tolist())
+            for n, k in ((12, 3), (30, 5), (7, 1), (19, 4), (25, 2))]
+    with torch.inference_mode():  # a continuation that is the greedy one: its flag must come out True
+        ctx = reqs[0][0]
+        cont = []
+        for _ in range(3):
+            cont.append(int(model(torch.tensor([ctx + cont])).logits[0, -1].argmax()))
+        reqs.append((ctx, cont))
+        want = []
+        for ctx, cont in reqs:
+            lp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].float(), dim=-1)
+            rows = lp[len(ctx) - 1: len(ctx) + len(cont) - 1]
+            want.append((float(sum(rows[j, t] for j, t in enumerate(cont))),
+                         bool((rows.argmax(-1) == torch.tensor(cont)).all())))
+    got = lm_eval_hf_scores(model, reqs, batch_size=2)
+    assert [g for _, g in got] == [w for _, w in want] and got[-1][1] is True
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4)
+
+
+def test_loglik_plans_build_their_rows(monkeypatch, tiny_llama_path):
+    """run_loglik's worker specs (no worker runs): the job way and vLLM's generate for batchrun, vLLM and transformers
+    in the plan's dtype, the KV budget a job sizes; and the group and quick-mode plans."""
+    from batchrun.model.weights import builtin
+    from benchmarks import run
+    from benchmarks.harness.plans import (
+        DEFAULT_PLANS,
+        LOGLIK_PLANS,
+        PLANS,
+        QUICK,
+        QUICK_LOGLIK,
+        quick_plans,
+        select_plans,
+    )
+
+    assert select_plans("loglik") == LOGLIK_PLANS and not set(LOGLIK_PLANS) & set(DEFAULT_PLANS)
+    assert quick_plans(("loglik-bf16", "tiny", "loglik-fp32")) == [QUICK_LOGLIK, QUICK]
+    monkeypatch.setattr(builtin, "builtin_path", lambda name: tiny_llama_path)
+    cap = _Captured()
+    plan = dataclasses.replace(PLANS["loglik-bf16"], num_requests=5)
+    m = run.run_loglik(plan, cap, {}, vllm=cap.peer(cap.vllm))
+    assert [s["task"] for s in cap.batchrun] == ["loglik_batchrun", "loglik_batchrun_generate", "loglik_hf"]
+    max_len = max(len(it["context"]) + len(c) for it in cap.batchrun[0]["loglik"]["items"] for c in it["choices"])
+    kw = cap.batchrun[0]["llm_kwargs"]
+    assert kw["dtype"] == "bfloat16" and kw["num_kv_blocks"] == 256 * math.ceil(max_len / kw["block_size"])
+    assert cap.batchrun[2]["batch_size"] == 32 and cap.batchrun[2]["dtype"] == "bfloat16"
+    (vl,) = cap.vllm
+    assert vl["base"]["task"] == "loglik" and vl["dtype"] == "bfloat16" and vl["kv_bytes"] >= m["kv_bytes"]
+    assert len(m["runs"]["batchrun"]) == 2 and len(m["gold"]) == 5 and m["kind"] == "loglik"
+
+
+def test_loglik_report_counts_agreement_and_the_ratio_to_the_fastest_peer():
+    from benchmarks.harness.report import derive_loglik, markdown
+
+    def run(scores, wall, **kw):
+        return {"scores": scores, "wall_s": wall, "items": 2, "scored_tokens": 40, "request_tokens": 400, **kw}
+
+    ref = [[-1, True], [-2, False], [-3, False], [-1, False], [-4, False], [-2, False]]  # answers 0, 1
+    flip = [[-1, True], [-2, False], [-3, False], [-3, False], [-2.5, False], [-2, False]]  # answers 0, 2
+    m = {"key": "loglik", "kind": "loglik", "model": "m", "dtype": "bfloat16", "gold": [0, 2], "kv_bytes": 2**20,
+         "kv_blocks": 16, "block_size": 8,
+         "workload": {"items": 2, "choices": 3, "requests": 6, "context_len_min": 50, "context_len_max": 60,
+                      "context_len_mean": 55, "continuation_len_min": 6, "continuation_len_max": 8,
+                      "continuation_len_mean": 7, "scored_tokens": 40, "request_tokens": 400},
+         "runs": {"batchrun": [run(ref, 1.0, config={"api": "add_request + step, score_from"})],
+                  "vllm": [run(flip, 2.5)], "hf": [run(ref, 4.0, config={"batch_size": 32}), {"error": "oom"}]}}
+    d = derive_loglik(m)
+    assert d["systems"]["batchrun"]["best"]["accuracy"] == 0.5 and d["systems"]["vllm"]["best"]["accuracy"] == 1.0
+    cmp = d["systems"]["vllm"]["best"]["vs_batchrun"]
+    assert cmp["answers_agree"] == 1 and cmp["max_abs_diff"] == pytest.approx(2.0) and cmp["greedy_agree"] == 6
+    assert d["systems"]["hf"]["best"]["vs_batchrun"]["answers_agree"] == 2
+    assert d["fastest_peer"]["system"] == "vllm" and d["fastest_peer"]["ratio"] == pytest.approx(2.5)
+    assert d["targets"][0]["met"] is True and len(d["agreement"]) == 3
+    m["derived"] = d
+    res = {"mode": "full", "command": "x", "started": "now", "peak": {"matmul_n": 1, "peak_flops": 1, "median_flops": 1,
+                                                                    "samples": 1},
+           "env": {"cpu": "c", "threads": 2, "torch": "t", "transformers": "t", "python": "p", "loadavg_start": "0"},
+           "models": {"loglik": m}}
+    md = markdown(res)
+    assert "## Loglikelihood: m (bf16)" in md and "| 2.50x |" in md and "| batchrun, job way | vLLM CPU" in md
+    assert "generated tokens/s" not in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_loglik_benchmark_end_to_end(tmp_path):
+    """`--quick --model loglik`: every system scores the tiny model's items; in fp32 their sums agree with
+    batchrun's."""
+    from benchmarks.peers.vllm import env as vllm_env
+    from benchmarks.run import main
+
+    with_vllm = vllm_env.is_ready()  # a test never downloads it
+    assert main(["--quick", "--model", "loglik", "--out", str(tmp_path), *([] if with_vllm else ["--no-vllm"])]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    m = res["models"]["loglik-tiny"]
+    d = m["derived"]
+    items = m["workload"]["items"]
+    assert items == 6 and "## Loglikelihood: tiny-llama (fp32)" in (tmp_path / "report.md").read_text()
+    rows = d["systems"]["batchrun"]["variants"] + [d["systems"][s]["best"] for s in
+                                                    ("hf", *(["vllm"] if with_vllm else []))]
+    assert all(r and not r.get("error") and r["items_s"] > 0 and r["peak_rss_mb"] > 0 for r in rows), rows
+    assert rows[0]["prefix_cache_hit_tokens"] > 0  # the job way: an item's choices share their context
+    for r in rows[1:]:
+        assert r["vs_batchrun"]["items"] == items and r["vs_batchrun"]["max_abs_diff"] < 1e-3
+    assert "ratio" in d["fastest_peer"]

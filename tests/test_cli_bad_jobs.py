@@ -76,7 +76,7 @@ CASES = {
     "wrong type": (lambda d: good_job(d, engine={"max_num_seqs": "lots"}), [],
                    "engine.max_num_seqs: expected an integer, got 'lots' (str)"),
     "negative max_tokens": (lambda d: good_job(d, sampling={"max_tokens": -3}), [],
-                            "sampling.max_tokens: must be an integer >= 1"),
+                            "sampling.max_tokens: must be an integer >= 0"),
     "missing input": (lambda d: good_job(d, input={"path": str(d / "nope.parquet")}), [],
                       "input.path: {d}/nope.parquet does not exist"),
     "unreadable parquet": (lambda d: good_job(d, input={"path": str(d / "bad.parquet")}), [],

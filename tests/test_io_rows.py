@@ -69,7 +69,7 @@ def test_sampling_columns_per_row():
     assert (tasks[0].params.max_tokens, tasks[0].params.temperature, tasks[0].params.seed) == (3, 0.5, 9)
     assert (tasks[1].params.max_tokens, tasks[1].params.temperature, tasks[1].params.seed) == (128, 0.0, 101)
     assert tasks[2].params.max_tokens == 4
-    assert tasks[3].error.startswith("sampling max_tokens: must be an integer >= 1")
+    assert tasks[3].error.startswith("sampling max_tokens: must be an integer >= 0")
     assert tasks[4].error.startswith("sampling max_tokens: expected an integer")
 
 

@@ -29,8 +29,9 @@ def error_of(extra: str = "", overrides=(), text: str | None = None) -> str:
 
 def test_defaults():
     cfg = parse()
-    assert cfg.model == {"path": "builtin:tiny-llama", "dtype": "auto", "quantization": "none",
-                         "quantize_lm_head": False, "calibration": "none", "device": "auto",
+    assert cfg.model == {"path": "builtin:tiny-llama", "tokenizer": None, "revision": None,
+                         "tokenizer_revision": None, "trust_remote_code": False, "dtype": "auto",
+                         "quantization": "none", "quantize_lm_head": False, "calibration": "none", "device": "auto",
                          "max_model_len": None}
     assert cfg.input["prompt_column"] == "prompt" and cfg.input["on_error"] == "record"
     assert cfg.input["keep_columns"] == [] and cfg.input["sampling_columns"] == {}
@@ -50,7 +51,7 @@ def test_every_sampling_field_is_accepted():
                 " presence_penalty: 0.5, frequency_penalty: 0.5, max_tokens: 10, min_tokens: 1, stop: ['\\n'],"
                 " stop_token_ids: [2], ignore_eos: true, seed: 3, logprobs: 2,"
                 " include_stop_str_in_output: true, skip_special_tokens: false,"
-                " structured_outputs: {choice: [a, b]}}")
+                " structured_outputs: {choice: [a, b]}, prompt_logprobs: 1}")
     assert set(cfg.sampling) == set(SamplingParams.field_names())
     assert cfg.sampling_params().n == 2
 
@@ -59,7 +60,7 @@ def test_every_sampling_field_is_accepted():
     ("modle: {path: x}", "modle: unknown section (did you mean model?)"),
     ("engine: {max_num_seq: 4}", "engine.max_num_seq: unknown key (did you mean max_num_seqs?)"),
     ("sampling: {max_token: 4}", "sampling.max_token: unknown key (did you mean max_tokens?)"),
-    ("sampling: {max_tokens: -5}", "sampling.max_tokens: must be an integer >= 1"),
+    ("sampling: {max_tokens: -5}", "sampling.max_tokens: must be an integer >= 0"),
     ("sampling: {max_tokens: ten}", "sampling.max_tokens: expected an integer or null, got 'ten'"),
     ("sampling: {temperature: -1}", "sampling.temperature: must be >= 0"),
     ("sampling: {top_p: 0}", "sampling.top_p: must be in (0, 1]"),
@@ -124,7 +125,7 @@ def test_set_unknown_keys(item, expect):
 
 
 def test_set_value_is_validated():
-    assert "sampling.max_tokens: must be an integer >= 1" in error_of(overrides=["sampling.max_tokens=0"])
+    assert "sampling.max_tokens: must be an integer >= 0" in error_of(overrides=["sampling.max_tokens=-1"])
 
 
 def test_env_expansion(monkeypatch):

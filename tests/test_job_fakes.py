@@ -68,10 +68,10 @@ class FakeLLM:
         self.max_seen_in_flight = 0
         self.requests: dict[str, list] = {}  # request id -> [prompt ids, params, steps left], in arrival order
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
+    def check_prompt(self, prompt_token_ids: list[int], scored: bool = False) -> str | None:
         if not prompt_token_ids:
             return "empty prompt"
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) > self.max_model_len - (0 if scored else 1):
             return f"prompt too long: {len(prompt_token_ids)} tokens, max_model_len is {self.max_model_len}"
         return None
 
@@ -98,7 +98,8 @@ class FakeLLM:
 
     # ---- JobEngine
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    score_from: int = 1) -> None:
         ids = list(prompt_token_ids)
         why = self.check_prompt(ids)
         if why:
@@ -296,14 +297,14 @@ class PacedLLM:
         self.max_model_len = self.inner.max_model_len
         self.ready: list[RequestOutput] = []  # finished in the inner engine, not yet handed out
 
-    def check_prompt(self, ids):
-        return self.inner.check_prompt(ids)
+    def check_prompt(self, ids, scored=False):
+        return self.inner.check_prompt(ids, scored)
 
     def metrics(self):
         return self.inner.metrics()
 
-    def add_request(self, request_id, prompt_token_ids, params):
-        self.inner.add_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id, prompt_token_ids, params, **kwargs):
+        self.inner.add_request(request_id, prompt_token_ids, params, **kwargs)
 
     def has_unfinished(self):
         return bool(self.ready) or self.inner.has_unfinished()

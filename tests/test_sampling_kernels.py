@@ -188,3 +188,30 @@ def test_the_triton_kernel_draws_what_the_torch_reference_draws():
     assert torch.equal(sample_on_device(x, plain.temperature, None, None, None, u),
                        sample_on_device(x, plain.temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8),
                                         torch.zeros(8), u))
+
+
+@needs_c
+@pytest.mark.parametrize("vocab", [7, 33, 49152])
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
+def test_the_c_scores_are_log_softmax_ranks_and_top_k(vocab, num_top):
+    """The C kernel against log_softmax: the token's log-probability (within a few fp32 steps), its rank counted on the logits
+    (1 + the tokens with larger logits, ties never counted), the top k largest first, ties the smaller id first;
+    with a -inf logit, ties and a row alone equal to the same row in a batch."""
+    g = torch.Generator().manual_seed(vocab + num_top)
+    logits = torch.randn(40, vocab, generator=g) * 4
+    logits[:, ::3] = logits[:, ::3].round()  # ties
+    logits[0, 1] = float("-inf")
+    targets = torch.randint(0, vocab, (40,), generator=g)
+    targets[1] = int(logits[1].argmax())
+    lp, rank, top_lp, top_ids = cpu_sampling.score_rows(logits, targets, num_top)
+    logp = logits.log_softmax(dim=-1)
+    assert torch.allclose(lp, logp.gather(1, targets[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    assert torch.equal(rank, (logits > logits.gather(1, targets[:, None])).sum(-1) + 1)
+    assert rank[1] == 1
+    if num_top:
+        k = min(num_top, vocab)
+        order = sorted(range(vocab), key=lambda t: (-logits[5, t].item(), t))[:k]
+        assert top_ids[5, :k].tolist() == order
+        assert torch.allclose(top_lp[:, :k], logp.topk(k, dim=-1).values, atol=1e-5, rtol=0)
+    alone = cpu_sampling.score_rows(logits[7:8].clone(), targets[7:8], num_top)
+    assert torch.equal(alone[0], lp[7:8]) and torch.equal(alone[1], rank[7:8])

@@ -4,7 +4,6 @@ random Llama, the answers checked against `LLM.chat` / `LLM.generate` on the sam
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import jsonschema
@@ -13,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai SDK is a dev dependency (make setup installs it)")
 pytest.importorskip("fastapi", reason="batchrun[serve] is not installed (make setup installs it)")
 
-from serve_helpers import chat_line, free_port, lines_of, raw_request, upload, wait  # noqa: E402
+from serve_helpers import chat_line, free_port, lines_of, raw_request, serving, upload, wait  # noqa: E402
 
 from batchrun.config import load_engine_settings  # noqa: E402
 from batchrun.sampling_params import SamplingParams  # noqa: E402
@@ -26,24 +25,10 @@ MAX_FILE_BYTES = 1_000_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    import uvicorn
-
-    from batchrun.serve.server import build
-
     settings = load_engine_settings(str(tiny_llama_path), None, ENGINE)
     options = ServeOptions(port=free_port(), api_key=KEY, commit_interval_s=0.2, max_file_bytes=MAX_FILE_BYTES)
-    built = build(settings, options, str(tmp_path_factory.mktemp("state")))
-    uv = uvicorn.Server(built.config())
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield built
-    uv.should_exit = True
-    thread.join(30)
-    built.store.close()
+    with serving(settings, options, tmp_path_factory.mktemp("state")) as built:
+        yield built
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,11 @@ def test_kill_9_mid_batch_then_restart_answers_every_request_once(tmp_path, tiny
     assert [b.id for b in listed.data] == [batch.id]
     out = [json.loads(x) for x in (state / "files" / batch.output_file_id).read_text().splitlines()]  # server gone
     assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(32)]
+    said = (tmp_path / "server.log").read_text()  # the model loads at each start, never for a batch
+    assert said.count("loading model") == 2, said
+    assert f"batch {batch.id}: running 32 requests on the loaded model {tiny_llama_path}" in said, said
+    assert f"batch {batch.id}: running {32 - committed} requests on the loaded model {tiny_llama_path} " \
+           f"({committed} of 32 done before)" in said, said
     llm = LLM(str(tiny_llama_path), **load_engine_settings(
         str(tiny_llama_path), None, ["engine.kv_cache_memory=64MiB"]).engine_args().llm_kwargs())
     expected = llm.chat([[{"role": "user", "content": q}] for q in questions],

@@ -27,6 +27,7 @@ from batchrun.output.folder import (
 )
 from batchrun.output.lock import LOCK_FILE, OutputBusy, OutputLock
 from batchrun.output.manifest import Entry, Manifest, inspect_parts
+from batchrun.output.parquet import ran
 from batchrun.output.parts import PartInfo, encode, part_files, part_name, read_info
 
 _COUNTS = ("input_rows", "output_rows", "row_errors", "prompt_tokens", "completion_tokens")
@@ -204,10 +205,10 @@ def _interleave(shards: list[Path], dest: Path, fingerprint: str, manifest: Mani
     offsets = [sum(t.num_rows for t in columns[:i]) for i in range(n)]
     table = merged.take(pa.array([offsets[s] + r for s, r in order], pa.int64()))
     errors = table.column("error").to_pylist()
-    reasons = table.column("finish_reason").to_pylist()
-    prompt, completion = table.column("prompt_tokens").to_pylist(), table.column("completion_tokens").to_pylist()
+    prompt = table.column("prompt_tokens").to_pylist()
+    completion = table.column("completion_tokens").to_pylist() if "completion_tokens" in table.column_names else []
     info = PartInfo(0, total, total, errors=sum(e is not None for e in errors),
-                    prompt_tokens=sum(p or 0 for p, r in zip(prompt, reasons) if r not in ("error", "skipped")),
+                    prompt_tokens=sum(p or 0 for p, r in zip(prompt, ran(table)) if r),
                     completion_tokens=sum(c or 0 for c in completion), fingerprint=fingerprint,
                     errors_at=[[k, k, 1] for k, e in enumerate(errors) if e is not None])
     _write_part(table, dest, 0, info, manifest)

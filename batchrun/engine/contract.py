@@ -66,6 +66,28 @@ class SamplingRequest:
         return self.num_beam_candidates > 0
 
 
+@dataclass(slots=True)
+class PromptLogprobsRequest:
+    """Score prompt tokens in one scheduled chunk: the rows from `first_row` on of `seqs[seq_index]`'s chunk, row j
+    predicting `target_ids[j]` (the prompt token after it)."""
+
+    seq_index: int
+    first_row: int
+    target_ids: list[int]
+    num_top: int  # the most likely tokens wanted at each row, besides the target
+
+
+@dataclass
+class PromptLogprobs:
+    """One PromptLogprobsRequest's answer: per row, the target's log-probability and rank (1: the most likely),
+    and the num_top most likely (token, log-prob), best first."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 @dataclass
 class SchedulerOutput:
     """All the runner is told for one step."""
@@ -77,6 +99,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
     # one per sequence with sample=True, in the order of `seqs` (filled by the engine before the step runs)
     sampling: list[SamplingRequest] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)  # (filled by the engine too)
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +115,9 @@ class StepOutput:
     """What one step sampled: tokens flat over the plain requests in order (len(seeds) each), a list per beam row."""
 
     token_ids: list[int] = field(default_factory=list)
-    # the raw log-probability of each drawn token; None unless some request asked for logprobs
+    # the raw log-probability of each drawn token and its rank; None unless some request asked for logprobs
     logprobs: list[float] | None = None
+    ranks: list[int] | None = None
     # the top max(logprobs) (token, log-prob) of each drawn token's row; None when nobody asked for any
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
@@ -102,6 +126,7 @@ class StepOutput:
     beam_logprobs: list[list[float]] = field(default_factory=list)
     # the token drawn at each draft row: flat over the sampling sequences with num_draft > 0, in order
     draft_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # one per request, in order
 
 
 @dataclass
@@ -109,7 +134,7 @@ class RunnerTimers:
     """Seconds the runner has spent so far in each part of its steps."""
 
     forward_s: float = 0.0  # the model's layers
-    logits_s: float = 0.0  # the lm_head on the sampling rows
+    logits_s: float = 0.0  # the lm_head on the sampling rows (and the scored prompt rows)
     sampling_s: float = 0.0  # the sampling tensors, the draws, the host transfer
 
 

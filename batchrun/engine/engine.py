@@ -12,6 +12,7 @@ from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.contract import (
     GrammarState,
+    PromptLogprobsRequest,
     SamplingRequest,
     ScheduledSeq,
     SchedulerOutput,
@@ -26,7 +27,7 @@ from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.results import request_output
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.stops import StopRule, banned_until_min_tokens, stop_decision, stop_rule
-from batchrun.outputs import RequestOutput
+from batchrun.outputs import Logprob, RequestOutput
 from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,15 +82,19 @@ class Engine:
         # beams that have their candidates, waiting for their siblings: seq_id -> (token ids, log-probs)
         self._beam_candidates: dict[int, tuple[list[int], list[float]]] = {}
         self.draft_keep = KeepRate()  # every sequence's drafts: where a new sequence's keep rate starts
+        self._scoring: set[int] = set()  # seq ids of the groups whose prompt log-probabilities are being computed
         self.metrics = EngineMetrics(kv_blocks_total=config.num_blocks,
                                      kv_host_blocks_total=config.num_host_blocks,
                                      kv_bytes_per_token=config.kv_bytes_per_token)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                    seed: int, beam: BeamSearchParams | None = None, grammar: GrammarState | None = None) -> None:
+                    seed: int, beam: BeamSearchParams | None = None, grammar: GrammarState | None = None,
+                    score_from: int = 1) -> None:
         """Queue a request. With n > 1 or beams, one sequence prefills and is forked when it first samples, so the
-        prompt's blocks are computed once. `grammar`: a fresh structured-output matcher, forked per sample."""
+        prompt's blocks are computed once. `grammar`: a fresh structured-output matcher, forked per sample.
+        `score_from`: with prompt_logprobs, the first prompt token scored (the blocks before may come from the
+        prefix cache)."""
         if grammar is not None and beam is not None:
             raise ValueError("structured outputs do not combine with beam search")
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
@@ -102,6 +107,10 @@ class Engine:
                                        self.scheduler.config.num_speculative_tokens, prior=self.draft_keep)
         group = SequenceGroup(request_id, self._arrivals, prompt, list(prompt_ids), params, [seq], seed=seed,
                               pending_forks=width - 1, beam=beam)
+        if params.prompt_logprobs is not None:
+            group.prompt_scores, group.score_from = [], max(1, score_from)
+            if group.scoring_prompt:
+                self._scoring.add(seq.seq_id)
         self._arrivals += 1
         self.groups[seq.seq_id] = group
         self.scheduler.add(group)
@@ -147,14 +156,20 @@ class Engine:
         self._sync_scheduler_stats()
         if out.is_empty:
             return []
-        sampling, verify = self._sampling_requests(out)
+        sampling, verify, prompt_only = self._sampling_requests(out)
+        scoring = self._prompt_logprob_requests(out) if self._scoring else []
         t1 = time.perf_counter()
         result = self.runner.execute(out)
         t2 = time.perf_counter()
         self.scheduler.update(out, self.seqs)
         finished: list[RequestOutput] = []
-        if sampling:
-            self._apply(sampling, out.sampling, result, verify)
+        if scoring:
+            self._apply_prompt_logprobs(scoring, result)
+        for seq in prompt_only:
+            self._finish_prompt_only(seq)
+        if sampling or prompt_only:
+            if sampling:
+                self._apply(sampling, out.sampling, result, verify)
             for group in self.scheduler.drop_finished_groups():  # (none unless a sequence finished)
                 finished.append(request_output(group, self.tokenizer))
                 self.metrics.num_requests_finished += 1
@@ -167,10 +182,13 @@ class Engine:
         self._observe(t0, model_before, out)
         return finished
 
-    def _sampling_requests(self, out: SchedulerOutput) -> tuple[list[Sequence], dict[int, ScheduledSeq]]:
-        """Fill out.sampling (a plain row's request reused); the sampling sequences, and the draft chunks by index."""
+    def _sampling_requests(self, out: SchedulerOutput) -> tuple[list[Sequence], dict[int, ScheduledSeq],
+                                                                list[Sequence]]:
+        """Fill out.sampling (a plain row's request reused); the sampling sequences, the draft chunks by index, and
+        the sequences whose prompt ends this step and that generate nothing (max_tokens 0): those sample no row."""
         seqs: list[Sequence] = []
         verify: dict[int, ScheduledSeq] = {}
+        prompt_only: list[Sequence] = []
         requests = out.sampling
         by_id = self.seqs
         for s in out.seqs:
@@ -179,6 +197,10 @@ class Engine:
             if s.num_draft:
                 verify[len(seqs)] = s
             seq = by_id[s.seq_id]
+            if seq.stop_rule.max_len <= seq.prompt_len:  # max_tokens 0
+                s.sample = False
+                prompt_only.append(seq)
+                continue
             seqs.append(seq)
             req = seq.sampling
             if req is not None:
@@ -189,7 +211,40 @@ class Engine:
                 requests.append(req)
             else:
                 requests.append(self._new_sampling_request(seq))
-        return seqs, verify
+        return seqs, verify, prompt_only
+
+    def _finish_prompt_only(self, seq: Sequence) -> None:
+        """A sequence whose prompt is computed and that generates nothing: n empty samples, ended by length."""
+        group = self.groups[seq.seq_id]
+        family = [seq] + [self._fork(group, seq, j) for j in range(1, group.pending_forks + 1)]
+        group.pending_forks = 0
+        for member in family:
+            member.finish_reason = "length"
+            member.detok.finish([])
+            self.scheduler.finish(member)
+
+    def _prompt_logprob_requests(self, out: SchedulerOutput) -> list[SequenceGroup]:
+        """Fill out.prompt_logprobs: each chunk of a group computing its prompt's log-probabilities scores the
+        positions it holds that are not scored yet (a recomputed chunk scores nothing twice). Their groups."""
+        groups = []
+        for i, s in enumerate(out.seqs):
+            if s.seq_id not in self._scoring:
+                continue
+            group = self.groups[s.seq_id]
+            prompt = group.prompt_ids
+            first = max(s.start, group.next_scored - 1)  # the row at position p scores prompt token p + 1
+            end = min(s.start + len(s.token_ids), len(prompt) - 1)
+            if first < end:
+                out.prompt_logprobs.append(PromptLogprobsRequest(i, first - s.start, prompt[first + 1 : end + 1],
+                                                                 group.params.prompt_logprobs))
+                groups.append(group)
+        return groups
+
+    def _apply_prompt_logprobs(self, groups: list[SequenceGroup], result: StepOutput) -> None:
+        for group, scores in zip(groups, result.prompt_logprobs):
+            group.prompt_scores.extend(zip(scores.logprobs, scores.ranks, scores.top_token_ids, scores.top_logprobs))
+            if not group.scoring_prompt:
+                self._scoring.discard(group.seqs[0].seq_id)
 
     def _new_sampling_request(self, seq: Sequence) -> SamplingRequest:
         group = self.groups[seq.seq_id]
@@ -214,7 +269,7 @@ class Engine:
                verify: dict[int, ScheduledSeq]) -> None:
         """The step's draws: fork first samples, append tokens, decide stops; beams once all have theirs. A plain
         row (one token, no logprobs, no grammar) takes the fast path, then keeps its confirmed drafts."""
-        tokens, lps = result.token_ids, result.logprobs
+        tokens, lps, ranks = result.token_ids, result.logprobs, result.ranks
         top_ids, top_lps = result.top_token_ids, result.top_logprobs
         row = beam_row = 0
         beam_groups: dict[str, SequenceGroup] = {}
@@ -246,7 +301,8 @@ class Engine:
                 group.pending_forks = 0
             for member in family:
                 top = (top_ids[row], top_lps[row]) if top_ids is not None else None
-                self._append(member, group.params, tokens[row], lps[row] if lps is not None else None, top)
+                logprob = Logprob(lps[row], ranks[row]) if lps is not None else None
+                self._append(member, group.params, tokens[row], logprob, top)
                 row += 1
         self.metrics.generation_tokens += plain
         for group in beam_groups.values():
@@ -297,14 +353,16 @@ class Engine:
             self.scheduler.accept_drafts(seq, kept)
         return kept
 
-    def _append(self, seq: Sequence, p: SamplingParams, token: int, logprob: float | None,
+    def _append(self, seq: Sequence, p: SamplingParams, token: int, logprob: Logprob | None,
                 top: tuple[list[int], list[float]] | None) -> None:
         """Record a sampled token and decide the stop (the general path)."""
         seq.token_ids.append(token)
         self.metrics.generation_tokens += 1
         if logprob is not None and p.logprobs is not None:
             seq.cumulative_logprob += logprob
-            entry = dict(zip(top[0][: p.logprobs], top[1][: p.logprobs])) if top else {}
+            entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(zip(top[0][: p.logprobs],
+                                                                              top[1][: p.logprobs]), start=1)} \
+                if top else {}
             entry[token] = logprob
             seq.logprobs.append(entry)
         ended = False
@@ -415,6 +473,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every request in flight and give back their blocks (the prefix cache is kept)."""
+        self._scoring.clear()
         for group in self.scheduler.clear():
             for s in group.seqs:
                 self.block_manager.free_seq(s.seq_id)

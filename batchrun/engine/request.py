@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchrun.outputs import Logprob
 from batchrun.sampling_params import SamplingParams
 
 
@@ -27,7 +28,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: object | None = None  # the incremental detokenizer's state (engine/detokenizer.py)
@@ -68,6 +69,22 @@ class SequenceGroup:
     hypotheses: list = field(default_factory=list)  # finished beams (engine/beam.py Hypothesis)
     block_keys: list[int] | None = None  # prefix-cache keys of the prompt's full blocks (scheduler)
     bypassed: int = 0  # times a later request was admitted first (bounded: no starvation)
+    # prompt_logprobs: (logprob, rank, top ids, top logprobs) of the prompt's tokens from score_from on, as far as
+    # computed (None: not asked)
+    prompt_scores: list[tuple[float, int, list[int], list[float]]] | None = None
+    score_from: int = 1
+    num_cached_tokens: int = 0  # prompt tokens its first allocation took from the prefix cache
+
+    @property
+    def next_scored(self) -> int:
+        """The prompt token whose log-probability comes next (its row is the position before it)."""
+        return self.score_from + len(self.prompt_scores)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt log-probabilities are asked and not all computed: the prefix cache may give only the blocks
+        before the next scored token's row, so every scored position is computed."""
+        return self.prompt_scores is not None and self.next_scored < len(self.prompt_ids)
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchrun.engine.request import SequenceGroup
 from batchrun.engine.stops import structured_error
-from batchrun.outputs import CompletionOutput, RequestOutput
+from batchrun.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
@@ -17,14 +17,50 @@ def request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
                                  logprobs=None, finish_reason=h.finish_reason)
                 for i, h in enumerate(best)]
         return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished=True)
-    with_logprobs = group.params.logprobs is not None
+    params = group.params
+    decode = _token_decoder(tokenizer) if params.detokenize else None
+    with_logprobs = params.logprobs is not None
     outs = [
         CompletionOutput(
-            index=s.index, text=s.detok.text, token_ids=s.output_ids,
+            index=s.index, text=s.detok.text if params.detokenize else "", token_ids=s.output_ids,
             cumulative_logprob=s.cumulative_logprob if with_logprobs else None,
-            logprobs=s.logprobs if with_logprobs else None,
+            logprobs=_decoded(s.logprobs, decode) if with_logprobs else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=structured_error(s),
         )
         for s in sorted(group.seqs, key=lambda s: s.index)
     ]
-    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished=True)
+    return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished=True,
+                         prompt_logprobs=_prompt_logprobs(group, decode), num_cached_tokens=group.num_cached_tokens)
+
+
+def _token_decoder(tokenizer):
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = tokenizer.decode([token_id])
+        return text
+
+    return decode
+
+
+def _decoded(entries: list[dict[int, Logprob]], decode) -> list[dict[int, Logprob]]:
+    if decode is None:
+        return entries
+    return [{t: Logprob(lp, lp.rank, decode(t)) for t, lp in entry.items()} for entry in entries]
+
+
+def _prompt_logprobs(group: SequenceGroup, decode) -> list[dict[int, Logprob] | None] | None:
+    """None for the prompt tokens before score_from (the first at least), then {its token: Logprob, and the K most
+    likely: Logprob} per position."""
+    if group.prompt_scores is None:
+        return None
+    out: list[dict[int, Logprob] | None] = [None] * group.score_from
+    for target, (logprob, rank, top_ids, top_lps) in zip(group.prompt_ids[group.score_from:], group.prompt_scores):
+        entry = {target: Logprob(logprob, rank, decode(target) if decode else None)}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            if t not in entry:
+                entry[t] = Logprob(lp, r, decode(t) if decode else None)
+        out.append(entry)
+    return out

@@ -222,8 +222,11 @@ class Scheduler:
             resident = bm.is_resident(seq.seq_id)
             prefix, keys = [], []
             if not resident:  # first allocation: reuse what the prefix cache holds
-                prefix, keys = bm.lookup(seq.token_ids)
+                prefix, keys = bm.lookup(seq.token_ids[: group.next_scored] if group.scoring_prompt else
+                                         seq.token_ids)
                 seq.num_computed = len(prefix) * bm.block_size
+                if seq.num_output == 0 and not group.num_cached_tokens:
+                    group.num_cached_tokens = seq.num_computed
             n = min(len(seq.token_ids) - seq.num_computed, budget[0])
             if n <= 0:  # e.g. a beam that has sampled and waits for its siblings
                 continue

@@ -22,7 +22,7 @@ def stop_rule(params: SamplingParams, eos_token_ids: tuple[int, ...], prompt_len
     reasons: dict[int, int | None] = {t: t for t in params.stop_token_ids}
     if not params.ignore_eos:
         reasons.update((t, None) for t in eos_token_ids)  # EOS first: its stop_reason is None
-    max_len = min(prompt_len + (params.max_tokens or max_model_len), max_model_len)
+    max_len = min(prompt_len + (max_model_len if params.max_tokens is None else params.max_tokens), max_model_len)
     return StopRule(reasons, prompt_len + params.min_tokens, max_len)
 
 
@@ -41,7 +41,7 @@ def stop_decision(seq: Sequence, params: SamplingParams, token: int, eos_token_i
         decision = "stop", hit
     elif grammar_ended:
         decision = "stop", None
-    elif n >= (params.max_tokens or max_model_len) or len(seq.token_ids) >= max_model_len:
+    elif n >= (max_model_len if params.max_tokens is None else params.max_tokens) or len(seq.token_ids) >= max_model_len:
         decision = "length", None
     if decision is not None:
         seq.detok.finish(seq.token_ids[seq.prompt_len :])

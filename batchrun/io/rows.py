@@ -1,20 +1,22 @@
 """Input rows -> engine requests (RowTask). A row that cannot become one (a bad prompt, messages or sampling value,
-a prompt too long) becomes a RowTask with `error` set, and never reaches the engine."""
+a prompt too long) becomes a RowTask with `error` set, and never reaches the engine. A `task: loglikelihood` row
+(context, continuation) becomes a request for its prompt's log-probabilities alone (`RowTask.score`)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import JobConfig, JobError, check_sampling_value, sampling_error
 from batchrun.io.sources import ROW_ERROR, Row
-from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams
+from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams, scores_prompt
 
 log = logging.getLogger(__name__)
 
-_INT_FIELDS = {"n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"}
+_INT_FIELDS = {"n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
 @dataclass
@@ -28,19 +30,42 @@ class RowTask:
     prompt_tokens: int | None = None
     params: SamplingParams | None = None
     error: str | None = None
-    extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model
+    extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model, echo
     truncated: int | None = None  # prompt tokens cut to fit (input.on_too_long: truncate_left / truncate_right)
     skipped: str | None = None  # why it is not run, by the job's choice (input.on_too_long: skip)
+    # the engine's RequestOutput.prompt_logprobs, when params.prompt_logprobs asked them (prompt_ids are then back)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    continuation_tokens: int | None = None  # task: loglikelihood: the continuation's tokens, the prompt's last ones
 
     @property
     def runs(self) -> bool:
         """Does the row go to the engine (else it is finished as it is: an error, or skipped)?"""
         return self.error is None and self.skipped is None
 
+    def score(self) -> tuple[float, bool] | None:
+        """task: loglikelihood, once run: (the continuation's summed log-probability, whether each of its tokens is
+        the most likely at its position: greedy decoding after the context gives it); None when the engine gave
+        no log-probability for one of them."""
+        n, ids, entries = self.continuation_tokens, self.prompt_ids, self.prompt_logprobs
+        if not n or ids is None or entries is None or len(entries) != len(ids) or n >= len(ids):
+            return None
+        picked = []
+        for token, entry in zip(ids[-n:], entries[-n:]):
+            if entry is None or token not in entry:
+                return None
+            picked.append(entry[token])
+        return math.fsum(picked), all(getattr(lp, "rank", None) == 1 for lp in picked)
+
+    @property
+    def returns_prompt(self) -> bool:
+        """Does its output need the prompt's token ids back (their log-probabilities, an OpenAI `echo`)?"""
+        return (self.params is not None and self.params.prompt_logprobs is not None) or bool(
+            self.extra and self.extra.get("echo"))
+
 
 class RequestBuilder:
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
-                 check_prompt: Callable[[list[int]], str | None],
+                 check_prompt: Callable[[list[int], bool], str | None],
                  id_column: str | None,
                  check_structured: Callable[[SamplingParams], str | None] | None = None,
                  max_model_len: int | None = None) -> None:
@@ -55,6 +80,7 @@ class RequestBuilder:
         self.id_column = id_column
         self.messages_column = self.inp["messages_column"]
         self.prompt_column = self.inp["prompt_column"]
+        self.task = cfg.task
         self.base = dict(cfg.sampling)
         self.base_seed = self.base.get("seed")
         needs_template = bool(self.messages_column) or self.openai
@@ -166,6 +192,8 @@ class RequestBuilder:
 
     def build(self, items: list[tuple[int, int, Row]]) -> list[RowTask]:
         """items: (pos, global index, row). Returns one RowTask per item, in order."""
+        if self.task == "loglikelihood":
+            return self._build_scored(items)
         tasks: list[RowTask] = []
         to_tokenize: dict[bool, list[tuple[RowTask, str]]] = {True: [], False: []}
         for pos, index, row in items:
@@ -178,7 +206,8 @@ class RequestBuilder:
                     task.id = row["custom_id"]
                 continue
             if self.openai:
-                task.extra = {"custom_id": row.get("custom_id"), "url": row.get("url"), "model": row.get("model")}
+                task.extra = {"custom_id": row.get("custom_id"), "url": row.get("url"), "model": row.get("model"),
+                              "echo": bool(row.get("echo"))}
                 task.id = row.get("custom_id") if row.get("custom_id") is not None else index
             elif self.id_column:
                 task.id = row.get(self.id_column)
@@ -201,7 +230,7 @@ class RequestBuilder:
         for task in tasks:
             if task.error is None and task.prompt_ids is not None:
                 task.prompt_tokens = len(task.prompt_ids)
-                why = self.check_prompt(task.prompt_ids)
+                why = self.check_prompt(task.prompt_ids, scores_prompt(task.params))
                 if why and self._too_long(task.prompt_ids):
                     why = self._fit(task, why)
                 if why:
@@ -211,8 +240,9 @@ class RequestBuilder:
                 task.params = None
         return tasks
 
-    def _too_long(self, ids: list[int]) -> bool:
-        return self.on_too_long != "error" and self.max_model_len is not None and len(ids) >= self.max_model_len
+    def _too_long(self, ids: list[int], scored: bool = False) -> bool:
+        return (self.on_too_long != "error" and self.max_model_len is not None
+                and len(ids) > self.max_model_len - (0 if scored else 1))
 
     def _fit(self, task: RowTask, why: str) -> str | None:
         """input.on_too_long: cut the prompt so that it and max_tokens fit (truncate_left keeps a leading BOS), or
@@ -221,7 +251,7 @@ class RequestBuilder:
             task.skipped = f"{why} (input.on_too_long: skip)"
             return None
         ids, limit = task.prompt_ids, self.max_model_len
-        room = min(task.params.max_tokens or 1, limit - 1)  # keep at least one prompt token
+        room = min(1 if task.params.max_tokens is None else task.params.max_tokens, limit - 1)  # keep a prompt token
         keep = limit - room
         if self.on_too_long == "truncate_right":
             cut = ids[:keep]
@@ -231,7 +261,84 @@ class RequestBuilder:
             cut = head + ids[len(ids) - (keep - len(head)):]
         task.truncated = len(ids) - len(cut)
         task.prompt_ids, task.prompt_tokens = cut, len(cut)
-        return self.check_prompt(cut)
+        return self.check_prompt(cut, scores_prompt(task.params))
+
+    # ------------------------------------------------------------ task: loglikelihood
+
+    def _build_scored(self, items: list[tuple[int, int, Row]]) -> list[RowTask]:
+        """(context, continuation) rows, as lm-eval's harness scores them: the context tokenized as a prompt (the
+        tokenizer's special tokens), the continuation without special tokens, the request their concatenation, run
+        for its prompt's log-probabilities alone (nothing generated)."""
+        contexts, continuations = self.inp["context_column"], self.inp["continuation_column"]
+        tasks: list[RowTask] = []
+        pairs: list[tuple[RowTask, str, str]] = []
+        for pos, index, row in items:
+            task = RowTask(pos=pos, index=index, id=index)
+            tasks.append(task)
+            if ROW_ERROR in row:
+                task.error = row[ROW_ERROR]
+                continue
+            if self.id_column:
+                task.id = row.get(self.id_column)
+            task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
+            context, continuation = row.get(contexts), row.get(continuations)
+            task.error = _text_problem(row, contexts, empty_ok=True) or _text_problem(row, continuations)
+            if task.error is None:
+                task.prompt = context + continuation
+                task.params = SamplingParams(max_tokens=0, prompt_logprobs=0, detokenize=False)
+                pairs.append((task, context, continuation))
+        if pairs:
+            ctx_ids = self.tokenizer([c for _, c, _ in pairs], add_special_tokens=True)["input_ids"]
+            cont_ids = self.tokenizer([c for _, _, c in pairs], add_special_tokens=False)["input_ids"]
+            for (task, _, _), ctx, cont in zip(pairs, ctx_ids, cont_ids):
+                task.error = self._scored_request(task, list(ctx), list(cont))
+        for task in tasks:
+            if not task.runs:
+                task.prompt_ids = None
+                task.params = None
+        return tasks
+
+    def _scored_request(self, task: RowTask, ctx: list[int], cont: list[int]) -> str | None:
+        """Sets the row's prompt (context then continuation); returns its row error, if any. An empty context is
+        the tokenizer's BOS token (else its EOS token), as the harness does: the first continuation token needs one
+        before it."""
+        if not cont:
+            return "the continuation has no tokens"
+        if not ctx:
+            prefix = next((t for t in (getattr(self.tokenizer, "bos_token_id", None),
+                                       getattr(self.tokenizer, "eos_token_id", None)) if t is not None), None)
+            if prefix is None:
+                return "the context is empty and the tokenizer has no BOS or EOS token to stand for it"
+            ctx = [prefix]
+        ids = ctx + cont
+        task.prompt_ids, task.prompt_tokens, task.continuation_tokens = ids, len(ids), len(cont)
+        why = self.check_prompt(ids, True)
+        if why and self._too_long(ids, scored=True):
+            return self._fit_context(task, why)
+        if why and self.max_model_len is not None and len(ids) > self.max_model_len:
+            return (f"context and continuation have {len(ids)} tokens; max_model_len={self.max_model_len} scores at "
+                    f"most {self.max_model_len}")
+        return why
+
+    def _fit_context(self, task: RowTask, why: str) -> str | None:
+        """input.on_too_long for a scored row: skip it, or cut its context from the left (keeping a leading BOS) so
+        that context and continuation fit; the continuation is never cut (truncate_right is refused for the task)."""
+        if self.on_too_long == "skip":
+            task.skipped = f"{why} (input.on_too_long: skip)"
+            return None
+        ids, n = task.prompt_ids, task.continuation_tokens
+        ctx, limit = ids[:-n], self.max_model_len  # a scored prompt may fill max_model_len
+        room = limit - n
+        if room < 1:
+            return (f"the continuation alone has {n} tokens, leaving no room for a context within "
+                    f"max_model_len={self.max_model_len}")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        head = ctx[:1] if bos is not None and ctx[0] == bos and room > 1 else []
+        cut = head + ctx[len(ctx) - (room - len(head)):]
+        task.truncated = len(ctx) - len(cut)
+        task.prompt_ids = cut + ids[-n:]
+        task.prompt_tokens = len(task.prompt_ids)
+        return self.check_prompt(task.prompt_ids, True)
 
 
 def input_columns(cfg: JobConfig, source_format: str, id_column: str | None) -> list[str] | None:
@@ -240,7 +347,10 @@ def input_columns(cfg: JobConfig, source_format: str, id_column: str | None) -> 
     if source_format == "openai-batch":
         return None
     inp = cfg.input
-    cols = [inp["messages_column"] or inp["prompt_column"]]
+    if cfg.task == "loglikelihood":
+        cols = [inp["context_column"], inp["continuation_column"]]
+    else:
+        cols = [inp["messages_column"] or inp["prompt_column"]]
     if id_column:
         cols.append(id_column)
     cols += list(inp["keep_columns"]) + list(inp["sampling_columns"].values())
@@ -252,6 +362,20 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+def _text_problem(row: Row, column: str, *, empty_ok: bool = False) -> str | None:
+    """Why a row's text cell cannot be scored (missing, null, not a string, empty), or None."""
+    if column not in row:
+        return f"column {column!r} is missing in this row"
+    value = row[column]
+    if value is None:
+        return f"{column} is null"
+    if not isinstance(value, str):
+        return f"{column} is not a string ({type(value).__name__})"
+    if not value and not empty_ok:
+        return f"{column} is empty"
+    return None
 
 
 def _check_messages(messages: Any) -> str | None:

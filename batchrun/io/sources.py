@@ -339,11 +339,13 @@ def _response_format(value: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 
 class OpenAIBatchSource(JsonlSource):
-    """OpenAI batch lines {custom_id, url, body} as rows {custom_id, url, model, prompt | messages, sampling}:
-    the body's SamplingParams fields (and max_completion_tokens, logprobs / top_logprobs) are per-row sampling."""
+    """OpenAI batch lines {custom_id, url, body} as rows {custom_id, url, model, prompt | messages, sampling, echo}:
+    the body's SamplingParams fields (and max_completion_tokens, logprobs / top_logprobs) are per-row sampling.
+    A completion's `echo: true` puts the prompt before the answer; with `logprobs: k` it asks the prompt's
+    log-probabilities too (prompt_logprobs k), which is how clients score a continuation (`max_tokens: 0`)."""
 
     format = "openai-batch"
-    COLUMNS = ["custom_id", "url", "model", "prompt", "messages", "sampling"]
+    COLUMNS = ["custom_id", "url", "model", "prompt", "messages", "sampling", "echo"]
 
     def _columns_of(self, obj: dict) -> list[str]:
         return list(self.COLUMNS)
@@ -359,15 +361,24 @@ class OpenAIBatchSource(JsonlSource):
         if not isinstance(body, dict):
             return {ROW_ERROR: f"{where}: missing the request body", "custom_id": cid}
         url = obj.get("url") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
-        names = set(SamplingParams.field_names())
+        names = set(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # from logprobs and echo
         sampling = {}
         for k, v in body.items():
             k = OPENAI_FIELD_MAP.get(k, k)
-            if k in names and k != "logprobs":
+            if k in names:
                 sampling[k] = v
-        if body.get("logprobs"):
-            lp = body.get("logprobs")
-            sampling["logprobs"] = (body.get("top_logprobs") or 0) if lp is True else lp
+        lp = body.get("logprobs")
+        if lp is True:  # chat's: the top_logprobs most likely
+            sampling["logprobs"] = body.get("top_logprobs") or 0
+        elif lp is not None and lp is not False:  # the completions' count (0: the token's own only)
+            sampling["logprobs"] = lp
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            return {ROW_ERROR: f"{where}: body.echo must be true or false, got {echo!r}", "custom_id": cid}
+        if echo and url != "/v1/completions":
+            return {ROW_ERROR: f"{where}: body.echo is for /v1/completions only", "custom_id": cid}
+        if echo and "logprobs" in sampling:
+            sampling["prompt_logprobs"] = sampling["logprobs"]
         if body.get("response_format") is not None:
             structured, why = _response_format(body["response_format"])
             if why:
@@ -375,6 +386,8 @@ class OpenAIBatchSource(JsonlSource):
             if structured is not None:
                 sampling["structured_outputs"] = structured
         row = {"custom_id": cid, "url": url, "model": body.get("model"), "sampling": sampling}
+        if echo:
+            row["echo"] = True
         if "messages" in body:
             row["messages"] = body["messages"]
         else:

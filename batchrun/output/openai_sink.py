@@ -21,7 +21,14 @@ from batchrun.output.files import (
     write_json_atomic,
 )
 from batchrun.output.folder import AHEAD_JSONL, OPENAI_OUTPUT, PROGRESS
-from batchrun.output.openai_logprobs import Decode, chat_logprobs, completion_logprobs, token_decoder
+from batchrun.output.openai_logprobs import (
+    Decode,
+    DecodeText,
+    chat_logprobs,
+    completion_logprobs,
+    text_decoder,
+    token_decoder,
+)
 from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow
 
 log = logging.getLogger(__name__)
@@ -67,9 +74,11 @@ class OpenAIBatchSink(Sink):
         return self.committed
 
     def _payload(self, task: RowTask, outputs: list[Any] | None) -> list[Any]:
-        wants_logprobs = outputs is not None and task.params is not None and task.params.logprobs is not None
-        decode = token_decoder(self.spec.model) if wants_logprobs else None
-        return [json.dumps(openai_line(task, outputs, self.spec.model, decode), ensure_ascii=False)]
+        answered = outputs is not None and task.params is not None
+        decode = token_decoder(self.spec.model) if answered and task.params.logprobs is not None else None
+        decode_text = text_decoder(self.spec.model) if answered and _echo(task) and _echo_ids(task) else None
+        return [json.dumps(openai_line(task, outputs, self.spec.model, decode, decode_text=decode_text),
+                           ensure_ascii=False)]
 
     def _add_payload(self, row: StoredRow) -> None:
         self.lines += row.payload
@@ -119,8 +128,20 @@ class OpenAIBatchSink(Sink):
                 "completion_tokens": c.completion_tokens, "fingerprint": self.fp_hash}
 
 
-def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: Decode | None = None) -> dict[str, Any]:
-    """One request's output line. decode (token id -> text) renders the logprobs a request asked for."""
+def _echo(task: RowTask) -> bool:
+    """A completion that asked `echo`: its text (and logprobs) start with the prompt's."""
+    return bool(task.extra and task.extra.get("echo"))
+
+
+def _echo_ids(task: RowTask) -> bool:
+    """Is the echoed prompt its token ids decoded (given as ids, or cut to fit), not the text as given?"""
+    return task.prompt_ids is not None and (task.prompt is None or bool(task.truncated))
+
+
+def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: Decode | None = None, *,
+                decode_text: DecodeText | None = None) -> dict[str, Any]:
+    """One request's output line. decode (token id -> text) renders the logprobs a request asked for;
+    decode_text (ids -> text) an echoed prompt that was given as token ids."""
     extra = task.extra or {}
     cid = extra.get("custom_id")  # None for a line that has none (not JSON, or no custom_id)
     digest = hashlib.sha256(f"{cid}:{task.index}".encode()).hexdigest()
@@ -137,18 +158,28 @@ def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: De
         return line
     chat = "chat" in (extra.get("url") or "")
     top_n = task.params.logprobs if task.params is not None else None
+    echo = not chat and _echo(task)
+    prompt_text = ""
+    if echo and decode_text is not None and _echo_ids(task):
+        prompt_text = decode_text(task.prompt_ids)
+    elif echo:
+        prompt_text = task.prompt or ""
+    echoed = (task.prompt_ids, task.prompt_logprobs) if echo and task.prompt_ids is not None else None
     choices = []
     for j, out in enumerate(outputs):
         reason = out.finish_reason or "length"
         logprobs = None
-        if decode is not None and top_n is not None and out.logprobs is not None:
-            render = chat_logprobs if chat else completion_logprobs
-            logprobs = render(list(out.token_ids), out.logprobs, top_n, decode)
+        if decode is not None and top_n is not None:
+            if chat and out.logprobs is not None:
+                logprobs = chat_logprobs(list(out.token_ids), out.logprobs, top_n, decode)
+            elif not chat and (out.logprobs is not None or echoed is not None):
+                logprobs = completion_logprobs(list(out.token_ids), out.logprobs or [], top_n, decode, echoed)
         if chat:
             choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
                             "logprobs": logprobs, "finish_reason": reason})
         else:
-            choices.append({"index": j, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
+            choices.append({"index": j, "text": prompt_text + out.text, "logprobs": logprobs,
+                            "finish_reason": reason})
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     prompt_tokens = task.prompt_tokens or 0
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:24]}",

@@ -32,8 +32,11 @@ from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow, row_counts
 log = logging.getLogger(__name__)
 
 
+NO_SCORE = "the engine returned no log-probability for a continuation token"
+
+
 def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -> list[dict[str, Any]]:
-    """One record per sample (one for an error row), with the output columns."""
+    """One record per sample (one for an error row), with the output columns; one per row for a loglikelihood job."""
     base: dict[str, Any] = {"id": task.id}
     for c in spec.keep_columns:
         base[c] = task.keep.get(c)
@@ -41,6 +44,8 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
         base["prompt"] = task.prompt
     if spec.truncated_tokens:
         base["truncated_tokens"] = task.truncated or (0 if outputs is not None else None)
+    if spec.task == "loglikelihood":
+        return [_scored_record(task, outputs, spec, base)]
     if outputs is None:
         reason = "skipped" if task.skipped else "error"
         rec = {**base, "completion": None, "finish_reason": reason, "prompt_tokens": task.prompt_tokens,
@@ -49,6 +54,9 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
             rec["sample_index"] = 0
         return [rec]
     recs = []
+    prompt_logprobs = None
+    if spec.prompt_logprobs and task.prompt_logprobs is not None:
+        prompt_logprobs = [None if d is None else [(t, float(lp)) for t, lp in d.items()] for d in task.prompt_logprobs]
     for j, out in enumerate(outputs):
         # a structured output cut off before its grammar completed keeps its text, with the error beside it
         rec = {**base, "completion": out.text, "finish_reason": out.finish_reason or "length",
@@ -59,9 +67,38 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
         if spec.include_token_ids:
             rec["token_ids"] = list(out.token_ids)
         if spec.logprobs:
-            rec["logprobs"] = [list(d.items()) for d in out.logprobs] if out.logprobs is not None else None
+            rec["logprobs"] = [[(t, float(lp)) for t, lp in d.items()] for d in out.logprobs] \
+                if out.logprobs is not None else None
+        if spec.prompt_logprobs:
+            rec["prompt_logprobs"] = prompt_logprobs
         recs.append(rec)
     return recs
+
+
+def _scored_record(task: RowTask, outputs: list[Any] | None, spec: OutputSpec, base: dict[str, Any]) -> dict[str, Any]:
+    """A loglikelihood row: the continuation's summed log-probability (float64), whether it is the greedy one, its
+    token count; null scores for a row that did not run (an error, or skipped)."""
+    n = task.continuation_tokens
+    rec = {**base, "logprob": None, "is_greedy": None, "num_tokens": n, "prompt_tokens": task.prompt_tokens,
+           "error": task.error}
+    if spec.include_token_ids:
+        rec["token_ids"] = list(task.prompt_ids[-n:]) if n and task.prompt_ids is not None else None
+    if outputs is not None and task.error is None:
+        score = task.score()
+        if score is None:
+            rec["error"] = NO_SCORE
+        else:
+            rec["logprob"], rec["is_greedy"] = score
+    return rec
+
+
+def ran(table: pa.Table) -> list[bool]:
+    """Which rows of an output's table ran on the engine (their prompt tokens are counted): not an error or skipped
+    row (finish_reason), or for a loglikelihood output, a row with a score or an error after it ran."""
+    if "finish_reason" in table.column_names:
+        return [r not in ("error", "skipped") for r in table.column("finish_reason").to_pylist()]
+    return [lp is not None or e == NO_SCORE for lp, e in zip(table.column("logprob").to_pylist(),
+                                                             table.column("error").to_pylist())]
 
 
 class ParquetSink(Sink):
@@ -82,6 +119,9 @@ class ParquetSink(Sink):
             names.append("prompt")
         if s.truncated_tokens:
             names.append("truncated_tokens")
+        if s.task == "loglikelihood":
+            return names + ["logprob", "is_greedy", "num_tokens", "prompt_tokens"] + \
+                (["token_ids"] if s.include_token_ids else []) + ["error"]
         if s.sample_index:
             names.append("sample_index")
         names += ["completion", "finish_reason", "prompt_tokens", "completion_tokens"]
@@ -89,6 +129,8 @@ class ParquetSink(Sink):
             names.append("token_ids")
         if s.logprobs:
             names.append("logprobs")
+        if s.prompt_logprobs:
+            names.append("prompt_logprobs")
         names.append("error")
         return names
 
@@ -105,6 +147,8 @@ class ParquetSink(Sink):
         "finish_reason": pa.string(), "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
         "token_ids": pa.list_(pa.int32()), "logprobs": pa.list_(pa.map_(pa.int64(), pa.float64())),
         "error": pa.string(), "truncated_tokens": pa.int32(),
+        "prompt_logprobs": pa.list_(pa.map_(pa.int64(), pa.float64())),
+        "logprob": pa.float64(), "is_greedy": pa.bool_(), "num_tokens": pa.int32(),
     }
 
     # ------------------------------------------------------------ what is committed
@@ -330,8 +374,9 @@ class ParquetSink(Sink):
         if self.schema is not None and not old.schema.equals(self.schema):
             old = old.cast(self.schema)
         ids = old.column("id").to_pylist()
-        reasons, prompt, completion = (old.column(c).to_pylist() for c in
-                                       ("finish_reason", "prompt_tokens", "completion_tokens"))
+        ran_rows, prompt = ran(old), old.column("prompt_tokens").to_pylist()
+        completion = old.column("completion_tokens").to_pylist() if "completion_tokens" in old.column_names \
+            else [0] * old.num_rows
         # old rows from `cursor` on are copied as they are: old row x lands at rows_out + (x - cursor)
         pieces, errors_at, cursor, rows_out = [], [], 0, 0
         counts = Counts.of(info)
@@ -346,9 +391,8 @@ class ParquetSink(Sink):
                                 "since the output was written (rerun with --no-resume)")
             pieces.append(old.slice(cursor, first - cursor))
             rows_out += first - cursor
-            counts.remove(Counts(rows=n, errors=1, prompt_tokens=0 if reasons[first] in ("error", "skipped")
-                                 else (prompt[first] or 0), completion_tokens=sum(c or 0 for c in
-                                                                                 completion[first:first + n])))
+            counts.remove(Counts(rows=n, errors=1, prompt_tokens=(prompt[first] or 0) if ran_rows[first] else 0,
+                                 completion_tokens=sum(c or 0 for c in completion[first:first + n])))
             counts.add(row_counts(task, outputs))
             if write:
                 records = output_records(task, outputs, self.spec)

@@ -24,8 +24,10 @@ class OutputSpec:
     include_token_ids: bool = False
     sample_index: bool = False
     logprobs: bool = False
+    prompt_logprobs: bool = False  # a generation job's sampling.prompt_logprobs (or its sampling column) is set
     truncated_tokens: bool = False  # input.on_too_long truncates: how many prompt tokens each row lost
     model: str = ""
+    task: str = "generate"  # the job's task: generate (completions) or loglikelihood (scores)
 
 
 @dataclass
@@ -77,7 +79,8 @@ class StoredRow:
 
 def row_counts(task: RowTask, outputs: list[Any] | None) -> Counts:
     """What one input row adds to the counts (rows aside: they depend on whether it is written)."""
-    error = task.error is not None or any(getattr(o, "error", None) for o in outputs or ())
+    error = task.error is not None or any(getattr(o, "error", None) for o in outputs or ()) or (
+        outputs is not None and task.continuation_tokens is not None and task.score() is None)
     return Counts(errors=int(error), inputs=1,
                   prompt_tokens=(task.prompt_tokens or 0) if outputs is not None else 0,
                   completion_tokens=sum(len(o.token_ids) for o in outputs) if outputs is not None else 0)

@@ -16,12 +16,15 @@ class JobEngine(Protocol):
     tokenizer: Any  # a Hugging Face fast tokenizer: rows are tokenized and templated with it, before the engine
     max_model_len: int  # the longest prompt plus completion (input.on_too_long cuts prompts to fit it)
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> str | None:
-        """None when the prompt can run, else a one-line reason (the row becomes a row error)."""
+    def check_prompt(self, prompt_token_ids: list[int], scored: bool = False) -> str | None:
+        """None when the prompt can run, else a one-line reason (the row becomes a row error); a scored prompt
+        (its log-probabilities asked for, or max_tokens 0) may fill max_model_len."""
         ...
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a checked request; with `params.seed` set, its random stream is a function of the seed."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    score_from: int = 1) -> None:
+        """Queue a checked request; with `params.seed` set, its random stream is a function of the seed. With
+        `params.prompt_logprobs`, the prompt is scored from token `score_from` on (loglikelihood rows only pass it)."""
         ...
 
     def step(self) -> list[RequestOutput]:

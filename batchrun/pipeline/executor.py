@@ -58,14 +58,24 @@ class EngineLoop:
 
     def add(self, task: RowTask) -> None:  # a row without error: its prompt checked by the RequestBuilder
         request_id = str(task.pos)  # positions are unique in a run, and the same on every rerun
-        self.engine.add_request(request_id, task.prompt_ids, task.params)
+        if task.continuation_tokens:  # a loglikelihood row: its context may come from the prefix cache
+            score_from = len(task.prompt_ids) - task.continuation_tokens
+            self.engine.add_request(request_id, task.prompt_ids, task.params, score_from=score_from)
+        else:
+            self.engine.add_request(request_id, task.prompt_ids, task.params)
         task.prompt_ids = None  # the engine holds its own copy; the row waiting here need not
         self.in_flight[request_id] = task
 
     def step(self) -> list[FinishedRow]:
         if not self.engine.has_unfinished():
             raise RuntimeError(f"internal error: {len(self.in_flight)} requests in flight and the engine is idle")
-        return [(self.in_flight.pop(out.request_id), list(out.outputs)) for out in self.engine.step()]
+        finished = []
+        for out in self.engine.step():
+            task = self.in_flight.pop(out.request_id)
+            if task.returns_prompt:
+                task.prompt_ids, task.prompt_logprobs = list(out.prompt_token_ids), out.prompt_logprobs
+            finished.append((task, list(out.outputs)))
+        return finished
 
     def abort(self) -> None:
         if self.in_flight:

@@ -34,7 +34,8 @@ class LocalExecutor(Executor):
         if rows.empty:  # every row is committed (or finished ahead): no model to load
             receiver.start()
             return
-        log.info("loading model %s", cfg.model["path"])
+        if getattr(self.factory, "loads_model", True):  # False: it hands an engine loaded before (batchrun serve's)
+            log.info("loading model %s", cfg.model["path"])
         kwargs = cfg.llm_kwargs()
         if self.kv_cache_tokens is not None:
             kwargs["kv_cache_tokens"] = self.kv_cache_tokens

@@ -14,7 +14,7 @@ from batchrun.sampling_params import SamplingParams
 
 # Body fields read (besides the SamplingParams fields, vLLM's extensions, which pass through as well).
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-            "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "response_format"}
+            "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "response_format", "echo"}
 # Body fields that change nothing about the answer: accepted and ignored. (model: one model serves.)
 IGNORED = {"model", "user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls",
            "prompt_cache_key", "safety_identifier"}
@@ -99,6 +99,18 @@ def _check_body(body: dict[str, Any], endpoint: str) -> str | None:
     if not chat and "messages" in body:
         return "body.messages is for /v1/chat/completions; /v1/completions takes body.prompt"
     passed = set(SamplingParams.field_names())
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        return f"body.echo must be true or false, got {echo!r}"
+    if chat and echo:
+        return "body.echo is for /v1/completions; chat completions do not echo the prompt"
+    if chat:
+        for key in ("max_tokens", "max_completion_tokens"):
+            if body.get(key) == 0 and not isinstance(body[key], bool):
+                return f"body.{key} must be at least 1 for chat completions, got 0"
+    if body.get("prompt_logprobs") is not None:  # a completion's come with echo: true and logprobs: k
+        return ("body.prompt_logprobs is not supported by batchrun serve; /v1/completions with echo: true and "
+                "logprobs: k returns the prompt's log-probabilities")
     for key, value in body.items():
         if key in HONOURED or key in IGNORED or key in passed or value in (None, False, [], {}):
             continue

@@ -20,7 +20,7 @@ from batchrun.job import EXIT_OK, EXIT_STOPPED, plan_job, run_job
 from batchrun.pipeline.engine_api import JobEngine
 from batchrun.serve import shapes
 from batchrun.serve.checks import Checked, check_input
-from batchrun.serve.finish import finish
+from batchrun.serve.finish import finish, progress
 from batchrun.serve.options import ServeOptions
 from batchrun.serve.source import CheckedBatchSource
 from batchrun.serve.store import StateStore
@@ -35,6 +35,18 @@ RUNNABLE = ("in_progress", "finalizing", "cancelling")
 
 class CancelError(Exception):
     """The batch cannot be cancelled in its status (400)."""
+
+
+class LoadedEngine:
+    """A batch job's engine factory: the engine the server loaded at start (the job loads no model)."""
+
+    loads_model = False  # batchrun.pipeline.local.LocalExecutor logs "loading model" only for a factory that does
+
+    def __init__(self, engine: JobEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobEngine:
+        return self.engine
 
 
 class BatchRunner:
@@ -169,7 +181,9 @@ class BatchRunner:
         expiry = threading.Timer(max(0.0, record["expires_at"] - time.time()), stop.set)
         expiry.daemon = True
         expiry.start()
-        log.info("batch %s: running", batch_id)
+        total, done = record["request_counts"]["total"], (progress(self.store.job_dir(batch_id)) or {}).get("end", 0)
+        log.info("batch %s: running %d requests on the loaded model %s%s", batch_id, total - done,
+                 self.settings.model["path"], f" ({done} of {total} done before)" if done else "")
         try:
             code, message = self._run_job(batch_id, stop)
         finally:
@@ -207,7 +221,7 @@ class BatchRunner:
             cfg = validate_raw(raw, source=f"batch {batch_id}")
             source = CheckedBatchSource(store.input_path(batch_id), Checked.load(store.checks_path(batch_id)))
             plan = plan_job(cfg, source=source)
-            result = run_job(plan, quiet=True, llm_factory=lambda *args, **kwargs: self.engine, stop=stop)
+            result = run_job(plan, quiet=True, llm_factory=LoadedEngine(self.engine), stop=stop)
         except JobError as e:
             return 1, str(e)
         return result.exit_code, result.message

@@ -43,8 +43,10 @@ class Plan:
     # also batchrun without draft tokens, and vLLM with n-gram drafts like batchrun's (VLLM_NGRAM)
     speculation_variants: bool = True
     vllm_ngram: bool = True  # (with speculation_variants) the vLLM + n-gram row
-    # what the requests are: "sharegpt" (random token ids, ShareGPT-like lengths) or "chat" (benchmarks/harness/chat.py's
-    # questions in the model's chat template, replies to EOS of at most 256 tokens); and how they decode
+    # what the requests are: "sharegpt" (random token ids, ShareGPT-like lengths), "chat" (benchmarks/harness/chat.py's
+    # questions in the model's chat template, replies to EOS of at most 256 tokens), or "loglik" (num_requests
+    # four-choice items scored, benchmarks/harness/loglik.py; static_batches: transformers' batch sizes); and how
+    # they decode
     workload: str = "sharegpt"
     decoding: Decoding = field(default_factory=Decoding)
     checkpoint: str = ""  # a random-weight model of benchmarks/harness/models.py instead of the built-in `builtin`
@@ -76,6 +78,13 @@ OUTPUT = LengthDist(median=48, sigma=0.7, lo=16, hi=256)
 SAMPLED = Decoding(temperature=0.8, top_p=0.95, seed=0)
 CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, prompt=PROMPT, output=OUTPUT,
             static_batches=(), cb_requests_per_step=(), scenarios=(), vllm_ngram=False)
+
+# Scoring multiple-choice continuations, an evaluation harness's work: SmolLM2-135M-Instruct's real weights on 500
+# four-choice items of the repository's text. batchrun as its loglikelihood jobs run (and through vLLM's names as a
+# vLLM client), vLLM's prompt_logprobs, transformers as lm-eval's HF backend (batches of 32).
+LOGLIK = dict(workload="loglik", builtin="smollm2-135m-instruct", num_requests=500, prompt=PROMPT, output=OUTPUT,
+              static_batches=(32,), cb_requests_per_step=(), scenarios=(), speculation_variants=False,
+              vllm_ngram=False, openvino=False, op_profile=0)
 
 # The 1B-class rows: Llama-3.2-1B's shape (benchmarks/harness/models.py), random bf16 weights, random text, EOS ignored.
 LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
@@ -168,6 +177,8 @@ PLANS: dict[str, Plan] = {
     "qwen3-moe-bf16": Plan("qwen3-moe-bf16", "small-qwen3-moe", 64, PROMPT, OUTPUT, static_batches=(),
                            cb_requests_per_step=(), scenarios=(), dtype="bfloat16",
                            note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
+    "loglik-bf16": Plan("loglik-bf16", **LOGLIK, dtype="bfloat16"),
+    "loglik-fp32": Plan("loglik-fp32", **LOGLIK),
 }
 # What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
 # ignored on the same real model (a second view); the other plans are asked for by name.
@@ -175,7 +186,10 @@ DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", 
                  "smollm2")
 # The quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
 QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
-PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS}
+# The loglikelihood row (`--model loglik`): many minutes on 2 cores (every peer computes each choice's whole prompt),
+# so not in the default set; its fp32 twin (longer still) is asked for by name.
+LOGLIK_PLANS = ("loglik-bf16",)
+PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS, "loglik": LOGLIK_PLANS}
 
 QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
@@ -185,8 +199,26 @@ QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8,
              note="Quick mode: a harness check on a toy workload, not a measurement.")
 
 
+# Quick mode's loglikelihood plan (`--quick --model loglik`): a few items on the tiny model, every system.
+QUICK_LOGLIK = Plan("loglik-tiny", "tiny-llama", 6, PROMPT, OUTPUT, workload="loglik", static_batches=(4,),
+                    cb_requests_per_step=(), scenarios=(), speculation_variants=False, vllm_ngram=False,
+                    openvino=False, op_profile=0, vllm_kwargs={"enforce_eager": True},
+                    note="Quick mode: a harness check on a few items of the tiny random model, not a measurement.")
+
+
+def quick_plans(keys: tuple[str, ...]) -> list[Plan]:
+    """Quick mode's stand-ins for the plans asked for: QUICK_LOGLIK for loglikelihood plans, QUICK for the others."""
+    out: list[Plan] = []
+    for k in keys:
+        p = QUICK_LOGLIK if PLANS[k].workload == "loglik" else QUICK
+        if all(q is not p for q in out):
+            out.append(p)
+    return out
+
+
 def select_plans(spec: str) -> tuple[str, ...]:
-    """Plan keys from --model: a comma-separated list of plans and groups (all, quant), in order, each once."""
+    """Plan keys from --model: a comma-separated list of plans and groups (all, quant, loglik), in order, each
+    once."""
     keys: list[str] = []
     for k in (k.strip() for k in spec.split(",") if k.strip()):
         keys.extend(PLAN_GROUPS.get(k, (k,)))

@@ -28,6 +28,10 @@ SYSTEM_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU", "openvino": "OpenVI
                  "hf_static": "transformers generate (static batches)", "hf_cb": "transformers continuous batching"}
 PEERS = ("vllm", "openvino")  # the engines a CPU user would pick instead (the ratio is to the fastest)
 PEER_TARGET = 1.25
+# The loglikelihood rows: batchrun's job way against the fastest of vLLM's prompt_logprobs and transformers.
+LOGLIK_LABELS = {"batchrun": "batchrun", "vllm": "vLLM CPU, prompt_logprobs", "hf": "transformers (lm-eval's HF way)"}
+LOGLIK_PEERS = ("vllm", "hf")
+LOGLIK_TARGET = 1.5
 
 
 def compare_outputs(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
@@ -130,6 +134,83 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
                                            4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
                                            bandwidth or 0.0, peak_flops)
     derived["targets"] = _targets(m["key"], derived)
+    return derived
+
+
+def _generation(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plans that generate (the loglikelihood plans have their own tables)."""
+    return [m for m in res["models"].values() if m.get("kind") != "loglik"]
+
+
+def loglik_answers(scores: list[list[Any]], num_choices: int) -> list[int]:
+    """Each item's answer from a run's per-request (summed log-probability, greedy): its best choice."""
+    from benchmarks.harness.loglik import answers
+
+    return answers(scores, num_choices)
+
+
+def compare_scores(ref: list[list[Any]], other: list[list[Any]], num_choices: int) -> dict[str, Any]:
+    """How far a run's scores agree with the reference run's: the items whose answer is the same, the requests
+    whose greedy flag is, and the summed log-probabilities' differences."""
+    a, b = loglik_answers(ref, num_choices), loglik_answers(other, num_choices)
+    diffs = [abs(x[0] - y[0]) for x, y in zip(ref, other)]
+    return {"items": len(a), "answers_agree": sum(x == y for x, y in zip(a, b)),
+            "greedy_agree": sum(bool(x[1]) == bool(y[1]) for x, y in zip(ref, other)), "requests": len(diffs),
+            "max_abs_diff": max(diffs, default=0.0), "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0}
+
+
+def derive_loglik(m: dict[str, Any]) -> dict[str, Any]:
+    """A loglikelihood plan's figures: items/s and scored tokens/s of every run, its answers' accuracy and agreement
+    with batchrun's (its first row, the job way) and with each other run's, batchrun's ratio to the fastest peer."""
+    w, gold = m["workload"], m["gold"]
+    k = w["choices"]
+    derived: dict[str, Any] = {"systems": {}, "ratios": {}, "agreement": []}
+    br = (m["runs"].get("batchrun") or [{}])[0]
+    ref = br.get("scores") if "error" not in br else None
+    scored: list[tuple[str, list[list[Any]]]] = []
+    for system, variants in m["runs"].items():
+        rows = []
+        for v in variants:
+            row = {"config": v.get("config", {}), "error": v.get("error")}
+            if not v.get("error"):
+                wall = v["wall_s"]
+                got = loglik_answers(v["scores"], k)
+                row.update(wall_s=wall, items_s=v["items"] / wall, scored_tok_s=v["scored_tokens"] / wall,
+                           request_tok_s=v["request_tokens"] / wall, peak_rss_mb=v.get("peak_rss_mb"),
+                           load_rss_mb=v.get("load_rss_mb"), cpu_share=v.get("cpu_share"),
+                           other_load=v.get("other_load"), repeat_walls_s=v.get("repeat_walls_s"),
+                           round_walls_s=v.get("round_walls_s"),
+                           accuracy=sum(a == g for a, g in zip(got, gold)) / len(gold),
+                           greedy_requests=sum(bool(x[1]) for x in v["scores"]),
+                           prefix_cache_hit_tokens=(v.get("metrics") or {}).get("prefix_cache_hit_tokens"))
+                if v["items"] != len(gold):
+                    row["error"] = f"scored {v['items']} items, the workload has {len(gold)}"
+                elif ref is not None and v is not br:
+                    row["vs_batchrun"] = compare_scores(ref, v["scores"], k)
+                if not row["error"]:
+                    scored.append((_loglik_run(system, row["config"]), v["scores"]))
+            rows.append(row)
+        ok = [r for r in rows if not r.get("error")]
+        derived["systems"][system] = {"variants": rows, "best": max(ok, key=lambda r: r["items_s"]) if ok else None}
+    for i, (name, a) in enumerate(scored):  # every pair of runs: the items whose answers agree
+        for name_b, b in scored[i + 1:]:
+            derived["agreement"].append({"a": name, "b": name_b, **compare_scores(a, b, k)})
+    default = derived["systems"].get("batchrun", {}).get("variants", [{}])[0]
+    default = default if default and not default.get("error") else None
+    for system in LOGLIK_PEERS:
+        s = derived["systems"].get(system, {}).get("best")
+        if default and s:
+            derived["ratios"][system] = default["items_s"] / s["items_s"]
+    peers = [(p, derived["systems"][p]["best"]) for p in LOGLIK_PEERS if derived["systems"].get(p, {}).get("best")]
+    targets = []
+    if default and peers:
+        name, fastest = max(peers, key=lambda p: p[1]["items_s"])
+        r = default["items_s"] / fastest["items_s"]
+        derived["fastest_peer"] = {"system": name, "config": fastest["config"], "items_s": fastest["items_s"],
+                                   "ratio": r}
+        targets.append({"target": f"items/s vs the fastest peer ({LOGLIK_LABELS[name]})",
+                        "goal": f">= {LOGLIK_TARGET:g}x", "measured": r, "met": r >= LOGLIK_TARGET})
+    derived["targets"] = targets
     return derived
 
 
@@ -286,7 +367,7 @@ def summary_table(res: dict[str, Any]) -> list[str]:
     lines = ["| row | batchrun | batchrun, drafts on | vLLM CPU | OpenVINO GenAI | OpenVINO, u8 KV | "
              "batchrun / fastest peer | batchrun / its bf16 row (decode) | peak RSS MiB (batchrun / vLLM / OpenVINO) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for m in res["models"].values():
+    for m in _generation(res):
         d = m["derived"]
 
         def rate(v: dict[str, Any] | None) -> str:
@@ -317,7 +398,7 @@ def shares_table(res: dict[str, Any]) -> list[str]:
             "logits", "sampling", "outputs", "other"]
     lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms) | of bandwidth | of matmul peak |",
              "|---|" + "---:|" * (len(keys) + 3)]
-    for m in res["models"].values():
+    for m in _generation(res):
         d = m["derived"]
         sh = d.get("time_shares") or {}
         if "forward" in sh:  # no op profile: the forward whole
@@ -408,10 +489,18 @@ def markdown(res: dict[str, Any]) -> str:
                 f"(marked{NOISY_MARK})**: with OpenMP threads that lose their core, a run can be several times slower "
                 "than alone; "
                 "rerun on a quiet machine or with `--repeat 2`."] if noisy else []),
-             "", "## Summary: generated tokens/s", "", *summary_table(res), "",
-             "Where batchrun's step time goes (share of its step time), and its decode-only steps against this "
-             "machine's read bandwidth and matmul peak:", "", *shares_table(res), ""]
+             ""]
+    if _generation(res):
+        lines += ["## Summary: generated tokens/s", "", *summary_table(res), "",
+                  "Where batchrun's step time goes (share of its step time), and its decode-only steps against this "
+                  "machine's read bandwidth and matmul peak:", "", *shares_table(res), ""]
+    loglik = [m for m in res["models"].values() if m.get("kind") == "loglik"]
+    if loglik:
+        lines += ["## Summary: loglikelihood (four-choice items scored)", "", *loglik_summary_table(loglik), ""]
     for m in res["models"].values():
+        if m.get("kind") == "loglik":
+            lines += loglik_markdown(m)
+            continue
         d = m["derived"]
         w = m["workload"]
         dtype = m.get("dtype", "float32")
@@ -478,6 +567,107 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _loglik_run(system: str, c: dict[str, Any]) -> str:
+    """A loglikelihood run's short name: batchrun's two ways apart, transformers' batch size."""
+    if system == "batchrun":
+        return "batchrun, job way" if "score_from" in c.get("api", "") else "batchrun, generate"
+    if system == "hf":
+        return f"transformers, batch {c.get('batch_size')}"
+    return LOGLIK_LABELS.get(system, system)
+
+
+def _loglik_cfg(c: dict[str, Any]) -> str:
+    parts = [c["api"]] if c.get("api") else []
+    if "batch_size" in c:
+        parts.append(f"batch {c['batch_size']}")
+    if "kv_cache_memory_bytes" in c:
+        parts.append(f"KV {c['kv_cache_memory_bytes'] / 2**20:.1f} MiB")
+    if "num_kv_blocks" in c:
+        parts.append(f"{c['num_kv_blocks']} blocks of {c.get('block_size', '?')}")
+    return ", ".join(parts) or "-"
+
+
+def _agree_str(cmp: dict[str, Any] | None) -> str:
+    return f"{cmp['answers_agree']}/{cmp['items']}" if cmp else "-"
+
+
+def loglik_summary_table(models: list[dict[str, Any]]) -> list[str]:
+    """One line per loglikelihood plan: items/s of each system, batchrun's ratio to the fastest peer, the peers'
+    answers against batchrun's."""
+    lines = ["| row | batchrun (job way) | batchrun via generate | vLLM CPU | transformers | batchrun / fastest peer | "
+             "answers as batchrun's (vLLM / transformers) | peak RSS MiB (batchrun / vLLM / transformers) |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for m in models:
+        d = m["derived"]
+        br = d["systems"].get("batchrun", {}).get("variants", [])
+        rows = [br[0] if br else None, br[1] if len(br) > 1 else None, d["systems"].get("vllm", {}).get("best"),
+                d["systems"].get("hf", {}).get("best")]
+        rows = [r if r and not r.get("error") else None for r in rows]
+        fp = d.get("fastest_peer")
+        rate = " | ".join(_f(r["items_s"], "{:.2f}") if r else "-" for r in rows)
+        agree = " / ".join(_agree_str(r.get("vs_batchrun")) if r else "-" for r in rows[2:])
+        rss = " / ".join(_f(r.get("peak_rss_mb"), "{:.0f}") if r else "-" for r in (rows[0], *rows[2:]))
+        dt = {"bfloat16": "bf16", "float32": "fp32"}.get(m.get("dtype"), m.get("dtype"))
+        lines.append(f"| {m['model']} {m['workload']['items']} items, {dt} | {rate} | "
+                     f"{_f(fp['ratio'], '{:.2f}x') if fp else '-'} | {agree} | {rss} |")
+    return lines
+
+
+def loglik_markdown(m: dict[str, Any]) -> list[str]:
+    """A loglikelihood plan's section: the workload, every run, the answers' agreement between runs, the target."""
+    d, w = m["derived"], m["workload"]
+    dt = {"bfloat16": "bf16", "float32": "fp32"}.get(m.get("dtype"), m.get("dtype"))
+    src = ", ".join(f"{k} {v}" for k, v in (w.get("sources") or {}).items())
+    lines = [f"## Loglikelihood: {m['model']} ({dt})", "",
+             f"Workload: {w['items']} items of {w['choices']} choices ({w['requests']} requests) from the "
+             f"repository's text ({src}; fingerprint {w.get('fingerprint')}): context {w['context_len_min']}.."
+             f"{w['context_len_max']} tokens (mean {w['context_len_mean']:.0f}), continuation "
+             f"{w['continuation_len_min']}..{w['continuation_len_max']} (mean {w['continuation_len_mean']:.0f}); "
+             f"{w['scored_tokens']} scored tokens in {w['request_tokens']} request tokens (each choice's context "
+             f"and continuation). KV budget {m['kv_bytes'] / 2**20:.1f} MiB ({m['kv_blocks']} blocks of "
+             f"{m['block_size']} tokens: a job's, max_num_seqs sequences of the longest request), the same bytes for "
+             "vLLM. Items/s and scored (continuation) tokens/s are over the timed scoring, model load and a warm-up "
+             "untimed; answer: the choice with the highest summed log-probability.", ""]
+    if m.get("note"):
+        lines += [m["note"], ""]
+    lines += ["| system | config | wall s | items/s | scored tok/s | batchrun / this | peak RSS MiB | others' CPU | "
+              "accuracy | greedy requests | prefix-cache hit tokens | answers as batchrun's | max / mean abs diff "
+              "of summed logprob |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    variants = d["systems"].get("batchrun", {}).get("variants") or [{}]
+    ref = variants[0] if variants[0] and not variants[0].get("error") else None
+    for system, s in d["systems"].items():
+        for v in s["variants"]:
+            name = LOGLIK_LABELS.get(system, system)
+            if v.get("error"):
+                lines.append(f"| {name} | {_loglik_cfg(v['config'])} | failed: {v['error'][:120]} "
+                             "| | | | | | | | | | |")
+                continue
+            rounds = v.get("round_walls_s")
+            wall = f"{v['wall_s']:.2f}" + (" (rounds: " + ", ".join(_f(x, "{:.2f}") for x in rounds) + ")"
+                                           if rounds else "")
+            cmp = v.get("vs_batchrun")
+            ratio = ref["items_s"] / v["items_s"] if ref and v is not ref else None
+            lines.append(
+                f"| {name} | {_loglik_cfg(v['config'])} | {wall} | {v['items_s']:.2f} | {v['scored_tok_s']:.0f} | "
+                f"{_f(ratio, '{:.2f}x')} | {_f(v.get('peak_rss_mb'), '{:.0f}')} | {_pct(v.get('other_load'))}"
+                f"{NOISY_MARK if _noisy(v) else ''} | {_pct(v['accuracy'])} | {v['greedy_requests']} | "
+                f"{_f(v.get('prefix_cache_hit_tokens'), '{:.0f}')} | "
+                f"{_agree_str(cmp) if cmp else '(reference)' if v is ref else '-'} | "
+                + (f"{cmp['max_abs_diff']:.3g} / {cmp['mean_abs_diff']:.3g} |" if cmp else "- |"))
+    if d.get("agreement"):
+        lines += ["", "Answers that agree, run by run (items with the same best choice; requests with the same greedy "
+                  "flag):", "", "| run | run | answers agree | greedy flags agree | max / mean abs diff |",
+                  "|---|---|---:|---:|---|"]
+        for a in d["agreement"]:
+            lines.append(f"| {a['a']} | {a['b']} | {a['answers_agree']}/{a['items']} | "
+                         f"{a['greedy_agree']}/{a['requests']} | {a['max_abs_diff']:.3g} / {a['mean_abs_diff']:.3g} |")
+    lines += ["", "Targets:", "", "| target | goal | measured | met |", "|---|---|---:|---|"]
+    for t in d["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['goal']} | {_f(t['measured'], '{:.2f}x')} | {met} |")
+    return lines + [""]
+
+
 def scenario_markdown(sc: dict[str, Any]) -> list[str]:
     lines = ["### Scenarios (batchrun only)", ""]
     rows = ["| scenario | run | wall s | gen tok/s | vs first run | peak running | peak KV blocks | "
@@ -515,7 +705,9 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    models = list(res["models"].values())
+    models = _generation(res)
+    if not models:
+        return False
     fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
     colors = {"batchrun": "#2a7", "vllm": "#d84", "hf_static": "#889", "hf_cb": "#57a"}
     short = {"batchrun": "batchrun", "vllm": "vLLM CPU", "hf_static": "HF static", "hf_cb": "HF continuous"}

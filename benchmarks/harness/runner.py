@@ -52,7 +52,8 @@ class Runner:
         took = time.perf_counter() - t
         if rc == 0 and out_path.is_file():
             res = json.loads(out_path.read_text())
-            shown = f"{res['gen_tokens'] / res['wall_s']:.1f} gen tok/s" if "wall_s" in res else "done"
+            shown = ("done" if "wall_s" not in res else f"{res['items'] / res['wall_s']:.2f} items/s" if "items" in res
+                     else f"{res['gen_tokens'] / res['wall_s']:.1f} gen tok/s")
             self.log(f"  {name}: {shown} ({took:.0f} s in all)")
             return res
         tail = log_path.read_text().strip().splitlines()[-3:] if log_path.is_file() else []

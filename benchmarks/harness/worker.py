@@ -26,6 +26,7 @@ import batchrun  # noqa: F401
 import torch
 
 from benchmarks.harness.clock import Clock, best_of, peak_rss_mb, rss_mb  # noqa: F401 - re-exported
+from benchmarks.harness.loglik import LoglikWorkload, lm_eval_order, score_prompt_logprobs
 from benchmarks.harness.workload import Workload
 
 # A short request run before the timed part of every system, so one-off costs (first-call kernel selection,
@@ -417,6 +418,150 @@ def task_hf_cb(spec: dict[str, Any]) -> Result:
                        "max_batch_tokens": cb.max_batch_tokens or "auto"}}
 
 
+# ---- loglikelihood: four-choice items (benchmarks/harness/loglik.py) -----------------------------------
+
+
+def _loglik_result(wl: LoglikWorkload, clock: Clock, scores: list[tuple[float, bool]], **extra: Any) -> Result:
+    """A scoring run's result: its wall time and each request's (summed log-probability, is greedy) in the
+    workload's request order (item by item, choice by choice)."""
+    reqs = wl.requests()
+    return {**clock.as_dict(), "scores": [[lp, bool(g)] for lp, g in scores], "items": len(wl),
+            "requests": len(reqs), "scored_tokens": sum(len(c) for _, c in reqs),
+            "request_tokens": sum(len(x) + len(c) for x, c in reqs), **extra}
+
+
+def _warm_loglik(llm: Any) -> None:
+    """A short scored prompt (tokens no item starts with), untimed."""
+    from batchrun import SamplingParams
+
+    llm.generate([{"prompt_token_ids": WARMUP_PROMPT}], SamplingParams(max_tokens=0, prompt_logprobs=1,
+                                                                      detokenize=False), use_tqdm=False)
+
+
+def task_loglik_batchrun(spec: dict[str, Any]) -> Result:
+    """batchrun as its `task: loglikelihood` jobs run: every (item, choice) through the engine's stepping API
+    (`add_request` with `score_from` at the continuation, so an item's choices may share their context's KV blocks
+    through the prefix cache; `step` until done), keeping in flight what the job executor keeps
+    (batchrun.pipeline.executor.max_in_flight). Score: the continuation's summed prompt log-probabilities; greedy:
+    each has rank 1."""
+    from batchrun import SamplingParams
+    from batchrun.pipeline.executor import max_in_flight
+
+    wl = LoglikWorkload.from_json(spec["loglik"])
+    reqs = wl.requests()
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0, detokenize=False)
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        t = time.perf_counter()
+        llm = _make_llm(spec)
+        load_s, load_rss = time.perf_counter() - t, rss_mb()
+        _warm_loglik(llm)
+        limit = max_in_flight(llm.args.max_num_seqs)
+        before = llm.metrics()
+        scores: list[tuple[float, bool] | None] = [None] * len(reqs)
+        with Clock(torch.get_num_threads()) as clock:
+            added = done = 0
+            while done < len(reqs):
+                while added < len(reqs) and added - done < limit:
+                    ctx, cont = reqs[added]
+                    llm.add_request(str(added), ctx + cont, params, score_from=len(ctx))
+                    added += 1
+                for out in llm.step():
+                    i = int(out.request_id)
+                    scores[i] = score_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, len(reqs[i][0]),
+                                                      by_rank=True)
+                    done += 1
+        runs.append(_loglik_result(wl, clock, scores, metrics=metrics_delta(before, llm.metrics()), load_s=load_s,
+                                   load_rss_mb=load_rss, config={"api": "add_request + step, score_from",
+                                                                 "max_in_flight": limit,
+                                                                 **spec.get("llm_kwargs", {})}))
+        del llm  # free its KV pool before the next LLM is built
+        gc.collect()
+    return best_of(runs)
+
+
+def task_loglik_batchrun_generate(spec: dict[str, Any]) -> Result:
+    """batchrun through vLLM's names, as lm-eval's vLLM backend drives vLLM: one `generate` of TokensPrompts (in its
+    order: longest first) with SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False);
+    score and greedy read from prompt_logprobs as that backend reads them."""
+    from batchrun import SamplingParams, TokensPrompt
+
+    wl = LoglikWorkload.from_json(spec["loglik"])
+    reqs = wl.requests()
+    order = lm_eval_order(reqs)
+    params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        t = time.perf_counter()
+        llm = _make_llm(spec)
+        load_s, load_rss = time.perf_counter() - t, rss_mb()
+        _warm_loglik(llm)
+        before = llm.metrics()
+        with Clock(torch.get_num_threads()) as clock:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=reqs[i][0] + reqs[i][1]) for i in order], params,
+                                use_tqdm=False)
+            scores: list[tuple[float, bool] | None] = [None] * len(reqs)
+            for i, out in zip(order, outs):
+                scores[i] = score_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, len(reqs[i][0]))
+        runs.append(_loglik_result(wl, clock, scores, metrics=metrics_delta(before, llm.metrics()), load_s=load_s,
+                                   load_rss_mb=load_rss, config={"api": "generate, prompt_logprobs=1",
+                                                                 **spec.get("llm_kwargs", {})}))
+        del llm
+        gc.collect()
+    return best_of(runs)
+
+
+def lm_eval_hf_scores(model: Any, requests: list[tuple[list[int], list[int]]], batch_size: int
+                      ) -> list[tuple[float, bool]]:
+    """lm-eval's HF backend's loglikelihood: requests sorted longest first, batched, each input its context and
+    continuation less the last token, right-padded (no attention mask: causal attention never reads the padding
+    after a row's tokens), one forward per batch, log_softmax over the vocabulary in the logits' dtype, the
+    continuation's positions gathered and summed; greedy: each continuation token is its position's argmax. Returns
+    (summed log-probability, is greedy) in the requests' order."""
+    import torch.nn.functional as F
+
+    out: list[tuple[float, bool] | None] = [None] * len(requests)
+    order = lm_eval_order(requests)
+    with torch.inference_mode():
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            inps = [(requests[i][0] + requests[i][1])[:-1] for i in idx]
+            width = max(len(x) for x in inps)
+            batch = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, x in enumerate(inps):
+                batch[r, :len(x)] = torch.tensor(x)
+            multi_logits = F.log_softmax(model(batch).logits, dim=-1)
+            for r, i in enumerate(idx):
+                cont = torch.tensor(requests[i][1])
+                n, inplen = len(cont), len(inps[r])
+                logits = multi_logits[r, inplen - n:inplen]  # [continuation, vocab]
+                greedy = bool((logits.argmax(dim=-1) == cont).all())
+                out[i] = (float(logits.gather(1, cont.unsqueeze(1)).sum()), greedy)
+    return out
+
+
+def task_loglik_hf(spec: dict[str, Any]) -> Result:
+    """transformers as lm-eval's HF backend runs it (lm_eval_hf_scores): AutoModelForCausalLM in the plan's dtype,
+    batches of `batch_size`."""
+    from transformers import AutoModelForCausalLM
+
+    wl = LoglikWorkload.from_json(spec["loglik"])
+    reqs = wl.requests()
+    bs = spec["batch_size"]
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec["dtype"])).eval()
+    load_s, load_rss = time.perf_counter() - t, rss_mb()
+    lm_eval_hf_scores(model, [(WARMUP_PROMPT[:24], WARMUP_PROMPT[24:])], 1)
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        with Clock(torch.get_num_threads()) as clock:
+            scores = lm_eval_hf_scores(model, reqs, bs)
+        runs.append(_loglik_result(wl, clock, scores))
+    return {**best_of(runs), "load_s": load_s, "load_rss_mb": load_rss,
+            "config": {"batch_size": bs, "dtype": spec["dtype"], "attn_implementation":
+                       model.config._attn_implementation, "sorted": "longest first", "padding": "right"}}
+
+
 TASKS: dict[str, Callable[[dict[str, Any]], Result]] = {
     "peak": task_peak,
     "batchrun": task_batchrun,
@@ -425,6 +570,9 @@ TASKS: dict[str, Callable[[dict[str, Any]], Result]] = {
     "scenario_prefix": task_scenario_prefix,
     "scenario_budget": task_scenario_budget,
     "scenario_n4": task_scenario_n4,
+    "loglik_batchrun": task_loglik_batchrun,
+    "loglik_batchrun_generate": task_loglik_batchrun_generate,
+    "loglik_hf": task_loglik_hf,
 }
 
 

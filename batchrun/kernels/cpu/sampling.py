@@ -15,6 +15,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "apply_token_bitmask": (None, [_P, _I, _P, _I, _P, _I, _I]),
     "sample_rows": (_INT, [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "sample_weights": (_INT, [_P, _I, _I, _P, _P, _P, _P, _P, _P]),
+    "score_rows": (None, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P]),
 }
 
 
@@ -32,6 +33,24 @@ def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     top = torch.empty(n, k, dtype=torch.int64)
     _library().logits_top(logits.data_ptr(), out.data_ptr(), n, vocab, k, top.data_ptr())
     return out, top
+
+
+MAX_SCORED_TOP = 64
+
+
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """fp32 logits [R, V] (unit stride in V) and a token per row -> its log-probability (float32 [R]) and rank
+    (int64 [R], 1 + the tokens more likely), and the k <= MAX_SCORED_TOP most likely (log-probs, ids) [R, k],
+    largest first (None, None when k is 0); sampler.score_rows' definition."""
+    rows, vocab = logits.shape
+    targets = targets.to(torch.int64).contiguous()
+    logprob, rank = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64)
+    top_lp = torch.empty(rows, k, dtype=torch.float32) if k else None
+    top_ids = torch.empty(rows, k, dtype=torch.int64) if k else None
+    _library().score_rows(logits.data_ptr(), logits.stride(0), rows, vocab, targets.data_ptr(), k,
+                          logprob.data_ptr(), rank.data_ptr(), top_lp.data_ptr() if k else None,
+                          top_ids.data_ptr() if k else None)
+    return logprob, rank, top_lp, top_ids
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:

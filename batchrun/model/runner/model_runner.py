@@ -3,6 +3,7 @@ only, their samples (sampling/step.py) -> a StepOutput of plain lists, with one 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from batchrun.model.layers.backends import select_backend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import select_ops
 from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
+from batchrun.model.sampling.prompt_logprobs import score_prompts
 from batchrun.model.sampling.step import plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
@@ -241,23 +243,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
-        """Apply block moves, run the forward, sample what out.sampling asks (one host sync)."""
+        """Apply block moves, run the forward, sample what out.sampling asks and score out.prompt_logprobs' rows
+        (one host sync)."""
         t0 = time.perf_counter()
         plan = None
         if out.sampling:
             num_drafts = list(map(_num_draft, filter(_samples, out.seqs))) if any(map(_num_draft, out.seqs)) else None
             plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device, num_drafts)
         planned = time.perf_counter() - t0
-        logits = self.compute_logits(out)
-        if logits is None or plan is None:
+        logits, hidden = self._forward(out)
+        prompt = None
+        if out.prompt_logprobs:
+            t = time.perf_counter()
+            starts = list(itertools.accumulate((len(s.token_ids) for s in out.seqs), initial=0))
+            prompt = score_prompts(self.model.compute_logits, hidden, out.prompt_logprobs, starts)
+            self.timers.logits_s += time.perf_counter() - t
+        if (logits is None or plan is None) and prompt is None:
             return StepOutput()
         t1 = time.perf_counter()
-        num_sampling = len(out.sampling)
-        drafts = logits[num_sampling:] if logits.shape[0] > num_sampling else None  # draft rows come last
-        logits = logits[:num_sampling]
-        if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
-            self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
-        result = sample_step(logits, plan, drafts)
+        drafts = None
+        if plan is not None:
+            num_sampling = len(out.sampling)
+            drafts = logits[num_sampling:] if logits.shape[0] > num_sampling else None  # draft rows come last
+            logits = logits[:num_sampling]
+            if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
+                self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
+        result = sample_step(logits, plan, drafts, prompt)
         self.timers.sampling_s += planned + time.perf_counter() - t1
         return result
 
@@ -271,6 +282,10 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Block moves, then the forward: fp32 logits of each sampling sequence, in order, then its draft rows'."""
+        return self._forward(out)[0]
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """compute_logits' logits, and the step's hidden states (None: no forward)."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -278,7 +293,7 @@ class ModelRunner:
         if out.copies:
             self.copy_blocks(out.copies)
         if not out.seqs:
-            return None
+            return None, None
         ids, ctx, logits_idx = self.prepare(out)
         meta = ctx.attn
         t0 = time.perf_counter()
@@ -294,7 +309,7 @@ class ModelRunner:
         self.timers.forward_s += t1 - t0
         self.timers.logits_s += t2 - t1
         self.model_time_s += t2 - t0
-        return logits
+        return logits, hidden
 
 
 def profile_out(num_tokens: int, max_len: int, block_size: int):

@@ -50,6 +50,7 @@ class SamplerResult:
     logprob: torch.Tensor | None  # float [B]: raw logprob of the chosen token
     top_ids: torch.Tensor | None  # int64 [B, N]
     top_logprobs: torch.Tensor | None  # float [B, N]
+    rank: torch.Tensor | None = None  # int64 [B]: the chosen token's rank by raw logprob (1: the most likely)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -144,10 +145,19 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerResult:
         tokens = draw(logits, b, uniform(b.seeds, b.counters))
     if not b.want_logprobs:
         return SamplerResult(tokens, None, None, None)
-    logp = raw.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    if b.max_logprobs > 0:
-        top_lp, top_ids = logp.topk(b.max_logprobs, dim=-1)
-    else:
-        top_lp = top_ids = None
-    return SamplerResult(tokens, chosen, top_ids, top_lp)
+    chosen, rank, top_lp, top_ids = score_rows(raw, tokens, b.max_logprobs)
+    return SamplerResult(tokens, chosen, top_ids, top_lp, rank)
+
+
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, num_top: int):
+    """float32 logits [R, V] and a token per row -> its log-probability and rank (1 + the tokens more likely), and
+    the num_top most likely (log-probs, ids) of each row, largest first (None when num_top is 0). On a CPU the C
+    kernel reads each row in cache instead of writing a [R, V] log_softmax."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+            and num_top <= cpu_sampling.MAX_SCORED_TOP and cpu_kernels.available()):
+        return cpu_sampling.score_rows(logits, targets, num_top)
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, targets[:, None])
+    rank = (logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1  # the logits: rounding cannot tie them
+    top_lp, top_ids = logp.topk(num_top, dim=-1) if num_top > 0 else (None, None)
+    return chosen.squeeze(1), rank, top_lp, top_ids

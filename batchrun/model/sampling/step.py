@@ -8,8 +8,9 @@ from operator import attrgetter
 
 import torch
 
-from batchrun.engine.contract import SamplingRequest, StepOutput
+from batchrun.engine.contract import PromptLogprobs, SamplingRequest, StepOutput
 from batchrun.model.sampling.batch import SamplingBatch, banned_pairs, build_sampling_batch
+from batchrun.model.sampling.prompt_logprobs import PromptScores
 from batchrun.model.sampling.sampler import argmax_rows, sample
 
 
@@ -121,17 +122,19 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
     )
 
 
-def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor | None = None) -> StepOutput:
+def sample_step(logits: torch.Tensor | None, plan: SamplingPlan | None, drafts: torch.Tensor | None = None,
+                prompt: list[PromptScores] | None = None) -> StepOutput:
     """float32 logits [requests, V], and the draft rows' -> the step's draws, logprobs, beam candidates and draft
-    tokens, in one host transfer."""
+    tokens, and the prompt rows' scores, in one host transfer."""
     parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
     result = None
     draft_ids = None
     if drafts is not None:
         draft_ids = argmax_rows(drafts) if plan.drafts is None else sample(drafts, plan.drafts).tokens
-    if plan.batch is not None:
+    beams = plan.beams if plan is not None else []
+    if plan is not None and plan.batch is not None:
         result = sample(logits if plan.rows is None else logits[plan.rows], plan.batch)
-        if result.logprob is None and not plan.beams:  # the common case: the tokens are all there is
+        if result.logprob is None and not beams and not prompt:  # the common case: the tokens are all there is
             if draft_ids is None:
                 return StepOutput(token_ids=result.tokens.tolist())
             n = result.tokens.shape[0]
@@ -139,14 +142,20 @@ def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor |
             return StepOutput(token_ids=flat_ids[:n], draft_token_ids=flat_ids[n:])
         parts.append(result.tokens)
         if result.logprob is not None:
-            parts.append(result.logprob)
+            parts += [result.logprob, result.rank]
         if result.top_ids is not None:
             parts += [result.top_ids.flatten(), result.top_logprobs.flatten()]
-    if plan.beams:
-        beam_lp, beam_ids = _beam_candidates(logits[plan.beam_rows], plan.beams)
+    if beams:
+        beam_lp, beam_ids = _beam_candidates(logits[plan.beam_rows], beams)
         parts += [beam_ids.flatten(), beam_lp.flatten()]
     if draft_ids is not None:
         parts.append(draft_ids)
+    for scores in prompt or ():
+        parts += [scores.logprobs, scores.ranks]
+        if scores.top_ids is not None:
+            parts += [scores.top_ids.flatten(), scores.top_logprobs.flatten()]
+    if not parts:
+        return StepOutput()
     # float64 holds every token id and float32 log-prob exactly
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one host sync of the step
     out = StepOutput()
@@ -162,18 +171,26 @@ def sample_step(logits: torch.Tensor, plan: SamplingPlan, drafts: torch.Tensor |
         out.token_ids = list(map(int, take(n)))
         if result.logprob is not None:
             out.logprobs = take(n)
+            out.ranks = list(map(int, take(n)))
         if result.top_ids is not None:
             k = result.top_ids.shape[1]
             ids, lps = list(map(int, take(n * k))), take(n * k)
             out.top_token_ids = [ids[j : j + k] for j in range(0, n * k, k)]
             out.top_logprobs = [lps[j : j + k] for j in range(0, n * k, k)]
-    if plan.beams:
+    if beams:
         k = beam_ids.shape[1]
-        ids, lps = list(map(int, take(len(plan.beams) * k))), take(len(plan.beams) * k)
-        for j, r in enumerate(plan.beams):
+        ids, lps = list(map(int, take(len(beams) * k))), take(len(beams) * k)
+        for j, r in enumerate(beams):
             width = min(r.num_beam_candidates, k)
             out.beam_token_ids.append(ids[j * k : j * k + width])
             out.beam_logprobs.append(lps[j * k : j * k + width])
     if draft_ids is not None:
         out.draft_token_ids = list(map(int, take(draft_ids.shape[0])))
+    for scores in prompt or ():
+        n = scores.logprobs.shape[0]
+        k = scores.top_ids.shape[1] if scores.top_ids is not None else 0
+        lps, ranks = take(n), list(map(int, take(n)))
+        ids, top = (list(map(int, take(n * k))), take(n * k)) if k else ([], [])
+        out.prompt_logprobs.append(PromptLogprobs(lps, ranks, [ids[j : j + k] for j in range(0, n * k, k)] if k else
+                                                  [[]] * n, [top[j : j + k] for j in range(0, n * k, k)] if k else [[]] * n))
     return out

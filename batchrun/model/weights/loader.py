@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from batchrun.engine_args import EngineArgsError
+from batchrun.inputs import TOKENIZER_MODES
 from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
 from batchrun.model.arch.blocks import CausalLM
 from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, model_class
@@ -71,8 +73,9 @@ def architecture(config: PretrainedConfig) -> str:
     return archs[0] if archs else type(config).__name__
 
 
-def load_config(path: Path) -> PretrainedConfig:
-    config = gguf.gguf_config(path) if is_gguf(path) else AutoConfig.from_pretrained(path)
+def load_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    config = (gguf.gguf_config(path) if is_gguf(path)
+              else AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     arch = architecture(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r}; batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -172,8 +175,47 @@ def load_weights(model: CausalLM, path: Path,
         raise ModelLoadError(f"checkpoint {path} lacks or repeats tensors for {', '.join(missing[:3])}")
 
 
-def load_tokenizer(path: Path):
-    return gguf.gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+def load_tokenizer(path: Path, trust_remote_code: bool = False, **kwargs):
+    """The tokenizer of a folder or a .gguf file; `kwargs` go to transformers' AutoTokenizer (e.g. add_bos_token)."""
+    if is_gguf(path):
+        return gguf.gguf_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def tokenizer_path(spec: str) -> Path:
+    """Where a tokenizer's load spec (locate.locate_tokenizer) lives: a built-in model's folder (made on first use),
+    a .gguf file, or a folder."""
+    if spec.startswith("builtin:"):
+        return resolve_path(spec)
+    path = Path(spec).expanduser()
+    return gguf.find_gguf(path) or path
+
+
+def get_tokenizer(tokenizer_name: str | Path, *args, tokenizer_mode: str = "auto", trust_remote_code: bool = False,
+                  revision: str | None = None, download_dir: str | None = None, **kwargs):
+    """vLLM's `get_tokenizer`: the tokenizer LLM loads for `tokenizer_name` (a folder, builtin:NAME, a .gguf file, or
+    a Hub id in the local Hugging Face cache at `revision`). Other keyword arguments go to transformers'
+    AutoTokenizer, as vLLM passes them. ValueError (one line) for what it cannot honour."""
+    if args:
+        raise ValueError(f"get_tokenizer takes the tokenizer's name and keyword arguments, got {len(args)} more "
+                         "positional arguments")
+    if tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode: {tokenizer_mode!r} is not supported: batchrun loads the tokenizer "
+                         f"transformers' AutoTokenizer picks ({' or '.join(map(repr, TOKENIZER_MODES))})")
+    if download_dir is not None:
+        raise ValueError(f"download_dir: {download_dir!r} is not supported: nothing is downloaded; a Hub id is read "
+                         "from the local Hugging Face cache (HF_HUB_CACHE)")
+    from batchrun.model.weights.locate import locate_tokenizer
+
+    spec = locate_tokenizer(str(tokenizer_name), revision, field="tokenizer_name", revision_field="revision")
+    return load_tokenizer(tokenizer_path(spec), trust_remote_code, **kwargs)
+
+
+def check_vocabulary(tokenizer, config: PretrainedConfig, spec: str) -> None:
+    """Another tokenizer than the model's own must give ids the embedding has rows for."""
+    size, vocab = len(tokenizer), getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and size > vocab:
+        raise EngineArgsError("tokenizer", f"{spec} has {size} tokens, more than the model's vocabulary ({vocab})")
 
 
 def eos_ids(path: Path, config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
@@ -202,19 +244,26 @@ def _calibrated(tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], calib
 
 def load_model(model: str, *, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                quantization: QuantSpec | None = None, gguf_as_stored: bool = False,
-               quantize_lm_head: bool = False, calibration: str = "none") -> LoadedModel:
+               quantize_lm_head: bool = False, calibration: str = "none", tokenizer: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     """gguf_as_stored: a GGUF file's linears of the kernels' types run as stored. quantize_lm_head: an int8 lm_head.
-    calibration (with `quantization`): GPTQ rounding (quant/calibration.py) instead of round to nearest."""
+    calibration (with `quantization`): GPTQ rounding (quant/calibration.py) instead of round to nearest.
+    tokenizer: another tokenizer's load spec (locate.locate_tokenizer); None: the model's own. trust_remote_code:
+    passed to transformers' AutoConfig and AutoTokenizer."""
     path = resolve_path(model, gguf_file=gguf_as_stored)
     if gguf_as_stored and not is_gguf(path):
         raise ModelLoadError(f"quantization gguf needs a .gguf model file, and {path} is not one")
-    config = load_config(path)
+    config = load_config(path, trust_remote_code)
     limit = model_max_len(config)
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > limit:
         raise ModelLoadError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
-    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, trust_remote_code)
+    else:
+        spec, tokenizer = tokenizer, load_tokenizer(tokenizer_path(tokenizer), trust_remote_code)
+        check_vocabulary(tokenizer, config, spec)
     stored = None if gguf_as_stored or is_gguf(path) else stored_scheme(path)
     quantized = quantization is not None or gguf_as_stored or stored is not None
     calibrated = None

@@ -1,6 +1,6 @@
 """locate_model(): the one model-path check (validate, run, LLM), before anything loads, reading no torch and only
 small files: `builtin:NAME`, a Hugging Face folder, a `.gguf` file (or a folder with one and no config.json), or
-a Hub id already in the local cache (nothing is downloaded)."""
+a Hub id already in the local cache at the revision asked (nothing is downloaded); the same for another tokenizer."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class ModelSource:
     hub_id: str | None = None  # set when `spec` was a Hub id found in the local cache
     max_position_embeddings: int | None = None  # from config.json, when there is one
     stored_quantization: StoredScheme | None = None  # a quantized checkpoint's scheme, from config.json
+    tokenizer: str | None = None  # another tokenizer's load spec (a folder, a .gguf file, builtin:NAME); None: own
 
     def check_max_model_len(self, max_model_len: int | None) -> None:
         limit = self.max_position_embeddings
@@ -76,8 +77,12 @@ def _check_builtin(name: str) -> None:
     check_builtin(name)
 
 
-def locate_model(spec: str) -> ModelSource:
-    """Where `spec` points, or ModelLoadError with one line saying why it cannot load."""
+def locate_model(spec: str, revision: str | None = None) -> ModelSource:
+    """Where `spec` points, or ModelLoadError with one line saying why it cannot load. `revision`: the snapshot of a
+    Hub id (EngineArgsError for any other kind of path)."""
+    if revision is not None and not _is_hub_id(spec):
+        raise EngineArgsError("revision", f"{revision!r} names a snapshot of a Hub id, and {spec} is "
+                                          f"{_kind_of(spec)}: leave revision unset")
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         names = builtin_names()
@@ -90,12 +95,69 @@ def locate_model(spec: str) -> ModelSource:
     if local.exists():
         return _local(spec, local)
     if _may_be_hub_id(spec):
-        snapshot = _cached_snapshot(spec)
+        snapshot = _cached_snapshot(spec, revision)
         if snapshot is not None:
             found = _local(spec, snapshot)
             return dataclasses.replace(found, hub_id=spec)
+        _refuse_other_revision(spec, revision, "revision")
     raise ModelLoadError(f"{spec} does not exist: not a folder, a .gguf file, builtin:NAME or a model in the "
                          "local Hugging Face cache (batchrun downloads nothing)")
+
+
+# A folder holds a tokenizer when it has one of these (transformers' AutoTokenizer reads them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def locate_tokenizer(spec: str, revision: str | None = None, *, field: str = "tokenizer",
+                     revision_field: str = "tokenizer_revision") -> str:
+    """The load spec of a tokenizer (a folder, a .gguf file or builtin:NAME): the same places as a model, where a
+    folder needs tokenizer files only. EngineArgsError naming `field` (or `revision_field`) when there is none."""
+    if revision is not None and not _is_hub_id(spec):
+        raise EngineArgsError(revision_field, f"{revision!r} names a snapshot of a Hub id, and {spec} is "
+                                              f"{_kind_of(spec)}: leave it unset")
+    if spec.startswith("builtin:"):
+        try:
+            locate_model(spec)
+        except ModelLoadError as e:
+            raise EngineArgsError(field, str(e)) from None
+        return spec
+    local = Path(spec).expanduser()
+    if not local.exists():
+        snapshot = _cached_snapshot(spec, revision) if _may_be_hub_id(spec) else None
+        if snapshot is None:
+            _refuse_other_revision(spec, revision, revision_field)
+            raise EngineArgsError(field, f"{spec} does not exist: not a folder, a .gguf file, builtin:NAME or a Hub "
+                                         "id in the local Hugging Face cache (batchrun downloads nothing)")
+        local = snapshot
+    if local.is_dir() and any((local / f).is_file() for f in TOKENIZER_FILES):
+        return str(local)
+    try:
+        gguf = find_gguf(local)
+        if gguf is not None:
+            require_gguf_package()
+            return str(_check_gguf(spec, gguf))
+    except ModelLoadError as e:
+        raise EngineArgsError(field, str(e)) from None
+    raise EngineArgsError(field, f"{spec} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}, nor a .gguf "
+                                 "file)")
+
+
+def _is_hub_id(spec: str) -> bool:
+    """What a revision may apply to: neither builtin:NAME nor an existing local path (a spec that is not in the
+    cache either is refused as missing, not for its revision)."""
+    return not spec.startswith("builtin:") and not Path(spec).expanduser().exists()
+
+
+def _kind_of(spec: str) -> str:
+    return "a built-in model" if spec.startswith("builtin:") else "a local path"
+
+
+def _refuse_other_revision(repo_id: str, revision: str | None, field: str) -> None:
+    """A Hub id the cache holds, but not at `revision`: EngineArgsError naming `field` (a wrong revision is not a
+    missing model)."""
+    if revision is not None and _cached_snapshot(repo_id) is not None:
+        raise EngineArgsError(field, f"{repo_id} is in the local Hugging Face cache, but not at revision "
+                                     f"{revision!r} (batchrun downloads nothing)")
 
 
 def _local(spec: str, path: Path) -> ModelSource:
@@ -184,12 +246,13 @@ def _may_be_hub_id(spec: str) -> bool:
     return True
 
 
-def _cached_snapshot(repo_id: str) -> Path | None:
+def _cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The folder of `repo_id` at `revision` (None: main) in the local Hugging Face cache, None if it is not there."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError:
         return None
     except Exception:  # noqa: BLE001 - a cache entry that cannot be read is one that is not there
@@ -200,8 +263,20 @@ def check_args(args: EngineArgs) -> ModelSource:
     """The settings against this machine and where the model path points, before anything loads: what `validate`,
     `run`, `serve` and LLM all check (EngineArgsError, ModelLoadError)."""
     args.check_environment()
-    source = locate_model(args.model)
+    source = locate_model(args.model, args.revision)
     source.check_max_model_len(args.max_model_len)
     source.check_quantization(args.quantization)
     source.check_calibration(args.calibration)
-    return source
+    return dataclasses.replace(source, tokenizer=tokenizer_of(args))
+
+
+def tokenizer_of(args: EngineArgs) -> str | None:
+    """The load spec of the tokenizer `args` ask for when it is not the model's own, else None. As vLLM reads them:
+    no `tokenizer` is the model's, and no `tokenizer_revision` is `revision` (where the tokenizer is a Hub id)."""
+    spec = args.tokenizer or args.model
+    revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
+    if spec == args.model and revision == args.revision:
+        return None
+    if args.tokenizer_revision is None and not _is_hub_id(spec):
+        revision = None  # the model's revision, inherited by a local tokenizer: nothing to pick
+    return locate_tokenizer(spec, revision)

@@ -3,7 +3,8 @@
 It imports nothing of batchrun (vLLM's venv does not have batchrun's dependencies), only the standard-library
 clock and the workload format, so it times and reports exactly as `benchmarks.harness.worker` does: the model loads
 untimed, a short warm-up request runs, then one `generate` of the whole workload is timed. Requests are token
-ids with exact output lengths (greedy, EOS ignored, min_tokens = max_tokens), like every other system's.
+ids with exact output lengths (greedy, EOS ignored, min_tokens = max_tokens), like every other system's. A spec with
+`task: loglik` scores the loglikelihood items instead (task_vllm_loglik).
 The environment (tcmalloc and Intel OpenMP preloaded, thread binding, KV space, the engine in-process) is
 set by `benchmarks.peers.vllm.env.environment` before this process starts.
 """
@@ -15,6 +16,7 @@ import time
 from typing import Any
 
 from benchmarks.harness.clock import Clock, Result, best_of, rss_mb
+from benchmarks.harness.loglik import LoglikWorkload, lm_eval_order, score_prompt_logprobs
 from benchmarks.harness.workload import Decoding, Workload
 from benchmarks.peers import worker
 
@@ -79,8 +81,48 @@ def task_vllm(spec: dict[str, Any]) -> Result:
     return res
 
 
+def task_vllm_loglik(spec: dict[str, Any]) -> Result:
+    """The loglikelihood items as lm-eval's vLLM backend sends them: one `generate` of TokensPrompts (longest first)
+    with SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False); each continuation's summed
+    prompt log-probability and whether each of its tokens was the most likely, read as that backend reads them."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    wl = LoglikWorkload.from_json(spec["loglik"])
+    reqs = wl.requests()
+    order = lm_eval_order(reqs)
+    params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    runs = []
+    for _ in range(spec.get("repeat", 1)):
+        t = time.perf_counter()
+        llm = LLM(model=spec["model_path"], dtype=spec.get("dtype", "float32"), seed=0,
+                  max_model_len=spec["max_model_len"], **spec.get("vllm_kwargs", {}))
+        load_s, load_rss = time.perf_counter() - t, rss_mb()
+        llm.generate(_prompts([WARMUP_PROMPT]), params, use_tqdm=False)
+        with Clock(torch.get_num_threads()) as clock:
+            outs = llm.generate(_prompts([reqs[i][0] + reqs[i][1] for i in order]), params, use_tqdm=False)
+            scores: list[Any] = [None] * len(reqs)
+            for i, out in zip(order, outs):
+                scores[i] = score_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, len(reqs[i][0]))
+        runs.append({**clock.as_dict(), "scores": [[lp, bool(g)] for lp, g in scores], "items": len(wl),
+                     "requests": len(reqs), "scored_tokens": sum(len(c) for _, c in reqs),
+                     "request_tokens": sum(len(x) + len(c) for x, c in reqs), "load_s": load_s,
+                     "load_rss_mb": load_rss, "config": {"dtype": spec.get("dtype", "float32"),
+                                                         **spec.get("vllm_kwargs", {})}})
+        del llm
+    res = best_of(runs)
+    import vllm
+
+    res["vllm_version"] = vllm.__version__
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
+TASKS = {"vllm": task_vllm, "loglik": task_vllm_loglik}
+
+
 def main(argv: list[str]) -> int:
-    return worker.main(argv, "vllm", task_vllm)
+    return worker.main(argv, "vllm", lambda spec: TASKS[spec.get("task", "vllm")](spec))
 
 
 if __name__ == "__main__":

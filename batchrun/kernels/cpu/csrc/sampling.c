@@ -351,3 +351,92 @@ int sample_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab
     }
     return failed;
 }
+
+/* ---- scores of given tokens: logprobs and prompt logprobs ---------------------------------------------- */
+
+/* Whether kept entry j goes before entry lo: the smaller value, of equal ones the larger id. */
+static inline int evicts_before(const float *val, const int64_t *idx, int64_t j, int64_t lo) {
+    return val[j] < val[lo] || (val[j] == val[lo] && idx[j] > idx[lo]);
+}
+
+/* val / idx: the kk largest of x, of equal values the smaller ids (kept unordered). */
+static void keep_top(const float *x, int64_t vocab, int64_t kk, float *val, int64_t *idx) {
+    int64_t lo = 0;
+    for (int64_t j = 0; j < kk; j++) val[j] = x[j], idx[j] = j;
+    for (int64_t j = 1; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+    int64_t i = kk;
+    for (; i < vocab && i % VW; i++)
+        if (x[i] > val[lo]) {
+            val[lo] = x[i], idx[lo] = i;
+            for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+        }
+    for (; i < vocab; i += VW) {
+        const int64_t end = i + VW <= vocab ? i + VW : vocab;
+        if (end == i + VW) {
+            const vi beats = vload(x + i) > vsplat(val[lo]);
+            int any = 0;
+            for (int j = 0; j < VW; j++) any |= beats[j];
+            if (!any) continue;
+        }
+        for (int64_t t = i; t < end; t++)
+            if (x[t] > val[lo]) {
+                val[lo] = x[t], idx[lo] = t;
+                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+            }
+    }
+}
+
+/* Row r of fp32 logits scored for targets[r]: logprob = (x_t - m) - log sum exp(x - m) (m the row's max), rank =
+ * 1 + #{i : x_i > x_t}, and the row's k <= 64 largest as log-probs with their ids, largest first (ties: the
+ * smaller id first). Per row: one pass for the max and the count, one for the sum, one for the top k. */
+void score_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab, const int64_t *targets, int64_t k,
+                float *logprob, int64_t *rank, float *top_lp, int64_t *top_ids) {
+#pragma omp parallel for if (rows * vocab > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * stride;
+        const float xt = x[targets[r]];
+        vf vmax = vsplat(-INFINITY);
+        vi above = {0};
+        int64_t i = 0, count = 0;
+        for (; i + VW <= vocab; i += VW) {
+            const vf v = vload(x + i);
+            vmax = vselect(v > vmax, v, vmax);
+            above -= v > vsplat(xt); /* a true lane is -1 */
+        }
+        float m = -INFINITY;
+        for (int j = 0; j < VW; j++) m = vmax[j] > m ? vmax[j] : m, count += above[j];
+        for (; i < vocab; i++) m = x[i] > m ? x[i] : m, count += x[i] > xt;
+        vf acc0 = {0}, acc1 = {0};
+        for (i = 0; i + 2 * VW <= vocab; i += 2 * VW) {
+            acc0 += exp_v(vload(x + i) - m);
+            acc1 += exp_v(vload(x + i + VW) - m);
+        }
+        float tail[2 * VW];
+        double sum = (double)hsum(acc0) + hsum(acc1);
+        if (i < vocab) {
+            for (int64_t at = i; at < vocab; at += VW) {
+                const int64_t n = vocab - at < VW ? vocab - at : VW;
+                exp_tail(x + at, tail, n, m, 1.0f);
+                for (int64_t j = 0; j < n; j++) sum += tail[j];
+            }
+        }
+        const float log_sum = (float)log(sum);
+        logprob[r] = (xt - m) - log_sum;
+        rank[r] = 1 + count;
+        const int64_t kk = k < vocab ? k : vocab;
+        if (kk <= 0) continue;
+        float val[64];
+        int64_t idx[64];
+        keep_top(x, vocab, kk, val, idx);
+        for (int64_t a = 1; a < kk; a++) /* insertion sort: larger first, then the smaller id */
+            for (int64_t b = a; b > 0 && (val[b] > val[b - 1] || (val[b] == val[b - 1] && idx[b] < idx[b - 1])); b--) {
+                const float tv = val[b];
+                const int64_t ti = idx[b];
+                val[b] = val[b - 1], idx[b] = idx[b - 1], val[b - 1] = tv, idx[b - 1] = ti;
+            }
+        for (int64_t j = 0; j < k; j++) {
+            top_lp[r * k + j] = (val[j < kk ? j : kk - 1] - m) - log_sum;
+            top_ids[r * k + j] = idx[j < kk ? j : kk - 1];
+        }
+    }
+}
