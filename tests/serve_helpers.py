@@ -84,3 +84,29 @@ def serving(settings, options, state_dir):
         uv.should_exit = True
         thread.join(30)
         built.store.close()
+
+
+@contextlib.contextmanager
+def serving_model(model_path, engine: list[str], state_dir, **options: Any):
+    """`serving` a model with job-file engine settings (`engine.key=value`) and ServeOptions on a free port."""
+    from batchrun.config import load_engine_settings
+    from batchrun.serve.options import ServeOptions
+
+    settings = load_engine_settings(str(model_path), None, engine)
+    with serving(settings, ServeOptions(port=free_port(), **options), state_dir) as built:
+        yield built
+
+
+def sdk_client(server, key: str):
+    """The `openai` SDK pointed at a server from `serving`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.options.port}/v1", api_key=key, max_retries=0)
+
+
+def reference_llm(model_path, engine: list[str]):
+    """The same weights and engine settings as `serving_model`'s, through the Python API."""
+    from batchrun import LLM
+    from batchrun.config import load_engine_settings
+
+    return LLM(str(model_path), **load_engine_settings(str(model_path), None, engine).engine_args().llm_kwargs())

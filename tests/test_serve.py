@@ -12,11 +12,18 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai SDK is a dev dependency (make setup installs it)")
 pytest.importorskip("fastapi", reason="batchrun[serve] is not installed (make setup installs it)")
 
-from serve_helpers import chat_line, free_port, lines_of, raw_request, serving, upload, wait  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    chat_line,
+    lines_of,
+    raw_request,
+    reference_llm,
+    sdk_client,
+    serving_model,
+    upload,
+    wait,
+)
 
-from batchrun.config import load_engine_settings  # noqa: E402
 from batchrun.sampling_params import SamplingParams  # noqa: E402
-from batchrun.serve.options import ServeOptions  # noqa: E402
 
 KEY = "sk-test"
 ENGINE = ["engine.kv_cache_memory=64MiB", "engine.max_num_seqs=4"]
@@ -25,23 +32,20 @@ MAX_FILE_BYTES = 1_000_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    settings = load_engine_settings(str(tiny_llama_path), None, ENGINE)
-    options = ServeOptions(port=free_port(), api_key=KEY, commit_interval_s=0.2, max_file_bytes=MAX_FILE_BYTES)
-    with serving(settings, options, tmp_path_factory.mktemp("state")) as built:
+    with serving_model(tiny_llama_path, ENGINE, tmp_path_factory.mktemp("state"), api_key=KEY,
+                       commit_interval_s=0.2, max_file_bytes=MAX_FILE_BYTES) as built:
         yield built
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.options.port}/v1", api_key=KEY, max_retries=0)
+    return sdk_client(server, KEY)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path):
     """The same weights and engine settings, through the Python API."""
-    from batchrun import LLM
-
-    return LLM(str(tiny_llama_path), **load_engine_settings(str(tiny_llama_path), None, ENGINE).engine_args().llm_kwargs())
+    return reference_llm(tiny_llama_path, ENGINE)
 
 
 def run_batch(client, lines, endpoint="/v1/chat/completions", **kwargs):

@@ -14,11 +14,9 @@ openai = pytest.importorskip("openai", reason="the openai SDK is a dev dependenc
 pytest.importorskip("fastapi", reason="batchrun[serve] is not installed (make setup installs it)")
 
 from openai.types import Completion  # noqa: E402
-from serve_helpers import chat_line, free_port, lines_of, serving, upload, wait  # noqa: E402
+from serve_helpers import chat_line, lines_of, reference_llm, sdk_client, serving_model, upload, wait  # noqa: E402
 
-from batchrun.config import load_engine_settings  # noqa: E402
 from batchrun.sampling_params import SamplingParams  # noqa: E402
-from batchrun.serve.options import ServeOptions  # noqa: E402
 
 KEY = "sk-echo"
 ENGINE = ["engine.kv_cache_memory=64MiB", "engine.max_num_seqs=4"]
@@ -31,23 +29,20 @@ ITEMS = [("The capital of France is", " Paris"), ("Two plus two makes", " four")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    settings = load_engine_settings(str(tiny_llama_path), None, ENGINE)
-    options = ServeOptions(port=free_port(), api_key=KEY, commit_interval_s=0.2)
-    with serving(settings, options, tmp_path_factory.mktemp("state")) as built:
+    with serving_model(tiny_llama_path, ENGINE, tmp_path_factory.mktemp("state"), api_key=KEY,
+                       commit_interval_s=0.2) as built:
         yield built
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.options.port}/v1", api_key=KEY, max_retries=0)
+    return sdk_client(server, KEY)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path):
     """The same weights and engine settings, through the Python API."""
-    from batchrun import LLM
-
-    return LLM(str(tiny_llama_path), **load_engine_settings(str(tiny_llama_path), None, ENGINE).engine_args().llm_kwargs())
+    return reference_llm(tiny_llama_path, ENGINE)
 
 
 def completion_line(custom_id: str, prompt, **body):

@@ -215,13 +215,16 @@ class Engine:
 
     def _finish_prompt_only(self, seq: Sequence) -> None:
         """A sequence whose prompt is computed and that generates nothing: n empty samples, ended by length."""
-        group = self.groups[seq.seq_id]
-        family = [seq] + [self._fork(group, seq, j) for j in range(1, group.pending_forks + 1)]
-        group.pending_forks = 0
-        for member in family:
+        for member in self._fork_pending(self.groups[seq.seq_id], seq):
             member.finish_reason = "length"
             member.detok.finish([])
             self.scheduler.finish(member)
+
+    def _fork_pending(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        """seq and the samples still to fork from it (an n > 1 request's first sample: n draws from one row)."""
+        family = [seq] + [self._fork(group, seq, j) for j in range(1, group.pending_forks + 1)]
+        group.pending_forks = 0
+        return family
 
     def _prompt_logprob_requests(self, out: SchedulerOutput) -> list[SequenceGroup]:
         """Fill out.prompt_logprobs: each chunk of a group computing its prompt's log-probabilities scores the
@@ -295,11 +298,7 @@ class Engine:
                 beam_row += 1
                 beam_groups.setdefault(group.request_id, group)
                 continue
-            family = [seq]
-            if len(req.seeds) > 1:
-                family += [self._fork(group, seq, j) for j in range(1, len(req.seeds))]
-                group.pending_forks = 0
-            for member in family:
+            for member in self._fork_pending(group, seq):  # its seeds: one per pending fork and itself
                 top = (top_ids[row], top_lps[row]) if top_ids is not None else None
                 logprob = Logprob(lps[row], ranks[row]) if lps is not None else None
                 self._append(member, group.params, tokens[row], logprob, top)
