@@ -93,7 +93,7 @@ class RayExecutor(Executor):
         src = self.plan.source
         if src.format == "parquet":
             files, start = self._parquet_files(rows)
-            ds = _read_listed_parquet(files)
+            ds = ray.data.read_parquet(files, file_extensions=None, partitioning=None)
             return (ds if columns is None else ds.select_columns(columns)), start, False
         if src.format in ("jsonl", "openai-batch"):
             files = [os.path.abspath(f) for f in src.files]
@@ -276,20 +276,3 @@ def _remote_failure(e: BaseException) -> BaseException:
         if m and not m.group(1).startswith("ray.") and m.group(1) not in ("UserCodeException", "RayTaskError"):
             return RuntimeError(f"a Ray worker failed: {m.group(1)}: {m.group(2)}")
     return e
-
-
-def _read_listed_parquet(files: list[str]) -> Any:
-    """`ray.data.read_parquet` on files already listed, by Ray Data's first datasource where it has the choice:
-    the newer one adds a file-listing stage whose worker threads can race at their end and print a traceback
-    to the driver's log, and the files need no listing."""
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    chosen = getattr(context, "use_datasource_v2", None)
-    if chosen is not None:
-        context.use_datasource_v2 = False
-    try:
-        return ray.data.read_parquet(files, file_extensions=None, partitioning=None)
-    finally:
-        if chosen is not None:
-            context.use_datasource_v2 = chosen
