@@ -59,17 +59,32 @@ _EXPORTS = {
     "BeamSearchParams": "batchrun.beam_search",
     "BeamSearchOutput": "batchrun.beam_search",
     "BeamSearchSequence": "batchrun.beam_search",
+    "PoolingParams": "batchrun.pooling_params",
+    "PoolingRequestOutput": "batchrun.outputs",
+    "EmbeddingRequestOutput": "batchrun.outputs",
+    "ClassificationRequestOutput": "batchrun.outputs",
+    "ScoringRequestOutput": "batchrun.outputs",
 }
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "Logprob", "TokensPrompt", "TextPrompt", "PromptType", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "__version__"]
+           "BeamSearchSequence", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput", "__version__"]
 
 if TYPE_CHECKING:
     from batchrun.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from batchrun.engine_args import EngineArgs
     from batchrun.inputs import LoRARequest, PromptType, TextPrompt, TokensPrompt
     from batchrun.llm import LLM
-    from batchrun.outputs import CompletionOutput, Logprob, RequestOutput
+    from batchrun.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from batchrun.pooling_params import PoolingParams
     from batchrun.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -18,6 +18,7 @@ from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.kernels.cpu.threads import configure_threads
 from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
+from batchrun.model.arch.registry import model_class
 from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.layers.backends import resolve_batch_invariant
 from batchrun.model.layers.linear import few_rows_copy_bytes, prepare_cpu_linears
@@ -34,8 +35,17 @@ from batchrun.model.runner.memory import (
     profile_cuda_kv_bytes,
 )
 from batchrun.model.runner.model_runner import CacheShape, ModelRunner, cache_shape
-from batchrun.model.weights.loader import LoadedModel, load_config, load_model, model_max_len, resolve_path
+from batchrun.model.weights.loader import (
+    LoadedModel,
+    architecture,
+    load_config,
+    load_model,
+    model_max_len,
+    resolve_path,
+)
 from batchrun.model.weights.locate import check_args
+from batchrun.model.weights.pooling_config import read_pooling_config
+from batchrun.pooling import PoolingModel
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,7 @@ class BuiltEngine:
     device: torch.device
     dtype: torch.dtype
     batch_invariant: bool
+    pooling: PoolingModel  # what the model pools with (every model pools; an encoder only pools)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -89,6 +100,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     dtype = resolve_dtype(args.dtype, device, getattr(config, "dtype", None))
     batch_invariant = resolve_batch_invariant(args.batch_invariant, device, dtype)
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    if getattr(model_class(architecture(config)), "is_encoder", False):
+        return _encoder_engine(args, source, device, dtype, batch_invariant)
     memory = plan_memory(args, path, config, dtype, batch_invariant, kv_dtype) if device.type == "cpu" else None
     loaded = load_model(source.load_spec, dtype=dtype, device=device, max_model_len=args.max_model_len,
                         quantization=QuantSpec.parse(args.quantization), gguf_as_stored=args.quantization == "gguf",
@@ -114,7 +127,38 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     engine = Engine(runner, loaded.tokenizer, loaded.eos_token_ids, engine_config,
                     scheduler_config(args, n_params, shape, device))
     return BuiltEngine(engine, loaded.tokenizer, loaded.config, loaded.path, loaded.eos_token_ids, max_len, device,
-                       dtype, batch_invariant)
+                       dtype, batch_invariant, pooling_model(loaded))
+
+
+def pooling_model(loaded: LoadedModel) -> PoolingModel:
+    model = loaded.model
+    encoder = bool(getattr(model, "is_encoder", False))
+    if encoder:
+        labels = model.num_labels if model.has_head else None
+    else:
+        labels = model.score.out_features if model.score is not None else None
+    default = model.default_pooling if encoder else "last"
+    return PoolingModel(read_pooling_config(loaded.path, default), labels, encoder,
+                        generates=not encoder and not model.pooling_only)
+
+
+def _encoder_engine(args: EngineArgs, source: Any, device: torch.device, dtype: torch.dtype,
+                    batch_invariant: bool) -> BuiltEngine:
+    """An encoder pools each prompt whole in one step and keeps no KV cache: the scheduler admits whole prompts
+    within the step's token budget, over a block table of bookkeeping only."""
+    from batchrun.model.runner.encoder_runner import EncoderRunner
+
+    loaded = load_model(source.load_spec, dtype=dtype, device=device, max_model_len=args.max_model_len,
+                        tokenizer=source.tokenizer, trust_remote_code=args.trust_remote_code)
+    max_len = loaded.max_model_len
+    budget = max(args.max_num_batched_tokens, max_len)
+    num_blocks = -(-budget // args.block_size) + args.max_num_seqs
+    engine_config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_model_len=max_len,
+                                 enable_prefix_caching=False)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, whole_prompts=True)
+    engine = Engine(EncoderRunner(loaded.model, device), loaded.tokenizer, (), engine_config, scheduler)
+    return BuiltEngine(engine, loaded.tokenizer, loaded.config, loaded.path, [], max_len, device, dtype,
+                       batch_invariant, pooling_model(loaded))
 
 
 def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, batch_invariant: bool,

@@ -32,6 +32,7 @@ from batchrun.engine_args import (
     parse_size,
     show,
 )
+from batchrun.pooling_params import POOLING_TYPES, PoolingParams
 from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 
@@ -61,7 +62,8 @@ class Key(Rule):
         return super().kind_problem(value)
 
 
-TASKS = ("generate", "loglikelihood")  # what a job does with each row
+TASKS = ("generate", "loglikelihood", "embed", "classify", "score")  # what a job does with each row
+POOLED_TASKS = ("embed", "classify", "score")  # the tasks that pool a prompt (`pooling:`), generating nothing
 
 # Keys beside the sections, at the top of the job file.
 TOP_KEYS: dict[str, Rule] = {
@@ -69,7 +71,9 @@ TOP_KEYS: dict[str, Rule] = {
         "What each row is. generate: a prompt (or messages), completed under `sampling:`. loglikelihood: a context "
         "and a continuation (`input.context_column`, `input.continuation_column`), scored: the continuation's "
         "summed log-probability after the context, whether greedy decoding gives it, its token count (Scoring "
-        "continuations, below); `sampling:` does not apply.")),
+        "continuations, below); `sampling:` does not apply. embed: a prompt's embedding (`embedding`). classify: a "
+        "classifier's `logits`, `probs` and `label`. score: a pair of texts (`input.text_1_column`, "
+        "`input.text_2_column`) scored by a cross-encoder, or by the cosine of their embeddings (Pooling, below).")),
 }
 
 SCHEMA: dict[str, dict[str, Rule]] = {
@@ -90,6 +94,8 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "continuation_column": Key("continuation", "str", doc=(
             "`task: loglikelihood`: the column of continuations, tokenized without special tokens and scored "
             "after their context.")),
+        "text_1_column": Key("text_1", "str", doc="`task: score`: the column of first texts (a query)."),
+        "text_2_column": Key("text_2", "str", doc="`task: score`: the column of second texts (a document)."),
         "id_column": Key("id", "str", nullable=True, doc=(
             "The column the output's `id` is copied from; null, or the default `id` absent from the input: the "
             "row numbers.")),
@@ -112,6 +118,21 @@ SCHEMA: dict[str, dict[str, Rule]] = {
             "from the left, never the continuation.")),
     },
     "engine": job_rules("engine"),  # block_size, kv_cache_memory, ... (EngineArgs)
+    "pooling": {  # task: embed, classify, score
+        "pooling_type": Key(None, "str", POOLING_TYPES, nullable=True, doc=(
+            "last (the last token's hidden state), mean (of all tokens') or cls (the first token's); null: the "
+            "checkpoint's (sentence-transformers' Pooling module, else last for decoders, cls for encoders).")),
+        "normalize": Key(None, "bool", nullable=True, doc=(
+            "embed: L2-normalise each embedding; null: the checkpoint's (sentence-transformers' Normalize module; "
+            "without those files, yes).")),
+        "dimensions": Key(None, "int", nullable=True, min=1, doc=(
+            "embed: keep each embedding's first N values (Matryoshka models), then normalise.")),
+        "embedding_dtype": Key("float32", "str", ("float32", "float16"), doc=(
+            "embed: the `embedding` column's values.")),
+        "prefix": Key(None, "str", nullable=True, doc=(
+            "Text put before each prompt (an embedding model's instruction, e.g. `query: `); a sentence-transformers "
+            "prompt name of the checkpoint (`prompt_name:query`) takes that prompt.")),
+    },
     "output": {
         "path": Key(kind="str", required=True, doc=(
             "The output folder (created); with `--shard I/N`, `OUTPUT/shard-I-of-N/`.")),
@@ -153,11 +174,16 @@ class JobConfig:
     output: dict[str, Any]
     executor: dict[str, Any]
     task: str = "generate"  # TOP_KEYS["task"]: what each row is
+    pooling: dict[str, Any] = field(default_factory=dict)  # SCHEMA["pooling"]
     source: str = "<job>"  # where it was read from, for messages
     explicit: set[str] = field(default_factory=set)  # key paths the job file (or --set) gave
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **overrides})
+
+    def pooling_params(self) -> PoolingParams:
+        p = self.pooling
+        return PoolingParams(dimensions=p["dimensions"], use_activation=p["normalize"], pooling_type=p["pooling_type"])
 
     def engine_args(self) -> EngineArgs:
         """The model and engine sections as the EngineArgs LLM takes; the engine's base seed is sampling.seed."""
@@ -352,7 +378,7 @@ def validate_raw(raw: dict, *, source: str = "<job>") -> JobConfig:
     sampling = _validate_sampling(raw.get("sampling"), source, explicit)
     cfg = JobConfig(model=sections["model"], input=sections["input"], sampling=sampling,
                     engine=sections["engine"], output=sections["output"], executor=sections["executor"],
-                    task=top["task"], source=source, explicit=explicit)
+                    task=top["task"], pooling=sections["pooling"], source=source, explicit=explicit)
     try:  # each key passed its rule above; this is the one path LLM takes too
         cfg.engine_args()
     except EngineArgsError as e:
@@ -501,28 +527,39 @@ TASK_COLUMNS = {
     "generate": ("completion", "finish_reason", "prompt_tokens", "completion_tokens", "error", "sample_index",
                  "token_ids", "logprobs", "prompt_logprobs"),
     "loglikelihood": ("logprob", "is_greedy", "num_tokens", "prompt_tokens", "token_ids", "error"),
+    "embed": ("embedding", "prompt_tokens", "error"),
+    "classify": ("logits", "probs", "label", "prompt_tokens", "error"),
+    "score": ("score", "prompt_tokens", "error"),
 }
-# input keys that only one task reads
-_TASK_INPUT_KEYS = {"loglikelihood": ("context_column", "continuation_column"),
-                    "generate": ("prompt_column", "messages_column", "sampling_columns")}
+# input keys that only some tasks read
+_TASK_INPUT_KEYS = {"context_column": ("loglikelihood",), "continuation_column": ("loglikelihood",),
+                    "text_1_column": ("score",), "text_2_column": ("score",),
+                    "prompt_column": ("generate", "embed", "classify"), "messages_column": ("generate", "embed",
+                                                                                             "classify"),
+                    "sampling_columns": ("generate",)}
 
 
 def _cross_checks(cfg: JobConfig) -> None:
     src, inp = cfg.source, cfg.input
     # a key of the other task is refused once it differs from its default (a job file naming every key passes)
-    for task, keys in _TASK_INPUT_KEYS.items():
-        for key in keys:
-            if cfg.task != task and inp[key] != SCHEMA["input"][key].default:
-                raise JobError(f"{src}: input.{key}: used with task: {task} only (this job's task is {cfg.task})")
-    if cfg.task == "loglikelihood":
+    for key, tasks in _TASK_INPUT_KEYS.items():
+        if cfg.task not in tasks and inp[key] != SCHEMA["input"][key].default:
+            raise JobError(f"{src}: input.{key}: used with task: {' / '.join(tasks)} only (this job's task is "
+                           f"{cfg.task})")
+    if cfg.task != "generate":
         own = {f.name: f.default for f in fields(SamplingParams)}
         given = sorted(k for k, v in cfg.sampling.items() if v != SAMPLING_DEFAULTS.get(k, own.get(k)))
         if given:
-            raise JobError(f"{src}: sampling.{given[0]}: not used with task: loglikelihood (each row's prompt is "
-                           "scored, nothing is sampled)")
-        if inp["on_too_long"] == "truncate_right":
-            raise JobError(f"{src}: input.on_too_long: truncate_right would cut the continuation; with task: "
-                           "loglikelihood use truncate_left (cuts the context from the left), skip or error")
+            raise JobError(f"{src}: sampling.{given[0]}: not used with task: {cfg.task} (each row's prompt is "
+                           f"{'scored' if cfg.task == 'loglikelihood' else 'pooled'}, nothing is sampled)")
+    if cfg.task not in POOLED_TASKS:
+        given = sorted(k for k, v in cfg.pooling.items() if v != SCHEMA["pooling"][k].default)
+        if given:
+            raise JobError(f"{src}: pooling.{given[0]}: used with task: embed / classify / score only (this job's "
+                           f"task is {cfg.task})")
+    if cfg.task == "loglikelihood" and inp["on_too_long"] == "truncate_right":
+        raise JobError(f"{src}: input.on_too_long: truncate_right would cut the continuation; with task: "
+                       "loglikelihood use truncate_left (cuts the context from the left), skip or error")
     if "input.prompt_column" in cfg.explicit and inp["messages_column"]:
         raise JobError(f"{src}: input.messages_column: set either prompt_column or messages_column, not both")
     names = SamplingParams.field_names() + list(STRUCTURED_KINDS)

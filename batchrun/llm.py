@@ -15,7 +15,19 @@ from batchrun.collect import beam_search_output, in_input_order
 from batchrun.engine_args import EngineArgs
 from batchrun.inputs import TokensPrompt, check_lora_request
 from batchrun.llm_args import engine_args
-from batchrun.outputs import RequestOutput
+from batchrun.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from batchrun.pooling import POOLED, cosine, truncate
+from batchrun.pooling_params import PoolingParams
 from batchrun.prompts import (
     PreparedRequest,
     PromptInput,
@@ -46,6 +58,8 @@ class LLM:
         self.model_path, self.eos_token_ids = built.model_path, built.eos_token_ids
         self.max_model_len = built.max_model_len
         self.device, self.dtype, self.batch_invariant = built.device, built.dtype, built.batch_invariant
+        self.pooling = built.pooling
+        self._pooled: dict[str, tuple[str, PoolingParams]] = {}  # request id -> (task, params) of pooled requests
         self._requests = 0
         self._structured = None  # batchrun.structured's compiler, made at the first structured request
 
@@ -120,6 +134,7 @@ class LLM:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("prompts is missing: give at least one prompt")
+        self._check_generates()
         requests = self._prepare(prompts, sampling_params)
         stream = ((i, {"prompt_token_ids": r.prompt_token_ids, "prompt": r.prompt}, r.params)
                   for i, r in enumerate(requests))
@@ -152,6 +167,7 @@ class LLM:
         through add_request / step below.)"""
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        self._check_generates()
         engine = self.engine
         source = iter(items)
         keys: dict[str, Any] = {}
@@ -184,6 +200,11 @@ class LLM:
             if keys:  # abandoned half way (an exception, or the caller stopped iterating)
                 engine.abort_all()
 
+    def _check_generates(self) -> None:
+        if not self.pooling.generates:
+            raise ValueError(f"this model pools only (it has no language-model head): it runs "
+                             f"{', '.join(self.pooling.tasks())}")
+
     # ---- stepping: what the job layer drives (batchrun.pipeline.engine_api.JobEngine) -------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, score_from: int = 1) -> None:
@@ -192,22 +213,161 @@ class LLM:
         random stream derives from the LLM's seed and the number of requests added before it. `score_from`: with
         `prompt_logprobs`, the first prompt token scored (a loglikelihood row's continuation: its context may come
         from the prefix cache)."""
+        self._check_generates()
         _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")  # in the vocab?
         seed = params.seed if params.seed is not None else derive_seed(self.seed, self._requests)
         grammar = self._grammar(params, f"request {request_id!r}")
         self.engine.add_request(request_id, prompt, ids, params, seed, grammar=grammar, score_from=score_from)
         self._requests += 1
 
-    def step(self) -> list[RequestOutput]:
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], task: str, params: PoolingParams,
+                            *, prompt: str | None = None) -> None:
+        """Queue one prompt to pool for `task` (embed, classify, reward, score, encode); `step()` hands it back as a
+        PoolingRequestOutput whose vector is the task's answer."""
+        self.pooling.check(task)
+        state = self.pooling.state(task, params)
+        _, ids = self._tokenize({"prompt_token_ids": prompt_token_ids}, f"request {request_id!r}")
+        self.engine.add_request(request_id, prompt, ids, POOLED, 0, pooling=state)
+        self._pooled[request_id] = (task, params)
+        self._requests += 1
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step; the requests that finished in it."""
-        return self.engine.step()
+        finished = self.engine.step()
+        if self._pooled:
+            for out in finished:
+                if isinstance(out, PoolingRequestOutput):
+                    task, params = self._pooled.pop(out.request_id)
+                    out.outputs = PoolingOutput(self.pooling.finish(task, params, out.outputs.data))
+        return finished
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
     def abort_all(self) -> None:
         """Drop every request in flight and free its KV blocks."""
+        self._pooled.clear()
         self.engine.abort_all()
+
+    # ---- pooling: vLLM's embed / classify / score / reward / encode --------------------------------
+    def encode(self, prompts: PromptInput | list[PromptInput], pooling_params: PoolingParams | list[PoolingParams]
+               | None = None, *, use_tqdm: bool = True, lora_request: Any = None, pooling_task: str | None = None,
+               truncate_prompt_tokens: int | None = None, tokenization_kwargs: dict | None = None
+               ) -> list[PoolingRequestOutput]:
+        """Pool each prompt for `pooling_task` (None: embed, or classify for a classifier); outputs in input
+        order, `outputs.data` the task's vector. Every prompt is checked before anything runs."""
+        check_lora_request(lora_request)
+        task = pooling_task or ("classify" if self.pooling.num_labels else "embed")
+        self.pooling.check(task)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one prompt")
+        params = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()] * \
+            len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"pooling_params has {len(params)} entries for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [PoolingParams(**{**vars(p), "truncate_prompt_tokens": truncate_prompt_tokens}) for p in params]
+        kwargs = tokenization_kwargs or {}
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            where = f"prompts[{i}]"
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"pooling_params[{i}]: expected a PoolingParams, got {type(p).__name__}")
+            self.pooling.state(task, p)  # its checks, before anything runs
+            if kwargs and isinstance(prompt, str):
+                text, ids = prompt, self.tokenizer(prompt, **kwargs).input_ids
+            else:
+                text, ids = self._tokenize(prompt, where)
+            ids = truncate(ids, p, self.max_model_len)
+            reason = self.check_prompt(ids, scored=True)
+            if reason:
+                raise ValueError(f"{where}: {reason}")
+            requests.append((text, ids, p))
+        return self._pool(requests, task, use_tqdm)
+
+    def _pool(self, requests: list[tuple[str | None, list[int], PoolingParams]], task: str,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        index: dict[str, int] = {}
+        for i, (text, ids, p) in enumerate(requests):
+            rid = f"{self._requests}"
+            self.add_pooling_request(rid, ids, task, p, prompt=text)
+            index[rid] = i
+
+        def finished():
+            try:
+                while self.engine.has_unfinished():
+                    for out in self.step():
+                        yield index.pop(out.request_id), out
+            finally:
+                if index:
+                    self.abort_all()
+
+        return in_input_order(finished(), len(requests), desc=task, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptInput | list[PromptInput], *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request: Any = None,
+              truncate_prompt_tokens: int | None = None, tokenization_kwargs: dict | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), pooled as the checkpoint says (sentence-transformers'
+        Pooling / Normalize, else the last token, normalised)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
+                           tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data), o.prompt_token_ids)
+                for o in outs]
+
+    def classify(self, prompts: PromptInput | list[PromptInput], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request: Any = None,
+                 truncate_prompt_tokens: int | None = None, tokenization_kwargs: dict | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """A classifier's class probabilities per prompt (`outputs.probs`: softmax, sigmoid for one label)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify", truncate_prompt_tokens=truncate_prompt_tokens,
+                           tokenization_kwargs=tokenization_kwargs)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data), o.prompt_token_ids)
+                for o in outs]
+
+    def reward(self, prompts: PromptInput | list[PromptInput], *, use_tqdm: bool = True,
+               pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request: Any = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A reward model's raw head outputs per prompt (`outputs.data`)."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="reward", truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], /, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: Any = None,
+              truncate_prompt_tokens: int | None = None, **_: Any) -> list[ScoringRequestOutput]:
+        """A score per pair (1 -> 1, 1 -> N or N -> N): a cross-encoder's (one-label classifier over the pair,
+        sigmoid) or the cosine of the two texts' embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1 and len(second) > 1:
+            first = first * len(second)
+        if len(first) != len(second) or not first:
+            raise ValueError(f"score: {len(first)} first texts for {len(second)} second texts (give 1 -> 1, "
+                             "1 -> N or N -> N)")
+        for name, texts in (("data_1", first), ("data_2", second)):
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise ValueError(f"score: {name}[{bad}] is not a string")
+        p = pooling_params or PoolingParams()
+        if self.pooling.scores_by_head():
+            ids = self.tokenizer(first, second, truncation=False)["input_ids"]
+            outs = self.encode([{"prompt_token_ids": list(x)} for x in ids], p, use_tqdm=use_tqdm,
+                               lora_request=lora_request, pooling_task="score",
+                               truncate_prompt_tokens=truncate_prompt_tokens)
+            scores = [o.outputs.data[0] for o in outs]
+        else:
+            self.pooling.check("score")
+            embedded = self.encode(first + second, p, use_tqdm=use_tqdm, lora_request=lora_request,
+                                   pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+            n = len(first)
+            outs = embedded[n:]
+            scores = [cosine(a.outputs.data, b.outputs.data) for a, b in zip(embedded[:n], embedded[n:])]
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(s), o.prompt_token_ids) for o, s in zip(outs, scores)]
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -215,6 +375,7 @@ class LLM:
         KV blocks (copy-on-write), all prompts batched together."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
+        self._check_generates()
         carrier = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, temperature=0.0,
                                  ignore_eos=params.ignore_eos)
         requests = self._prepare(prompts, carrier)

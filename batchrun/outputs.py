@@ -57,3 +57,69 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     lora_request: None = None  # vLLM's field; batchrun runs no adapters
+
+
+@dataclass
+class PoolingOutput:
+    """A pooled prompt's vector: an embedding, or a classifier's logits."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What LLM.encode returns per prompt (vLLM's shape); the typed views below read `outputs`."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    error: str | None = None  # a prompt that could not be pooled (a job row's error)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels (sigmoid of a one-label head), or the raw logits without activation
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's score, or the cosine of two embeddings
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

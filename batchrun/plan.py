@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrun.config import EngineSettings, JobConfig, JobError
+from batchrun.config import POOLED_TASKS, EngineSettings, JobConfig, JobError
 from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
 from batchrun.io.slicing import RowSlice
 from batchrun.io.sources import Source, open_source
@@ -68,6 +68,46 @@ def check_model(cfg: JobConfig | EngineSettings) -> ModelSource:
         raise JobError(f"{job_key(e.field) or e.field}: {e.problem}") from None
     except ModelLoadError as e:
         raise JobError(f"model.path: {e}") from None
+
+
+def check_task(cfg: JobConfig, model: ModelSource) -> None:
+    """The model can do the job's task, from its config.json alone: a classifier or a bare encoder generates
+    nothing, classify needs a classification head, score a one-label head (a cross-encoder) or none (cosine)."""
+    if model.path is None or model.kind != "checkpoint":
+        return  # a built-in or GGUF model: a decoder, which runs every task but classify
+    from batchrun.model.arch.blocks import pooling_architecture
+    from batchrun.model.arch.registry import model_class
+    from batchrun.model.weights.loader import architecture, load_config
+
+    try:
+        config = load_config(model.path)
+        arch = architecture(config)
+        encoder = bool(getattr(model_class(arch), "is_encoder", False))
+    except (ModelLoadError, KeyError, ValueError, OSError):
+        return  # the load reports it
+    head = arch.endswith("ForSequenceClassification")
+    labels = getattr(config, "num_labels", 0) if head else 0
+    pooling_only = encoder or pooling_architecture(config) is not None
+    why = None
+    if cfg.task in ("generate", "loglikelihood") and pooling_only:
+        why = f"is {'a classifier' if head else 'an embedding model'} ({arch}): it runs task embed" + \
+              (", classify" if head else "") + (" or score" if not head or labels == 1 else "")
+    elif cfg.task == "classify" and not head:
+        why = f"has no classification head ({arch}): task classify needs a *ForSequenceClassification checkpoint"
+    elif cfg.task == "score" and head and labels != 1:
+        why = f"is a classifier with {labels} labels ({arch}): task score needs a one-label cross-encoder or an " \
+              "embedding model"
+    if why:
+        raise JobError(f"task: {cfg.task}: {model.spec} {why}")
+
+
+def _labels(model: ModelSource) -> list[str]:
+    """A classifier's label names by index (config.json's id2label); none where it has none."""
+    try:
+        id2label = json.loads((model.path / "config.json").read_text()).get("id2label") or {}
+        return [str(id2label.get(str(i), i)) for i in range(len(id2label))]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def check_structured_outputs(cfg: JobConfig, model: ModelSource) -> None:
@@ -145,6 +185,12 @@ def _input_fingerprint(cfg: JobConfig, source: Source) -> dict[str, Any]:
     if cfg.task == "loglikelihood":  # the columns it reads instead (absent otherwise: earlier outputs resume)
         del fp["prompt_column"], fp["messages_column"], fp["sampling_columns"]
         fp.update(context_column=inp["context_column"], continuation_column=inp["continuation_column"])
+    if cfg.task in POOLED_TASKS:  # what each row's answer is made of
+        del fp["sampling_columns"]
+        fp.update(task=cfg.task, pooling=cfg.pooling)
+        if cfg.task == "score":
+            del fp["prompt_column"], fp["messages_column"]
+            fp.update(text_1_column=inp["text_1_column"], text_2_column=inp["text_2_column"])
     if inp["on_too_long"] != "error":  # absent at its default: outputs written before the key existed resume
         fp["on_too_long"] = inp["on_too_long"]
     return fp
@@ -164,13 +210,14 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     model = check_model(cfg)
     check_structured_outputs(cfg, model)
     source = source if source is not None else open_source(cfg.input)
+    if source.format != "openai-batch":  # an OpenAI batch's requests say their endpoint, checked line by line
+        check_task(cfg, model)
     inp = cfg.input
     id_column = inp["id_column"]
     if source.format == "openai-batch":
         if cfg.task != "generate":
-            raise JobError(f"task: {cfg.task} reads ({inp['context_column']}, {inp['continuation_column']}) rows; "
-                           "openai-batch input holds requests (a completions request with echo, logprobs and "
-                           "max_tokens 0 scores its prompt)")
+            raise JobError(f"task: {cfg.task} reads rows of texts; openai-batch input holds requests (a completions "
+                           "request with echo, logprobs and max_tokens 0 scores its prompt)")
         id_column = None
         for key in ("prompt_column", "messages_column", "id_column", "keep_columns", "sampling_columns"):
             if f"input.{key}" in cfg.explicit and inp[key]:
@@ -179,6 +226,8 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
     else:
         if cfg.task == "loglikelihood":
             text_keys = ["context_column", "continuation_column"]
+        elif cfg.task == "score":
+            text_keys = ["text_1_column", "text_2_column"]
         else:
             text_keys = ["messages_column" if inp["messages_column"] else "prompt_column"]
         for text_key in text_keys:
@@ -212,7 +261,7 @@ def plan_job(cfg: JobConfig, *, shard: ShardSpec | None = None, limit: int | Non
         value = getattr(cfg, section)[name]
         if value != EngineArgs.__dataclass_fields__[field_of(key)].default:
             fingerprint.setdefault(section, {})[name] = value
-    target = OutputTarget(out_dir, _output_spec(cfg, source, id_column), cfg.output["rows_per_part"], fingerprint,
+    target = OutputTarget(out_dir, _output_spec(cfg, source, id_column, model), cfg.output["rows_per_part"], fingerprint,
                           openai=source.format == "openai-batch")
     plan = JobPlan(cfg=cfg, source=source, shard=shard, limit=limit, output=target, id_column=id_column, model=model,
                    resume=resume, retry_errors=retry_errors)
@@ -274,8 +323,8 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
     sampling, columns = cfg.sampling, cfg.input["sampling_columns"]
     max_len = cfg.model["max_model_len"] or (plan.model.max_position_embeddings if plan.model else None)
     max_tokens = sampling.get("max_tokens", SamplingParams().max_tokens)
-    if cfg.task == "loglikelihood":
-        max_tokens, columns = 0, {}  # a scored row is its prompt alone
+    if cfg.task != "generate":
+        max_tokens, columns = 0, {}  # a scored or pooled row is its prompt alone
     n = 1 if "n" in columns else int(sampling.get("n", 1))
     rows = None if plan.total is None else max(0, plan.total - plan.status.committed)
     seqs = min(cfg.engine["max_num_seqs"], rows * n if rows is not None else cfg.engine["max_num_seqs"])
@@ -287,6 +336,8 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
             keys: list[str | None] = [None]
         elif cfg.task == "loglikelihood":  # a context and its continuation (and a token for an empty context)
             keys = [cfg.input["context_column"], cfg.input["continuation_column"]]
+        elif cfg.task == "score":
+            keys = [cfg.input["text_1_column"], cfg.input["text_2_column"]]
         else:
             keys = [cfg.input["messages_column"] or cfg.input["prompt_column"]]
         read = 0
@@ -308,7 +359,7 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
     return None if per_seq is None else seqs * per_seq
 
 
-def _output_spec(cfg: JobConfig, source: Source, id_column: str | None) -> OutputSpec:
+def _output_spec(cfg: JobConfig, source: Source, id_column: str | None, model: ModelSource) -> OutputSpec:
     sampling_cols = cfg.input["sampling_columns"]
     types = source.arrow_types()
     spec = OutputSpec(
@@ -318,7 +369,8 @@ def _output_spec(cfg: JobConfig, source: Source, id_column: str | None) -> Outpu
         sample_index=cfg.sampling.get("n", 1) > 1 or "n" in sampling_cols,
         logprobs=cfg.sampling.get("logprobs") is not None or "logprobs" in sampling_cols,
         prompt_logprobs=cfg.sampling.get("prompt_logprobs") is not None or "prompt_logprobs" in sampling_cols,
-        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"], task=cfg.task)
+        truncated_tokens=cfg.input["on_too_long"].startswith("truncate"), model=cfg.model["path"], task=cfg.task,
+        embedding_dtype=cfg.pooling["embedding_dtype"], labels=_labels(model) if cfg.task == "classify" else [])
     if id_column is None and source.format != "openai-batch":
         spec.id_type = pa.int64()
     return spec

@@ -11,6 +11,8 @@ results.json, report.md and throughput.png into --out.
     python -m benchmarks.run --rounds 2 --model quant   # the quantized 1B rows beside the bf16 one
     python -m benchmarks.run --rounds 2 --model loglik  # scoring four-choice items (an evaluation harness's work)
     python -m benchmarks.run --quick --model loglik     # a seconds-long check of the loglikelihood rows
+    python -m benchmarks.run --rounds 2 --model embed   # embedding texts: batchrun, sentence-transformers, vLLM
+    python -m benchmarks.run --quick --model embed-bert-fp32   # a quick check of one embedding row (toy model)
     python -m benchmarks.run --model tiny --scenarios none --llm-kwargs '{"max_num_seqs": 128}'
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -32,10 +35,12 @@ from typing import Any
 
 from benchmarks.harness import report
 from benchmarks.harness.clock import best_of
+from benchmarks.harness.embed_report import derive_embed
 from benchmarks.harness.loglik import build_items
 from benchmarks.harness.plans import (
     BLOCK_SIZE,
     DEFAULT_PLANS,
+    EMBED_PLANS,
     HF_PAGE_SIZE,
     LOGLIK_PLANS,
     PLANS,
@@ -51,7 +56,13 @@ from benchmarks.harness.plans import (
 )
 from benchmarks.harness.runner import ROOT, Runner
 from benchmarks.harness.scenarios import run_scenarios
-from benchmarks.harness.workload import ModelShape, Workload, contiguous_preallocation, model_flops
+from benchmarks.harness.workload import (
+    LengthDist,
+    ModelShape,
+    Workload,
+    contiguous_preallocation,
+    model_flops,
+)
 from benchmarks.peers.venv import PeerSetup
 from benchmarks.peers.vllm.env import VllmSetup
 
@@ -202,6 +213,75 @@ def run_loglik(plan: Plan, runner: Runner, llm_kwargs: dict[str, Any], repeat: i
             "plan": {"workload": "loglik"}}
 
 
+# vLLM's KV space on the embedding rows, beside the longest text: two of its default CPU steps' tokens (4096 each, for
+# up to 256 requests of 16-token blocks). Its CPU default (a share of the machine's memory) would put most of the
+# machine in its peak RSS; with this much, KV space never limits its batches (a request frees its blocks once pooled).
+VLLM_EMBED_KV_TOKENS = 2 * 4096
+
+
+@functools.cache
+def embed_texts(num_texts: int, seed: int, dist: LengthDist) -> Any:
+    """The embedding texts (harness/embed.py) of these settings, built once a run: every plan asking for them embeds
+    the same texts even if the docs they come from change during the run."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.harness.embed import build_texts
+    from benchmarks.harness.embed_models import bert_tokenizer_path
+
+    bert = AutoTokenizer.from_pretrained(bert_tokenizer_path())
+    return build_texts(lambda t: len(bert(t)["input_ids"]), num_texts, seed, dist.median, dist.sigma,
+                       (dist.lo, dist.hi))
+
+
+def run_embed(plan: Plan, runner: Runner, llm_kwargs: dict[str, Any], repeat: int = 1, vllm: VllmSetup | None = None,
+              st: Any = None, rounds: int = 1, num_texts: int | None = None) -> dict[str, Any]:
+    """An embedding plan: its texts (harness/embed.py; num_texts, else the plan's) embedded by batchrun,
+    sentence-transformers and vLLM in turn (`rounds` times, each keeping its fastest), each in its own process, at its
+    defaults in the plan's dtype; the first texts' vectors are compared with sentence-transformers' in the report."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.harness.embed_models import embed_checkpoint
+
+    texts = embed_texts(num_texts or plan.num_requests, plan.seed, plan.prompt)
+    path = embed_checkpoint(plan.checkpoint)
+    model_tokens = [len(ids) for ids in AutoTokenizer.from_pretrained(path)(texts.texts)["input_ids"]]
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    shape = {"architecture": cfg["architectures"][0], "num_layers": cfg["num_hidden_layers"],
+             "hidden": cfg["hidden_size"], "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads", heads),
+             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads, "vocab": cfg["vocab_size"]}
+    kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
+                    * (2 if plan.dtype == "bfloat16" else 4))
+    max_len = max(model_tokens)
+    vllm_kv = (VLLM_EMBED_KV_TOKENS + max_len) * kv_per_token
+    base = {"model_path": str(path), "embed": texts.to_json(), "repeat": repeat}
+    br_kwargs = {**plan.batchrun_kwargs, **llm_kwargs}
+    s = texts.summary()
+    runner.log(f"[{plan.key}] {plan.checkpoint}: {len(texts)} texts, {s['tokens']} BERT tokens ({s['tokens_min']}.."
+               f"{s['tokens_max']}), {sum(model_tokens)} of the model's tokens (up to {max_len})")
+    headline: list[tuple[str, str, Callable[[str], dict[str, Any]]]] = [
+        ("batchrun", f"{plan.key}-batchrun", lambda name: runner(
+            name, {**base, "dtype": plan.dtype, "llm_kwargs": br_kwargs}, module="benchmarks.harness.embed_worker"))]
+    if st is not None:
+        for bs in plan.static_batches:
+            headline.append(("sentence_transformers", f"{plan.key}-st-b{bs}",
+                             lambda name, bs=bs: st.run(runner, name, base, plan.dtype, bs)))
+    if plan.vllm and vllm is not None:
+        headline.append(("vllm", f"{plan.key}-vllm", lambda name: vllm.run(
+            runner, name, {**base, "task": "embed"}, plan.dtype, vllm_kv, max_len, plan.vllm_kwargs)))
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for _, name, _ in headline}
+    for r in range(rounds):
+        for _, name, call in headline:
+            per_round[name].append(call(name if rounds == 1 else f"{name}-round{r + 1}"))
+    runs: dict[str, list[dict[str, Any]]] = {"batchrun": [], "sentence_transformers": [], "vllm": []}
+    for kind, name, _ in headline:
+        runs[kind].append(_fastest(per_round[name]))
+    return {"key": plan.key, "kind": "embed", "model": plan.checkpoint, "model_path": str(path), "dtype": plan.dtype,
+            "shape": shape, "workload": {**s, "model_tokens": sum(model_tokens), "model_tokens_max": max_len},
+            "runs": runs, "llm_kwargs": br_kwargs, "vllm_kv_bytes": vllm_kv, "note": plan.note,
+            "plan": {"workload": "embed"}}
+
+
 def vllm_base(plan: Plan, base: dict[str, Any]) -> dict[str, Any]:
     """The vLLM worker's base spec: the plan's checkpoint, or the quantized copy the plan asks for (made here, once);
     {"error": ..., "config": ...} (a failed row) when the copy cannot be made."""
@@ -249,6 +329,7 @@ def _strip_outputs(m: dict[str, Any]) -> None:
         for v in variants:
             v.pop("outputs", None)
             v.pop("scores", None)
+            v.pop("embeddings", None)
 
 
 def _peer(res: dict[str, Any], runner: Runner, key: str, label: str, setup: Callable[[int], PeerSetup]
@@ -267,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None,
                     help=f"comma-separated plans of {','.join(PLANS)}, and groups: 'all' ({','.join(DEFAULT_PLANS)}, "
-                         f"the default), 'quant' ({','.join(QUANT_PLANS)}), 'loglik' ({','.join(LOGLIK_PLANS)}); "
-                         "with --quick, a loglikelihood plan asks for the quick loglikelihood check")
+                         f"the default), 'quant' ({','.join(QUANT_PLANS)}), 'loglik' ({','.join(LOGLIK_PLANS)}), "
+                         f"'embed' ({','.join(EMBED_PLANS)}), 'embed-bert', 'embed-qwen3' (one model's two dtypes); "
+                         "with --quick, a loglikelihood or embedding plan asks for its quick check")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out (no venv is made)")
     ap.add_argument("--no-openvino", action="store_true", help="leave OpenVINO GenAI out (no venv is made)")
-    ap.add_argument("--no-hf", action="store_true", help="leave transformers' baselines out")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="leave transformers' baselines out (and sentence-transformers from the embedding rows)")
     ap.add_argument("--scenarios", default="all",
                     help=f"comma-separated subset of {','.join(SCENARIOS)}, or 'all' or 'none'")
     ap.add_argument("--quick", action="store_true", help="a toy workload on the tiny model: checks the harness")
@@ -287,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run batchrun's and vLLM's rows N times in turn (each keeps its fastest): on a machine "
                          "whose speed drifts, systems are then compared at the same speed")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before one worker is abandoned")
+    ap.add_argument("--embed-texts", type=int, default=None,
+                    help="texts of each embedding row (the first N of the same texts; default: the plan's)")
     args = ap.parse_args(argv)
 
     scenarios = SCENARIOS if args.scenarios == "all" else () if args.scenarios == "none" else tuple(
@@ -331,10 +416,19 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.peers.openvino.env import OpenvinoSetup
 
         openvino = _peer(res, runner, "openvino", "OpenVINO GenAI", OpenvinoSetup)
+    st = None
+    if any(p.workload == "embed" and p.static_batches for p in plans):
+        from benchmarks.peers.sentence_transformers.env import SentenceTransformersSetup
+
+        st = _peer(res, runner, "sentence_transformers", "sentence-transformers", SentenceTransformersSetup)
     for plan in plans:
         if plan.workload == "loglik":
             m = run_loglik(plan, runner, args.llm_kwargs, max(1, args.repeat), vllm, max(1, args.rounds))
             m["derived"] = report.derive_loglik(m)
+        elif plan.workload == "embed":
+            m = run_embed(plan, runner, args.llm_kwargs, max(1, args.repeat), vllm, st, max(1, args.rounds),
+                          args.embed_texts)
+            m["derived"] = derive_embed(m)
         else:
             m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
                           max(1, args.rounds), openvino)

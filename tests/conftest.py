@@ -95,3 +95,17 @@ def smollm2(smollm2_path):
     from batchrun import LLM
 
     return LLM(str(smollm2_path), dtype="float32", device="cpu", kv_cache_memory="128MiB", max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def classifier_path(tiny_llama_path, tmp_path_factory):
+    """A three-label LlamaForSequenceClassification made from the tiny Llama (its score head random, seeded)."""
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification.from_pretrained(tiny_llama_path, num_labels=3, dtype=torch.float32)
+    model.config.pad_token_id = 0
+    path = tmp_path_factory.mktemp("llama-cls")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(path)
+    return path

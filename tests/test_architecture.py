@@ -178,7 +178,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchrun.output",),
     ("batchrun.io",),
     ("batchrun.config",),
-    ("batchrun.llm", "batchrun.build", "batchrun.prompts", "batchrun.chat", "batchrun.collect", "batchrun.llm_args"),
+    ("batchrun.llm", "batchrun.build", "batchrun.prompts", "batchrun.chat", "batchrun.collect", "batchrun.llm_args",
+     "batchrun.pooling"),
     ("batchrun.engine", "batchrun.structured"),
     # the model's rooms, top to bottom
     ("batchrun.model.runner",),
@@ -193,8 +194,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchrun.kernels.cpu", "batchrun.kernels.triton"),
     ("batchrun.kernels",),
     # leaves: plain data and helpers shared by every layer above
-    ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.outputs", "batchrun.beam_search",
-     "batchrun.progress", "batchrun.timeseries", "batchrun.paths", "batchrun.inputs"),
+    ("batchrun.engine.contract", "batchrun.sampling_params", "batchrun.pooling_params", "batchrun.outputs",
+     "batchrun.beam_search", "batchrun.progress", "batchrun.timeseries", "batchrun.paths", "batchrun.inputs"),
 ]
 
 

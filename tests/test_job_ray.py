@@ -5,6 +5,7 @@ interrupted run resumed; without Ray, exit 2 with the install hint before any mo
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-3000:]
-    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in batchrun_lines(err)
     done = len(read_rows(tmp_path / "out"))
     assert 4 <= done < n and not (tmp_path / "out" / "_SUCCESS").exists()
 
@@ -188,3 +189,11 @@ def test_without_ray_kind_ray_exits_2_with_the_install_hint(tmp_path, monkeypatc
     ok = CliRunner().invoke(main, ["validate", job], env=env)  # the local executor does not need it
     assert ok.exit_code == 0, ok.output
 
+
+RAY_WORKER_LINE = re.compile(r"^(\x1b\[\d+m)?\([^)]*pid=[^)]*\)")
+
+
+def batchrun_lines(err: str) -> str:
+    """The driver's own stderr: without the lines Ray forwards from its workers (`(Name pid=N) ...`), where Ray
+    Data's own threads may log a traceback of theirs (its file-listing pool racing at shutdown)."""
+    return "\n".join(line for line in err.splitlines() if not RAY_WORKER_LINE.match(line))

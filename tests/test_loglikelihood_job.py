@@ -256,7 +256,7 @@ def bad(d, **sections):
 
 
 BAD_JOBS = {
-    "unknown task": (lambda d: bad(d, task="embedd"), "task: must be one of generate, loglikelihood, got 'embedd'"),
+    "unknown task": (lambda d: bad(d, task="embedd"), "task: must be one of generate, loglikelihood, embed, classify, score, got 'embedd'"),
     "missing context column": (lambda d: bad(d, input={"context_column": "ctx"}),
                                "input.context_column: column 'ctx' not found in"),
     "missing continuation column": (lambda d: bad(d, input={"path": str(d / "contexts.parquet")}),
@@ -266,14 +266,14 @@ BAD_JOBS = {
     "per-row sampling": (lambda d: bad(d, input={"sampling_columns": {"max_tokens": "context"}}),
                          "input.sampling_columns: used with task: generate only"),
     "a prompt column": (lambda d: bad(d, input={"prompt_column": "context"}),
-                        "input.prompt_column: used with task: generate only"),
+                        "input.prompt_column: used with task: generate / embed / classify only"),
     "truncate_right": (lambda d: bad(d, input={"on_too_long": "truncate_right"}),
                        "input.on_too_long: truncate_right would cut the continuation"),
     "context column on a generation job": (lambda d: bad(d, task="generate", input={
         "path": str(d / "prompts.parquet"), "context_column": "prompt"}),
         "input.context_column: used with task: loglikelihood only"),
     "openai-batch input": (lambda d: bad(d, input={"path": str(d / "batch.jsonl")}),
-                           "task: loglikelihood reads (context, continuation) rows; openai-batch input"),
+                           "task: loglikelihood reads rows of texts; openai-batch input"),
     "a column clash": (lambda d: bad(d, input={"keep_columns": ["logprob"]}),
                        "input.keep_columns: 'logprob' clashes with an output column"),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import test_encoders
 import test_families
 import test_families_gguf
 from click.testing import CliRunner
@@ -29,6 +30,8 @@ CHECK_TESTS = {
     "seeded": [test_families.test_rows_do_not_depend_on_the_batch],
     "triton": [test_families.test_greedy_on_the_triton_kernels],
     "gguf": [test_families_gguf.test_a_gguf_file_gives_the_checkpoints_greedy_tokens],
+    "encoder": [test_encoders.test_packed_rows_and_pooled_vectors_equal_transformers,
+                test_encoders.test_the_head_gives_transformers_classification_logits],
 }
 
 
@@ -51,10 +54,15 @@ def test_every_claim_is_a_test_over_exactly_its_families(check):
 
 def test_every_family_has_a_tiny_checkpoint_and_a_definition():
     for family in FAMILIES:
+        classes = [model_class(arch) for arch in family.architectures]
+        assert all(cls.__name__ == family.model for cls in classes)
+        if all(getattr(cls, "is_encoder", False) for cls in classes):
+            # encoders do not generate: their tiny checkpoints are test_encoders.py's, not test_families.py's
+            assert family.name in test_encoders.CHECKPOINTS
+            assert all(callable(cls.pool_head) and callable(cls.weight_target) for cls in classes)
+            continue
         assert family.name in test_families.CHECKPOINTS
-        for arch in family.architectures:
-            cls = model_class(arch)
-            assert cls.__name__ == family.model and callable(cls.make_layer)
+        assert all(callable(cls.make_layer) for cls in classes)
     assert len(SUPPORTED_ARCHITECTURES) == len(set(SUPPORTED_ARCHITECTURES))
     assert set(test_families_gguf.GGUF_CHECKPOINTS) == set(families_verifying("gguf")) - {"llama"}
 

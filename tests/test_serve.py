@@ -189,7 +189,7 @@ def test_api_errors_are_openai_errors(server, client):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     file = upload(client, [chat_line("a", "hi", max_tokens=2)])
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=file.id, endpoint="/v1/responses", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="48h")
     with pytest.raises(openai.BadRequestError, match="metadata"):

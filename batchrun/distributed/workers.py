@@ -90,7 +90,8 @@ class EngineReplica:
         self.builder = RequestBuilder(cfg, source_format=source_format, tokenizer=self.llm.tokenizer,
                                       check_prompt=self.llm.check_prompt, id_column=id_column,
                                       check_structured=getattr(self.llm, "check_structured", None),
-                                      max_model_len=getattr(self.llm, "max_model_len", None))
+                                      max_model_len=getattr(self.llm, "max_model_len", None),
+                                      pooling=getattr(self.llm, "pooling", None))
         self.columns = self.builder.columns()
         self.max_in_flight = max_in_flight(cfg.engine["max_num_seqs"])
         self.keep_prompt = cfg.output["include_prompt"]

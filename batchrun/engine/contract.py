@@ -88,6 +88,21 @@ class PromptLogprobs:
     top_logprobs: list[list[float]]
 
 
+@dataclass(slots=True)
+class PoolingRequest:
+    """Pool hidden states of one scheduled chunk: `num_rows` rows from `first_row` on of `seqs[seq_index]`'s chunk
+    (the final norm's output, as transformers' last_hidden_state), reduced by `reduce`: "row" the one row at
+    first_row (last-token or CLS pooling), "mean" their mean, "sum" their sum (a mean over several chunks: the
+    engine adds and divides). `head`: the model's classification head applied to the reduced vector (only where
+    the whole pooled span is in this chunk)."""
+
+    seq_index: int
+    first_row: int
+    num_rows: int
+    reduce: str  # "row" | "mean" | "sum"
+    head: bool = False
+
+
 @dataclass
 class SchedulerOutput:
     """All the runner is told for one step."""
@@ -100,6 +115,7 @@ class SchedulerOutput:
     # one per sequence with sample=True, in the order of `seqs` (filled by the engine before the step runs)
     sampling: list[SamplingRequest] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)  # (filled by the engine too)
+    pooling: list[PoolingRequest] = field(default_factory=list)  # (filled by the engine too)
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +143,7 @@ class StepOutput:
     # the token drawn at each draft row: flat over the sampling sequences with num_draft > 0, in order
     draft_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # one per request, in order
+    pooled: list[list[float]] = field(default_factory=list)  # one vector per PoolingRequest, in order
 
 
 @dataclass

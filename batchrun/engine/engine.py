@@ -12,6 +12,7 @@ from batchrun.engine import beam as beam_search
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.contract import (
     GrammarState,
+    PoolingRequest,
     PromptLogprobsRequest,
     SamplingRequest,
     ScheduledSeq,
@@ -23,6 +24,7 @@ from batchrun.engine.detokenizer import Detokenizer
 from batchrun.engine.draft_policy import KeepRate
 from batchrun.engine.metrics import EngineMetrics
 from batchrun.engine.ngram import NgramDrafter
+from batchrun.engine.pooling import PoolingState
 from batchrun.engine.request import SeqStatus, Sequence, SequenceGroup
 from batchrun.engine.results import request_output
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
@@ -83,6 +85,7 @@ class Engine:
         self._beam_candidates: dict[int, tuple[list[int], list[float]]] = {}
         self.draft_keep = KeepRate()  # every sequence's drafts: where a new sequence's keep rate starts
         self._scoring: set[int] = set()  # seq ids of the groups whose prompt log-probabilities are being computed
+        self._pooling: set[int] = set()  # seq ids of the pooled requests in flight
         self.metrics = EngineMetrics(kv_blocks_total=config.num_blocks,
                                      kv_host_blocks_total=config.num_host_blocks,
                                      kv_bytes_per_token=config.kv_bytes_per_token)
@@ -90,11 +93,11 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     seed: int, beam: BeamSearchParams | None = None, grammar: GrammarState | None = None,
-                    score_from: int = 1) -> None:
+                    score_from: int = 1, pooling: PoolingState | None = None) -> None:
         """Queue a request. With n > 1 or beams, one sequence prefills and is forked when it first samples, so the
         prompt's blocks are computed once. `grammar`: a fresh structured-output matcher, forked per sample.
         `score_from`: with prompt_logprobs, the first prompt token scored (the blocks before may come from the
-        prefix cache)."""
+        prefix cache). `pooling`: the prompt is pooled (params must generate nothing: max_tokens 0)."""
         if grammar is not None and beam is not None:
             raise ValueError("structured outputs do not combine with beam search")
         seq = self._new_seq(list(prompt_ids), len(prompt_ids), seed, 0, params)
@@ -111,6 +114,9 @@ class Engine:
             group.prompt_scores, group.score_from = [], max(1, score_from)
             if group.scoring_prompt:
                 self._scoring.add(seq.seq_id)
+        if pooling is not None:
+            group.pooling = pooling
+            self._pooling.add(seq.seq_id)
         self._arrivals += 1
         self.groups[seq.seq_id] = group
         self.scheduler.add(group)
@@ -158,6 +164,7 @@ class Engine:
             return []
         sampling, verify, prompt_only = self._sampling_requests(out)
         scoring = self._prompt_logprob_requests(out) if self._scoring else []
+        pooled = self._pooling_requests(out) if self._pooling else []
         t1 = time.perf_counter()
         result = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -165,6 +172,8 @@ class Engine:
         finished: list[RequestOutput] = []
         if scoring:
             self._apply_prompt_logprobs(scoring, result)
+        for (group, chunk), request, vector in zip(pooled, out.pooling, result.pooled):
+            group.pooling.add(request, vector, chunk, len(group.prompt_ids))
         for seq in prompt_only:
             self._finish_prompt_only(seq)
         if sampling or prompt_only:
@@ -215,6 +224,7 @@ class Engine:
 
     def _finish_prompt_only(self, seq: Sequence) -> None:
         """A sequence whose prompt is computed and that generates nothing: n empty samples, ended by length."""
+        self._pooling.discard(seq.seq_id)
         for member in self._fork_pending(self.groups[seq.seq_id], seq):
             member.finish_reason = "length"
             member.detok.finish([])
@@ -242,6 +252,18 @@ class Engine:
                                                                  group.params.prompt_logprobs))
                 groups.append(group)
         return groups
+
+    def _pooling_requests(self, out: SchedulerOutput) -> list[tuple[SequenceGroup, ScheduledSeq]]:
+        """Fill out.pooling: the rows each chunk of a pooled request pools. Their groups and chunks, in order."""
+        pooled = []
+        for i, s in enumerate(out.seqs):
+            if s.seq_id in self._pooling:
+                group = self.groups[s.seq_id]
+                request: PoolingRequest | None = group.pooling.request(i, s, len(group.prompt_ids))
+                if request is not None:
+                    out.pooling.append(request)
+                    pooled.append((group, s))
+        return pooled
 
     def _apply_prompt_logprobs(self, groups: list[SequenceGroup], result: StepOutput) -> None:
         for group, scores in zip(groups, result.prompt_logprobs):
@@ -473,6 +495,7 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every request in flight and give back their blocks (the prefix cache is kept)."""
         self._scoring.clear()
+        self._pooling.clear()
         for group in self.scheduler.clear():
             for s in group.seqs:
                 self.block_manager.free_seq(s.seq_id)

@@ -74,6 +74,7 @@ class SequenceGroup:
     prompt_scores: list[tuple[float, int, list[int], list[float]]] | None = None
     score_from: int = 1
     num_cached_tokens: int = 0  # prompt tokens its first allocation took from the prefix cache
+    pooling: object | None = None  # a pooled request's pooling.PoolingState (it generates nothing)
 
     @property
     def next_scored(self) -> int:
@@ -85,6 +86,15 @@ class SequenceGroup:
         """Prompt log-probabilities are asked and not all computed: the prefix cache may give only the blocks
         before the next scored token's row, so every scored position is computed."""
         return self.prompt_scores is not None and self.next_scored < len(self.prompt_ids)
+
+    @property
+    def cache_limit(self) -> int | None:
+        """The prompt tokens the prefix cache may give (None: all): scored and pooled rows must be computed."""
+        limit = self.next_scored if self.scoring_prompt else None
+        pooled = self.pooling.cache_limit if self.pooling is not None else None
+        if pooled is not None:
+            limit = pooled if limit is None else min(limit, pooled)
+        return limit
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from batchrun.engine.request import SequenceGroup
 from batchrun.engine.stops import structured_error
-from batchrun.outputs import CompletionOutput, Logprob, RequestOutput
+from batchrun.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 
 
-def request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
-    """Samples in index order; a beam search's best `beam_width` hypotheses, best first."""
+def request_output(group: SequenceGroup, tokenizer) -> RequestOutput | PoolingRequestOutput:
+    """Samples in index order; a beam search's best `beam_width` hypotheses, best first; a pooled request's
+    vector as it was pooled (LLM applies the request's PoolingParams)."""
+    if group.pooling is not None:
+        return PoolingRequestOutput(group.request_id, PoolingOutput(group.pooling.vector), group.prompt_ids,
+                                    prompt=group.prompt)
     if group.beam is not None:
         prompt_len = len(group.prompt_ids)
         best = sorted(group.hypotheses, key=lambda h: h.score, reverse=True)[: group.beam.beam_width]

@@ -29,6 +29,7 @@ class SchedulerConfig:
     # drafts per decoding sequence (0: none), while a step's decode rows and drafts fit speculative_max_rows
     num_speculative_tokens: int = 0
     speculative_max_rows: int = 128
+    whole_prompts: bool = False  # a prompt is computed in one step or waits (an encoder: bidirectional attention)
     # the auto preemption cost model's rates (Scheduler._prefer_swap), filled in from the model and device
     flops_per_token: float = 0.0
     bytes_per_block: float = 0.0
@@ -222,14 +223,16 @@ class Scheduler:
             resident = bm.is_resident(seq.seq_id)
             prefix, keys = [], []
             if not resident:  # first allocation: reuse what the prefix cache holds
-                prefix, keys = bm.lookup(seq.token_ids[: group.next_scored] if group.scoring_prompt else
-                                         seq.token_ids)
+                limit = group.cache_limit
+                prefix, keys = bm.lookup(seq.token_ids if limit is None else seq.token_ids[:limit])
                 seq.num_computed = len(prefix) * bm.block_size
                 if seq.num_output == 0 and not group.num_cached_tokens:
                     group.num_cached_tokens = seq.num_computed
             n = min(len(seq.token_ids) - seq.num_computed, budget[0])
             if n <= 0:  # e.g. a beam that has sampled and waits for its siblings
                 continue
+            if self.config.whole_prompts and n < len(seq.token_ids) - seq.num_computed:
+                break  # not admitted: it waits for a step with room for all of it
             # the watermark keeps room for resident sequences to grow; it only matters if any exist
             pairs = bm.allocate(seq.seq_id, seq.num_computed + n, seq.num_computed, prefix=prefix,
                                 prefix_keys=keys, admit=not resident and bm.num_used > 0)

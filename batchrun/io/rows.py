@@ -5,12 +5,13 @@ a prompt too long) becomes a RowTask with `error` set, and never reaches the eng
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.config import JobConfig, JobError, check_sampling_value, sampling_error
+from batchrun.config import POOLED_TASKS, JobConfig, JobError, check_sampling_value, sampling_error
+from batchrun.io.openai_pooling import pooled_request
+from batchrun.io.pooled_rows import build_pooled
+from batchrun.io.row_task import RowTask, text_problem
 from batchrun.io.sources import ROW_ERROR, Row
 from batchrun.sampling_params import STRUCTURED_KINDS, SamplingParams, scores_prompt
 
@@ -19,60 +20,17 @@ log = logging.getLogger(__name__)
 _INT_FIELDS = {"n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
-@dataclass
-class RowTask:
-    pos: int  # position in this run's stream of input rows (0-based within the shard)
-    index: int  # global row index in the whole input
-    id: Any
-    keep: dict[str, Any] = field(default_factory=dict)
-    prompt: str | None = None  # the text the model sees (rendered chat template for messages)
-    prompt_ids: list[int] | None = None
-    prompt_tokens: int | None = None
-    params: SamplingParams | None = None
-    error: str | None = None
-    extra: dict[str, Any] | None = None  # openai-batch: custom_id, url, model, echo
-    truncated: int | None = None  # prompt tokens cut to fit (input.on_too_long: truncate_left / truncate_right)
-    skipped: str | None = None  # why it is not run, by the job's choice (input.on_too_long: skip)
-    # the engine's RequestOutput.prompt_logprobs, when params.prompt_logprobs asked them (prompt_ids are then back)
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
-    continuation_tokens: int | None = None  # task: loglikelihood: the continuation's tokens, the prompt's last ones
-
-    @property
-    def runs(self) -> bool:
-        """Does the row go to the engine (else it is finished as it is: an error, or skipped)?"""
-        return self.error is None and self.skipped is None
-
-    def score(self) -> tuple[float, bool] | None:
-        """task: loglikelihood, once run: (the continuation's summed log-probability, whether each of its tokens is
-        the most likely at its position: greedy decoding after the context gives it); None when the engine gave
-        no log-probability for one of them."""
-        n, ids, entries = self.continuation_tokens, self.prompt_ids, self.prompt_logprobs
-        if not n or ids is None or entries is None or len(entries) != len(ids) or n >= len(ids):
-            return None
-        picked = []
-        for token, entry in zip(ids[-n:], entries[-n:]):
-            if entry is None or token not in entry:
-                return None
-            picked.append(entry[token])
-        return math.fsum(picked), all(getattr(lp, "rank", None) == 1 for lp in picked)
-
-    @property
-    def returns_prompt(self) -> bool:
-        """Does its output need the prompt's token ids back (their log-probabilities, an OpenAI `echo`)?"""
-        return (self.params is not None and self.params.prompt_logprobs is not None) or bool(
-            self.extra and self.extra.get("echo"))
-
-
 class RequestBuilder:
     def __init__(self, cfg: JobConfig, *, source_format: str, tokenizer: Any,
                  check_prompt: Callable[[list[int], bool], str | None],
                  id_column: str | None,
                  check_structured: Callable[[SamplingParams], str | None] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, pooling: Any = None) -> None:
         self.cfg = cfg
         self.inp = cfg.input
         self.on_too_long = cfg.input.get("on_too_long", "error")
         self.max_model_len = max_model_len  # None: prompts are not cut (on_too_long acts as error)
+        self.pooling = pooling  # the engine's batchrun.pooling.PoolingModel (pooling tasks)
         self.openai = source_format == "openai-batch"
         self.tokenizer = tokenizer
         self.check_prompt = check_prompt
@@ -194,6 +152,8 @@ class RequestBuilder:
         """items: (pos, global index, row). Returns one RowTask per item, in order."""
         if self.task == "loglikelihood":
             return self._build_scored(items)
+        if self.task in POOLED_TASKS:
+            return build_pooled(self, items)
         tasks: list[RowTask] = []
         to_tokenize: dict[bool, list[tuple[RowTask, str]]] = {True: [], False: []}
         for pos, index, row in items:
@@ -209,6 +169,12 @@ class RequestBuilder:
                 task.extra = {"custom_id": row.get("custom_id"), "url": row.get("url"), "model": row.get("model"),
                               "echo": bool(row.get("echo"))}
                 task.id = row.get("custom_id") if row.get("custom_id") is not None else index
+                if "pooling_body" in row:
+                    self._openai_pooled(task, row)
+                    continue
+                if self.pooling is not None and not self.pooling.generates:
+                    task.error = f"this model pools only: it runs {', '.join(self.pooling.tasks())}, not {row['url']}"
+                    continue
             elif self.id_column:
                 task.id = row.get(self.id_column)
             task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
@@ -228,7 +194,7 @@ class RequestBuilder:
             for (task, _), ids in zip(pairs, encoded):
                 task.prompt_ids = list(ids)
         for task in tasks:
-            if task.error is None and task.prompt_ids is not None:
+            if task.error is None and task.prompt_ids is not None and task.pooling is None:
                 task.prompt_tokens = len(task.prompt_ids)
                 why = self.check_prompt(task.prompt_ids, scores_prompt(task.params))
                 if why and self._too_long(task.prompt_ids):
@@ -239,6 +205,18 @@ class RequestBuilder:
                 task.prompt_ids = None
                 task.params = None
         return tasks
+
+    def _openai_pooled(self, task: RowTask, row: Row) -> None:
+        """A pooling endpoint's request: its prompts, each of which must fit max_model_len whole."""
+        pooled_request(task, row["url"], row["pooling_body"], self.tokenizer,
+                       self.pooling is not None and self.pooling.scores_by_head())
+        for ids in ([task.prompt_ids, *task.more_ids] if task.error is None else []):
+            why = self.check_prompt(ids, True)
+            if why:
+                task.error = why
+                break
+        if task.error is not None:
+            task.prompt_ids = task.more_ids = task.pooling = None
 
     def _too_long(self, ids: list[int], scored: bool = False) -> bool:
         return (self.on_too_long != "error" and self.max_model_len is not None
@@ -282,7 +260,7 @@ class RequestBuilder:
                 task.id = row.get(self.id_column)
             task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
             context, continuation = row.get(contexts), row.get(continuations)
-            task.error = _text_problem(row, contexts, empty_ok=True) or _text_problem(row, continuations)
+            task.error = text_problem(row, contexts, empty_ok=True) or text_problem(row, continuations)
             if task.error is None:
                 task.prompt = context + continuation
                 task.params = SamplingParams(max_tokens=0, prompt_logprobs=0, detokenize=False)
@@ -349,11 +327,13 @@ def input_columns(cfg: JobConfig, source_format: str, id_column: str | None) -> 
     inp = cfg.input
     if cfg.task == "loglikelihood":
         cols = [inp["context_column"], inp["continuation_column"]]
+    elif cfg.task == "score":
+        cols = [inp["text_1_column"], inp["text_2_column"]]
     else:
         cols = [inp["messages_column"] or inp["prompt_column"]]
     if id_column:
         cols.append(id_column)
-    cols += list(inp["keep_columns"]) + list(inp["sampling_columns"].values())
+    cols += list(inp["keep_columns"]) + (list(inp["sampling_columns"].values()) if cfg.task == "generate" else [])
     return list(dict.fromkeys(cols))
 
 
@@ -362,20 +342,6 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-def _text_problem(row: Row, column: str, *, empty_ok: bool = False) -> str | None:
-    """Why a row's text cell cannot be scored (missing, null, not a string, empty), or None."""
-    if column not in row:
-        return f"column {column!r} is missing in this row"
-    value = row[column]
-    if value is None:
-        return f"{column} is null"
-    if not isinstance(value, str):
-        return f"{column} is not a string ({type(value).__name__})"
-    if not value and not empty_ok:
-        return f"{column} is empty"
-    return None
 
 
 def _check_messages(messages: Any) -> str | None:

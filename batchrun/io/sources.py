@@ -317,6 +317,7 @@ class JsonlSource(Source):
 
 
 OPENAI_FIELD_MAP = {"max_completion_tokens": "max_tokens"}
+POOLING_URLS = ("/v1/embeddings", "/v1/score", "/v1/rerank")  # (io/openai_pooling.py reads their bodies)
 
 
 def _response_format(value: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -361,6 +362,8 @@ class OpenAIBatchSource(JsonlSource):
         if not isinstance(body, dict):
             return {ROW_ERROR: f"{where}: missing the request body", "custom_id": cid}
         url = obj.get("url") or ("/v1/chat/completions" if "messages" in body else "/v1/completions")
+        if url in POOLING_URLS:  # its body is read by io/openai_pooling.py
+            return {"custom_id": cid, "url": url, "model": body.get("model"), "pooling_body": body}
         names = set(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # from logprobs and echo
         sampling = {}
         for k, v in body.items():

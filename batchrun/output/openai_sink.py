@@ -29,6 +29,7 @@ from batchrun.output.openai_logprobs import (
     text_decoder,
     token_decoder,
 )
+from batchrun.output.openai_pooling import pooling_body
 from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,10 @@ def openai_line(task: RowTask, outputs: list[Any] | None, model: str, decode: De
     if outputs is None:
         line["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": {
             "message": task.error, "type": "invalid_request_error", "param": None, "code": None}}}
+        line["error"] = None
+        return line
+    if task.pooling is not None or task.pooled is not None:
+        line["response"] = {"status_code": 200, "request_id": request_id, "body": pooling_body(task, model, digest)}
         line["error"] = None
         return line
     chat = "chat" in (extra.get("url") or "")

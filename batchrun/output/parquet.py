@@ -28,6 +28,7 @@ from batchrun.output.folder import AHEAD, METRICS, TMP_RE
 from batchrun.output.manifest import MANIFEST, Entry, Inspection, Manifest, PartState, inspect_parts
 from batchrun.output.parts import META_KEY, PartInfo, checksum_file, encode, part_name
 from batchrun.output.sink import Counts, OutputSpec, Sink, StoredRow, row_counts
+from batchrun.pooling import cosine, softmax
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def output_records(task: RowTask, outputs: list[Any] | None, spec: OutputSpec) -
         base["truncated_tokens"] = task.truncated or (0 if outputs is not None else None)
     if spec.task == "loglikelihood":
         return [_scored_record(task, outputs, spec, base)]
+    if spec.task in POOLED_COLUMNS:
+        return [_pooled_record(task, outputs, spec, base)]
     if outputs is None:
         reason = "skipped" if task.skipped else "error"
         rec = {**base, "completion": None, "finish_reason": reason, "prompt_tokens": task.prompt_tokens,
@@ -92,11 +95,38 @@ def _scored_record(task: RowTask, outputs: list[Any] | None, spec: OutputSpec, b
     return rec
 
 
+# each pooling task's answer columns (the first one is null exactly when the row did not run)
+POOLED_COLUMNS = {"embed": ("embedding",), "classify": ("logits", "probs", "label"), "score": ("score",)}
+
+
+def _pooled_record(task: RowTask, outputs: list[Any] | None, spec: OutputSpec, base: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """A pooling row: its embedding, its classes (logits, softmax probabilities, the likeliest label's name) or its
+    score; nulls for a row that did not run."""
+    rec = {**base, **dict.fromkeys(POOLED_COLUMNS[spec.task]), "prompt_tokens": task.prompt_tokens,
+           "error": task.error}
+    vector = task.pooled[0] if outputs is not None and task.error is None and task.pooled else None
+    if vector is None:
+        return rec
+    if spec.task == "embed":
+        rec["embedding"] = vector
+    elif spec.task == "score":
+        rec["score"] = cosine(vector, task.pooled[1]) if len(task.pooled) > 1 else vector[0]
+    else:
+        best = max(range(len(vector)), key=vector.__getitem__)
+        rec["logits"], rec["probs"] = vector, softmax(vector)
+        rec["label"] = spec.labels[best] if best < len(spec.labels) else str(best)
+    return rec
+
+
 def ran(table: pa.Table) -> list[bool]:
     """Which rows of an output's table ran on the engine (their prompt tokens are counted): not an error or skipped
     row (finish_reason), or for a loglikelihood output, a row with a score or an error after it ran."""
     if "finish_reason" in table.column_names:
         return [r not in ("error", "skipped") for r in table.column("finish_reason").to_pylist()]
+    pooled = next((c[0] for c in POOLED_COLUMNS.values() if c[0] in table.column_names), None)
+    if pooled is not None:
+        return [v is not None for v in table.column(pooled).to_pylist()]
     return [lp is not None or e == NO_SCORE for lp, e in zip(table.column("logprob").to_pylist(),
                                                              table.column("error").to_pylist())]
 
@@ -122,6 +152,8 @@ class ParquetSink(Sink):
         if s.task == "loglikelihood":
             return names + ["logprob", "is_greedy", "num_tokens", "prompt_tokens"] + \
                 (["token_ids"] if s.include_token_ids else []) + ["error"]
+        if s.task in POOLED_COLUMNS:
+            return names + [*POOLED_COLUMNS[s.task], "prompt_tokens", "error"]
         if s.sample_index:
             names.append("sample_index")
         names += ["completion", "finish_reason", "prompt_tokens", "completion_tokens"]
@@ -149,6 +181,8 @@ class ParquetSink(Sink):
         "error": pa.string(), "truncated_tokens": pa.int32(),
         "prompt_logprobs": pa.list_(pa.map_(pa.int64(), pa.float64())),
         "logprob": pa.float64(), "is_greedy": pa.bool_(), "num_tokens": pa.int32(),
+        "logits": pa.list_(pa.float32()), "probs": pa.list_(pa.float32()), "label": pa.string(),
+        "score": pa.float64(),
     }
 
     # ------------------------------------------------------------ what is committed
@@ -410,6 +444,10 @@ class ParquetSink(Sink):
     # ------------------------------------------------------------ arrays
 
     def _type_of(self, name: str, values: list[Any]) -> pa.DataType:
+        if name == "embedding" and self.spec.task == "embed":  # fixed-size once a row has one
+            value_type = pa.float16() if self.spec.embedding_dtype == "float16" else pa.float32()
+            size = next((len(v) for v in values if v is not None), None)
+            return pa.list_(value_type) if size is None else pa.list_(value_type, size)
         if name in self.FIXED_TYPES:
             return self.FIXED_TYPES[name]
         known = self.spec.id_type if name == "id" else self.spec.known_types.get(name)

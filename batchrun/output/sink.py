@@ -27,7 +27,9 @@ class OutputSpec:
     prompt_logprobs: bool = False  # a generation job's sampling.prompt_logprobs (or its sampling column) is set
     truncated_tokens: bool = False  # input.on_too_long truncates: how many prompt tokens each row lost
     model: str = ""
-    task: str = "generate"  # the job's task: generate (completions) or loglikelihood (scores)
+    task: str = "generate"  # the job's task (config.TASKS)
+    embedding_dtype: str = "float32"  # task: embed: the embedding column's values (float32 | float16)
+    labels: list[str] = field(default_factory=list)  # task: classify: the label names by index (the checkpoint's `id2label`)
 
 
 @dataclass

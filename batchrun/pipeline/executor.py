@@ -58,7 +58,14 @@ class EngineLoop:
 
     def add(self, task: RowTask) -> None:  # a row without error: its prompt checked by the RequestBuilder
         request_id = str(task.pos)  # positions are unique in a run, and the same on every rerun
-        if task.continuation_tokens:  # a loglikelihood row: its context may come from the prefix cache
+        if task.pooling is not None:  # a pooling row: its prompts, the first under the row's id, the others `id/j`
+            prompts = [task.prompt_ids, *(task.more_ids or ())]
+            task.pooled, task.more_ids = [None] * len(prompts), None
+            for j, ids in enumerate(prompts):
+                part = f"{request_id}/{j}" if j else request_id
+                self.engine.add_pooling_request(part, ids, *task.pooling)
+                self.in_flight[part] = task
+        elif task.continuation_tokens:  # a loglikelihood row: its context may come from the prefix cache
             score_from = len(task.prompt_ids) - task.continuation_tokens
             self.engine.add_request(request_id, task.prompt_ids, task.params, score_from=score_from)
         else:
@@ -72,6 +79,12 @@ class EngineLoop:
         finished = []
         for out in self.engine.step():
             task = self.in_flight.pop(out.request_id)
+            if task.pooling is not None:
+                _, _, j = out.request_id.partition("/")
+                task.pooled[int(j or 0)] = out.outputs.data
+                if all(v is not None for v in task.pooled):
+                    finished.append((task, []))
+                continue
             if task.returns_prompt:
                 task.prompt_ids, task.prompt_logprobs = list(out.prompt_token_ids), out.prompt_logprobs
             finished.append((task, list(out.outputs)))

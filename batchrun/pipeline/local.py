@@ -43,7 +43,8 @@ class LocalExecutor(Executor):
         builder = RequestBuilder(cfg, source_format=self.source.format, tokenizer=engine.tokenizer,
                                  check_prompt=engine.check_prompt, id_column=self.id_column,
                                  check_structured=getattr(engine, "check_structured", None),
-                                 max_model_len=getattr(engine, "max_model_len", None))
+                                 max_model_len=getattr(engine, "max_model_len", None),
+                                 pooling=getattr(engine, "pooling", None))
         self.loop = loop = EngineLoop(engine)
         receiver.start()
         for batch in rows.read(self.source, builder.columns()):

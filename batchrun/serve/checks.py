@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchrun.io.openai_pooling import pooling_body_problem
 from batchrun.sampling_params import SamplingParams
 
 # Body fields read (besides the SamplingParams fields, vLLM's extensions, which pass through as well).
@@ -19,6 +20,9 @@ HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temper
 IGNORED = {"model", "user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls",
            "prompt_cache_key", "safety_identifier"}
 MAX_TOP_LOGPROBS = 20
+# the body fields each pooling endpoint reads (besides IGNORED)
+POOLING_KEYS = {"/v1/embeddings": {"input", "dimensions", "encoding_format"},
+                "/v1/score": {"text_1", "text_2"}, "/v1/rerank": {"query", "documents", "top_n"}}
 
 
 @dataclass
@@ -91,6 +95,11 @@ def _check_line(raw: bytes, endpoint: str) -> tuple[str | None, str | None]:
 
 
 def _check_body(body: dict[str, Any], endpoint: str) -> str | None:
+    if endpoint in POOLING_KEYS:
+        unknown = next((k for k in body if k not in POOLING_KEYS[endpoint] and k not in IGNORED), None)
+        if unknown is not None:
+            return f"body.{unknown} is not supported for {endpoint} by batchrun serve"
+        return pooling_body_problem(endpoint, body)
     chat = endpoint == "/v1/chat/completions"
     if chat and "messages" not in body:
         return "body.messages is required for /v1/chat/completions"

@@ -9,7 +9,8 @@ import time
 import uuid
 from typing import Any
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+POOLING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", *POOLING_ENDPOINTS)
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 TERMINAL = ("completed", "failed", "cancelled", "expired")

@@ -24,7 +24,16 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux), in MiB."""
+    """Peak resident set size of this process so far (VmHWM), in MiB.
+
+    Not ru_maxrss: Linux keeps it across execve, so a worker started by the orchestrator would report at least the
+    orchestrator's own peak (its tokenizers, a checkpoint it made). ru_maxrss (KiB) only where /proc is absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

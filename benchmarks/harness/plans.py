@@ -44,9 +44,10 @@ class Plan:
     speculation_variants: bool = True
     vllm_ngram: bool = True  # (with speculation_variants) the vLLM + n-gram row
     # what the requests are: "sharegpt" (random token ids, ShareGPT-like lengths), "chat" (benchmarks/harness/chat.py's
-    # questions in the model's chat template, replies to EOS of at most 256 tokens), or "loglik" (num_requests
-    # four-choice items scored, benchmarks/harness/loglik.py; static_batches: transformers' batch sizes); and how
-    # they decode
+    # questions in the model's chat template, replies to EOS of at most 256 tokens), "loglik" (num_requests
+    # four-choice items scored, benchmarks/harness/loglik.py; static_batches: transformers' batch sizes), or "embed"
+    # (num_requests texts embedded, benchmarks/harness/embed.py, lengths from `prompt`; checkpoint: an
+    # embed_models.py name; static_batches: sentence-transformers' batch sizes); and how they decode
     workload: str = "sharegpt"
     decoding: Decoding = field(default_factory=Decoding)
     checkpoint: str = ""  # a random-weight model of benchmarks/harness/models.py instead of the built-in `builtin`
@@ -85,6 +86,21 @@ CHAT = dict(workload="chat", builtin="smollm2-135m-instruct", num_requests=0, pr
 LOGLIK = dict(workload="loglik", builtin="smollm2-135m-instruct", num_requests=500, prompt=PROMPT, output=OUTPUT,
               static_batches=(32,), cb_requests_per_step=(), scenarios=(), speculation_variants=False,
               vllm_ngram=False, openvino=False, op_profile=0)
+
+# Embedding texts (benchmarks/harness/embed.py): the repository's text in texts whose lengths, in the BERT tokenizer's
+# tokens, are log-normal within BERT's 512 positions.
+EMBED_TEXTS = LengthDist(median=128, sigma=0.8, lo=16, hi=512)
+# The embedding rows: ~2,000 texts embedded by batchrun (LLM(task="embed").embed), sentence-transformers (encode in
+# batches of 32, its default; the reference for the vectors) and vLLM CPU (LLM(runner="pooling").embed), each in its
+# own process and venv, at its defaults in the row's dtype, on random-weight sentence-transformers checkpoints
+# (benchmarks/harness/embed_models.py). static_batches: sentence-transformers' batch sizes (--no-hf leaves it out).
+EMBED = dict(builtin="", num_requests=2000, prompt=EMBED_TEXTS, output=EMBED_TEXTS, workload="embed",
+             static_batches=(32,), cb_requests_per_step=(), scenarios=(), speculation_variants=False, vllm_ngram=False,
+             openvino=False, op_profile=0)
+EMBED_BERT = dict(checkpoint="bert-base-st", note="A BERT-base encoder (BertModel: 12 layers, hidden 768), random "
+                  "weights; mean pooling, normalised.")
+EMBED_QWEN3 = dict(checkpoint="qwen3-embedding-0.6b", note="Qwen3-Embedding-0.6B's shape (28 layers, hidden 1024, "
+                   "16 heads, 8 KV heads), random weights; last-token pooling, normalised.")
 
 # The 1B-class rows: Llama-3.2-1B's shape (benchmarks/harness/models.py), random bf16 weights, random text, EOS ignored.
 LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
@@ -179,6 +195,10 @@ PLANS: dict[str, Plan] = {
                            note="Qwen3-MoE scaled down (32 experts, top 2, 12 layers), random weights"),
     "loglik-bf16": Plan("loglik-bf16", **LOGLIK, dtype="bfloat16"),
     "loglik-fp32": Plan("loglik-fp32", **LOGLIK),
+    "embed-bert-bf16": Plan("embed-bert-bf16", **EMBED, **EMBED_BERT, dtype="bfloat16"),
+    "embed-bert-fp32": Plan("embed-bert-fp32", **EMBED, **EMBED_BERT),
+    "embed-qwen3-bf16": Plan("embed-qwen3-bf16", **EMBED, **EMBED_QWEN3, dtype="bfloat16"),
+    "embed-qwen3-fp32": Plan("embed-qwen3-fp32", **EMBED, **EMBED_QWEN3),
 }
 # What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
 # ignored on the same real model (a second view); the other plans are asked for by name.
@@ -189,7 +209,12 @@ QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
 # The loglikelihood row (`--model loglik`): many minutes on 2 cores (every peer computes each choice's whole prompt),
 # so not in the default set; its fp32 twin (longer still) is asked for by name.
 LOGLIK_PLANS = ("loglik-bf16",)
-PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS, "loglik": LOGLIK_PLANS}
+# The embedding rows (`--model embed`, or one model's two dtypes: embed-bert, embed-qwen3): asked for by name.
+EMBED_GROUPS = {"embed-bert": ("embed-bert-bf16", "embed-bert-fp32"),
+                "embed-qwen3": ("embed-qwen3-bf16", "embed-qwen3-fp32")}
+EMBED_PLANS = EMBED_GROUPS["embed-bert"] + EMBED_GROUPS["embed-qwen3"]
+PLAN_GROUPS = {"all": DEFAULT_PLANS, "quant": QUANT_PLANS, "loglik": LOGLIK_PLANS, "embed": EMBED_PLANS,
+               **EMBED_GROUPS}
 
 QUICK = Plan("tiny", "tiny-llama", 12, LengthDist(24, 0.6, 8, 48), LengthDist(8, 0.5, 4, 12),
              static_batches=(8,), cb_requests_per_step=(8,), scenario_requests=8, prefix_requests=6,
@@ -206,19 +231,32 @@ QUICK_LOGLIK = Plan("loglik-tiny", "tiny-llama", 6, PROMPT, OUTPUT, workload="lo
                     note="Quick mode: a harness check on a few items of the tiny random model, not a measurement.")
 
 
+# Quick mode's embedding plans: a few dozen short texts on toy checkpoints of the same two families, each full plan's
+# stand-in in the same dtype.
+QUICK_EMBED = dict(EMBED, num_requests=24, prompt=LengthDist(32, 0.6, 16, 96), output=LengthDist(32, 0.6, 16, 96),
+                   vllm_kwargs={"enforce_eager": True},
+                   note="Quick mode: a harness check on a few dozen texts of a toy checkpoint, not a measurement.")
+QUICK_EMBED_PLANS: dict[str, Plan] = {
+    k: Plan(k.replace("embed-bert", "embed-bert-tiny").replace("embed-qwen3", "embed-qwen3-tiny"), **QUICK_EMBED,
+            checkpoint="bert-tiny-st" if "bert" in k else "qwen3-embedding-tiny", dtype=PLANS[k].dtype)
+    for k in EMBED_PLANS}
+
+
 def quick_plans(keys: tuple[str, ...]) -> list[Plan]:
-    """Quick mode's stand-ins for the plans asked for: QUICK_LOGLIK for loglikelihood plans, QUICK for the others."""
+    """Quick mode's stand-ins for the plans asked for: QUICK_LOGLIK for loglikelihood plans, QUICK_EMBED_PLANS' for
+    embedding plans, QUICK for the others."""
     out: list[Plan] = []
     for k in keys:
-        p = QUICK_LOGLIK if PLANS[k].workload == "loglik" else QUICK
+        p = (QUICK_LOGLIK if PLANS[k].workload == "loglik" else QUICK_EMBED_PLANS[k] if PLANS[k].workload == "embed"
+             else QUICK)
         if all(q is not p for q in out):
             out.append(p)
     return out
 
 
 def select_plans(spec: str) -> tuple[str, ...]:
-    """Plan keys from --model: a comma-separated list of plans and groups (all, quant, loglik), in order, each
-    once."""
+    """Plan keys from --model: a comma-separated list of plans and groups (PLAN_GROUPS: all, quant, loglik, embed,
+    embed-bert, embed-qwen3), in order, each once."""
     keys: list[str] = []
     for k in (k.strip() for k in spec.split(",") if k.strip()):
         keys.extend(PLAN_GROUPS.get(k, (k,)))

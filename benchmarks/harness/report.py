@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.embed_report import embed_markdown, embed_summary_table
+
 # The CPU targets (ratios from one run). The model keys match benchmarks.run's plans.
 TARGETS: dict[str, dict[str, float]] = {
     "tiny": {"ratio_static": 5.0, "ratio_cb": 4.0},
@@ -138,8 +140,8 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
 
 
 def _generation(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The plans that generate (the loglikelihood plans have their own tables)."""
-    return [m for m in res["models"].values() if m.get("kind") != "loglik"]
+    """The plans that generate (the loglikelihood and embedding plans have their own tables)."""
+    return [m for m in res["models"].values() if m.get("kind") not in ("loglik", "embed")]
 
 
 def loglik_answers(scores: list[list[Any]], num_choices: int) -> list[int]:
@@ -497,9 +499,15 @@ def markdown(res: dict[str, Any]) -> str:
     loglik = [m for m in res["models"].values() if m.get("kind") == "loglik"]
     if loglik:
         lines += ["## Summary: loglikelihood (four-choice items scored)", "", *loglik_summary_table(loglik), ""]
+    embed = [m for m in res["models"].values() if m.get("kind") == "embed"]
+    if embed:
+        lines += ["## Summary: embeddings (texts embedded)", "", *embed_summary_table(embed), ""]
     for m in res["models"].values():
         if m.get("kind") == "loglik":
             lines += loglik_markdown(m)
+            continue
+        if m.get("kind") == "embed":
+            lines += embed_markdown(m, _noisy, NOISY_MARK)
             continue
         d = m["derived"]
         w = m["workload"]

@@ -265,6 +265,12 @@ class PostNormLayer(nn.Module):
 # ---- the causal LM -----------------------------------------------------------------------------------------------
 
 
+def pooling_architecture(config: PretrainedConfig) -> str | None:
+    """"classify" for a `*ForSequenceClassification` checkpoint, "embed" for a bare `*Model`, else None."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return "classify" if arch.endswith("ForSequenceClassification") else "embed" if arch.endswith("Model") else None
+
+
 class CausalLM(nn.Module, metaclass=ABCMeta):
     """Embeddings, the family's layers (`make_layer`), the final norm and the lm_head, with the family's scalings."""
 
@@ -281,6 +287,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # a pooling checkpoint (`*ForSequenceClassification`, a bare `*Model`) has no lm_head: the embeddings stand in
+        self.pooling_only = pooling_architecture(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) \
+            if self.pooling_only == "classify" else None
         self.tie_weights()
         self.cos = self.sin = torch.empty(0)
         self.rope_variants: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -295,8 +305,13 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return {"global": None}
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings or self.pooling_only:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def classifier(self) -> nn.Module | None:
+        """The sequence classification head over a pooled hidden state (None: the model has none)."""
+        return self.score
 
     def finish_load(self) -> None:
         """After the checkpoint's weights are in, before the cast: fold the norms' offsets into their weights."""
@@ -331,7 +346,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     @property
     def lm_weight(self) -> torch.Tensor | None:
         """The lm_head's plain weight: the embedding's when tied, an int8 lm_head's kept aside, or None."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings or self.pooling_only:
             return self.embed_tokens.weight
         if isinstance(self.lm_head, QuantLinear):
             return self.lm_head.refine_weight

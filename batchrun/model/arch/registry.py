@@ -15,6 +15,7 @@ VERIFIED_CHECKS = {
     "seeded": "sampled rows with a seed give the same tokens alone and in a batch",
     "triton": "fp32 greedy tokens equal transformers' on the Triton kernels (interpreted)",
     "gguf": "loads from a GGUF file through transformers' GGUF reader, same greedy tokens",
+    "encoder": "fp32 last hidden states / pooled head logits equal transformers'",
 }
 
 
@@ -64,13 +65,35 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen_moe", "Qwen3MoeForCausalLM",
            "mixture of experts, Qwen3's attention (q/k norms)", ("qwen3_moe",),
            ("greedy", "logits", "bf16", "invariant", "seeded", "triton", "gguf")),
+    # encoders (embed / classify / score; model/runner/encoder_runner.py): they do not generate
+    Family("bert", ("BertModel", "BertForSequenceClassification"), "bert", "BertEncoder",
+           "encoder: absolute positions, post-LayerNorm, GELU MLP; pooler + classifier head", ("bert",),
+           ("encoder",)),
+    Family("roberta", ("RobertaModel", "RobertaForSequenceClassification"), "bert", "RobertaEncoder",
+           "BERT's encoder with positions from padding_idx + 1; dense-tanh-out_proj head", ("roberta",),
+           ("encoder",)),
+    Family("xlm_roberta", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"), "bert", "RobertaEncoder",
+           "RoBERTa's encoder (multilingual vocabulary)", ("xlm-roberta",), ("encoder",)),
+    Family("modernbert", ("ModernBertModel", "ModernBertForSequenceClassification"), "modernbert",
+           "ModernBertEncoder", "encoder: pre-norm, rotary with global and local bases, alternating global / local "
+           "windowed attention, GeGLU; cls or mean pooled head", ("modernbert",), ("encoder",)),
 )
+
+POOLING_SUFFIXES = ("ForSequenceClassification", "Model")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 
 
 def family_of(architecture: str) -> Family | None:
-    return next((f for f in FAMILIES if architecture in f.architectures), None)
+    """The family loading `architecture`; a decoder family's `*ForSequenceClassification` and bare `*Model`
+    checkpoints (pooling models) load as its `*ForCausalLM` does."""
+    family = next((f for f in FAMILIES if architecture in f.architectures), None)
+    if family is None:
+        for suffix in POOLING_SUFFIXES:
+            if architecture.endswith(suffix):
+                causal = architecture.removesuffix(suffix) + "ForCausalLM"
+                return next((f for f in FAMILIES if causal in f.architectures), None)
+    return family
 
 
 def architecture_of_model_type(model_type: str) -> str | None:

@@ -19,6 +19,7 @@ from batchrun.model.layers.backends import select_backend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import select_ops
 from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
+from batchrun.model.runner.pooling import pool_rows
 from batchrun.model.sampling.prompt_logprobs import score_prompts
 from batchrun.model.sampling.step import plan_sampling, sample_step
 
@@ -252,13 +253,16 @@ class ModelRunner:
             plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device, num_drafts)
         planned = time.perf_counter() - t0
         logits, hidden = self._forward(out)
-        prompt = None
-        if out.prompt_logprobs:
+        prompt = pooled = None
+        if out.prompt_logprobs or out.pooling:
             t = time.perf_counter()
             starts = list(itertools.accumulate((len(s.token_ids) for s in out.seqs), initial=0))
-            prompt = score_prompts(self.model.compute_logits, hidden, out.prompt_logprobs, starts)
+            if out.prompt_logprobs:
+                prompt = score_prompts(self.model.compute_logits, hidden, out.prompt_logprobs, starts)
+            if out.pooling:
+                pooled = pool_rows(hidden, out.pooling, starts, self.model.classifier)
             self.timers.logits_s += time.perf_counter() - t
-        if (logits is None or plan is None) and prompt is None:
+        if (logits is None or plan is None) and prompt is None and pooled is None:
             return StepOutput()
         t1 = time.perf_counter()
         drafts = None
@@ -268,7 +272,7 @@ class ModelRunner:
             logits = logits[:num_sampling]
             if plan.grammars:  # filled after the forward is queued: on CUDA the fill overlaps it
                 self._mask_grammar_rows(logits, plan.grammar_rows, plan.grammars)
-        result = sample_step(logits, plan, drafts, prompt)
+        result = sample_step(logits, plan, drafts, prompt, pooled)
         self.timers.sampling_s += planned + time.perf_counter() - t1
         return result
 

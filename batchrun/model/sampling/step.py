@@ -123,9 +123,9 @@ def plan_sampling(requests: list[SamplingRequest], vocab: int, device: torch.dev
 
 
 def sample_step(logits: torch.Tensor | None, plan: SamplingPlan | None, drafts: torch.Tensor | None = None,
-                prompt: list[PromptScores] | None = None) -> StepOutput:
+                prompt: list[PromptScores] | None = None, pooled: list[torch.Tensor] | None = None) -> StepOutput:
     """float32 logits [requests, V], and the draft rows' -> the step's draws, logprobs, beam candidates and draft
-    tokens, and the prompt rows' scores, in one host transfer."""
+    tokens, the prompt rows' scores and the pooled vectors, in one host transfer."""
     parts: list[torch.Tensor] = []  # everything returned, flattened, for one transfer
     result = None
     draft_ids = None
@@ -134,7 +134,7 @@ def sample_step(logits: torch.Tensor | None, plan: SamplingPlan | None, drafts: 
     beams = plan.beams if plan is not None else []
     if plan is not None and plan.batch is not None:
         result = sample(logits if plan.rows is None else logits[plan.rows], plan.batch)
-        if result.logprob is None and not beams and not prompt:  # the common case: the tokens are all there is
+        if result.logprob is None and not beams and not prompt and not pooled:  # the common case: the tokens are all there is
             if draft_ids is None:
                 return StepOutput(token_ids=result.tokens.tolist())
             n = result.tokens.shape[0]
@@ -154,6 +154,7 @@ def sample_step(logits: torch.Tensor | None, plan: SamplingPlan | None, drafts: 
         parts += [scores.logprobs, scores.ranks]
         if scores.top_ids is not None:
             parts += [scores.top_ids.flatten(), scores.top_logprobs.flatten()]
+    parts += pooled or ()
     if not parts:
         return StepOutput()
     # float64 holds every token id and float32 log-prob exactly
@@ -193,4 +194,5 @@ def sample_step(logits: torch.Tensor | None, plan: SamplingPlan | None, drafts: 
         ids, top = (list(map(int, take(n * k))), take(n * k)) if k else ([], [])
         out.prompt_logprobs.append(PromptLogprobs(lps, ranks, [ids[j : j + k] for j in range(0, n * k, k)] if k else
                                                   [[]] * n, [top[j : j + k] for j in range(0, n * k, k)] if k else [[]] * n))
+    out.pooled = [take(v.shape[0]) for v in pooled or ()]
     return out

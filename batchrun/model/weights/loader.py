@@ -19,7 +19,7 @@ from batchrun.engine_args import EngineArgsError
 from batchrun.inputs import TOKENIZER_MODES
 from batchrun.kernels.layouts.quant_weight import QuantizedWeight, dequantize
 from batchrun.model.arch.blocks import CausalLM
-from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, model_class
+from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, family_of, model_class
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.quant.linear import (
     QuantSpec,
@@ -77,7 +77,7 @@ def load_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig
     config = (gguf.gguf_config(path) if is_gguf(path)
               else AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     arch = architecture(config)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if family_of(arch) is None:
         raise ModelLoadError(f"unsupported architecture {arch!r}; batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     return config
 
@@ -88,8 +88,15 @@ def stored_scheme(path: Path) -> compressed_tensors.StoredScheme | None:
     return compressed_tensors.stored_scheme(json.loads((path / "config.json").read_text()), str(path))
 
 
+# model types whose positions start at padding_idx + 1 (RoBERTa's): the rows before are never a position
+OFFSET_POSITIONS = ("roberta", "xlm-roberta")
+
+
 def model_max_len(config: PretrainedConfig) -> int:
-    """max_position_embeddings: every backend implements sliding windows, so a windowed model is not capped."""
+    """max_position_embeddings (every backend implements sliding windows, so a windowed model is not capped), less
+    the rows RoBERTa's positions skip."""
+    if getattr(config, "model_type", None) in OFFSET_POSITIONS:
+        return int(config.max_position_embeddings) - int(config.pad_token_id) - 1
     return int(config.max_position_embeddings)
 
 

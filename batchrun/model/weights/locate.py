@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.engine_args import EngineArgs, EngineArgsError
-from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES
+from batchrun.model.arch.registry import SUPPORTED_ARCHITECTURES, family_of
 from batchrun.model.errors import ModelLoadError
 from batchrun.model.weights.compressed_tensors import StoredScheme, stored_scheme
 from batchrun.model.weights.gguf import find_gguf, require_gguf_package
@@ -197,7 +197,7 @@ def _check_config(spec: str, file: Path) -> dict:
     if not isinstance(archs, list) or not archs:
         raise ModelLoadError(f"{spec}: config.json names no architecture; batchrun supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
+    if family_of(archs[0]) is None:
         raise ModelLoadError(f"unsupported architecture {archs[0]!r}; batchrun supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return config

@@ -45,8 +45,12 @@ def router(store: StateStore, runner: BatchRunner, options: ServeOptions, model:
     @api.post("/v1/batches")
     def create_batch(body: CreateBatch) -> dict[str, Any]:
         if body.endpoint not in shapes.ENDPOINTS:
-            raise APIError(400, f"endpoint: batchrun serve runs {' and '.join(shapes.ENDPOINTS)} batches, "
+            raise APIError(400, f"endpoint: batchrun serve runs {', '.join(shapes.ENDPOINTS)} batches, "
                                 f"got {body.endpoint!r}", param="endpoint")
+        pooling = getattr(runner.engine, "pooling", None)
+        if pooling is not None and not pooling.generates and body.endpoint not in shapes.POOLING_ENDPOINTS:
+            raise APIError(400, f"endpoint: the served model pools only (it runs {', '.join(pooling.tasks())}): "
+                                f"{body.endpoint} needs a model that generates", param="endpoint")
         if body.completion_window != shapes.COMPLETION_WINDOW:
             raise APIError(400, f"completion_window: only '{shapes.COMPLETION_WINDOW}' is supported, got "
                                 f"{body.completion_window!r}", param="completion_window")

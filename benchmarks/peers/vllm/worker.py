@@ -4,7 +4,7 @@ It imports nothing of batchrun (vLLM's venv does not have batchrun's dependencie
 clock and the workload format, so it times and reports exactly as `benchmarks.harness.worker` does: the model loads
 untimed, a short warm-up request runs, then one `generate` of the whole workload is timed. Requests are token
 ids with exact output lengths (greedy, EOS ignored, min_tokens = max_tokens), like every other system's. A spec with
-`task: loglik` scores the loglikelihood items instead (task_vllm_loglik).
+`task: loglik` scores the loglikelihood items instead (task_vllm_loglik), `task: embed` embeds texts (task_vllm_embed).
 The environment (tcmalloc and Intel OpenMP preloaded, thread binding, KV space, the engine in-process) is
 set by `benchmarks.peers.vllm.env.environment` before this process starts.
 """
@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from benchmarks.harness.clock import Clock, Result, best_of, rss_mb
+from benchmarks.harness.embed import EmbedTexts, timed_embedding
 from benchmarks.harness.loglik import LoglikWorkload, lm_eval_order, score_prompt_logprobs
 from benchmarks.harness.workload import Decoding, Workload
 from benchmarks.peers import worker
@@ -118,7 +119,32 @@ def task_vllm_loglik(spec: dict[str, Any]) -> Result:
     return res
 
 
-TASKS = {"vllm": task_vllm, "loglik": task_vllm_loglik}
+def task_vllm_embed(spec: dict[str, Any]) -> Result:
+    """The embedding texts (benchmarks/harness/embed.py) as vLLM's offline API embeds them: one
+    `LLM(runner="pooling").embed(texts)`, the pooling and normalisation read from the checkpoint's sentence-transformers
+    files, its defaults otherwise (max_model_len the longest text's and the KV space the spec's)."""
+    import torch
+    from vllm import LLM
+
+    texts = EmbedTexts.from_json(spec["embed"]).texts
+    kw = {"runner": "pooling", "dtype": spec.get("dtype", "float32"), "seed": 0, "max_model_len": spec["max_model_len"],
+          **spec.get("vllm_kwargs", {})}
+
+    def load() -> Any:
+        return LLM(model=spec["model_path"], **kw)
+
+    def embed(llm: Any, batch: list[str]) -> list[list[float]]:
+        return [o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)]
+
+    res = timed_embedding(load, embed, texts, torch.get_num_threads, spec.get("repeat", 1), config=kw)
+    import vllm
+
+    res["vllm_version"] = vllm.__version__
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
+TASKS = {"vllm": task_vllm, "loglik": task_vllm_loglik, "embed": task_vllm_embed}
 
 
 def main(argv: list[str]) -> int:
