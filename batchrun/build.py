@@ -156,6 +156,8 @@ def _encoder_engine(args: EngineArgs, source: Any, device: torch.device, dtype: 
     engine_config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_model_len=max_len,
                                  enable_prefix_caching=False)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, whole_prompts=True)
+    if hasattr(loaded.model, "sep_token_id"):
+        loaded.model.sep_token_id = getattr(loaded.tokenizer, "sep_token_id", None)
     engine = Engine(EncoderRunner(loaded.model, device), loaded.tokenizer, (), engine_config, scheduler)
     return BuiltEngine(engine, loaded.tokenizer, loaded.config, loaded.path, [], max_len, device, dtype,
                        batch_invariant, pooling_model(loaded))

@@ -327,3 +327,28 @@ def test_llm_embed_equals_sentence_transformers_encode(root, word_tokenizer, tmp
     want = st.encode(texts, convert_to_tensor=True, batch_size=8).float()
     got = LLM(str(tmp_path / "st"), dtype="float32", device="cpu").embed(texts, use_tqdm=False)
     assert_rows_close(torch.tensor([o.outputs.embedding for o in got]), want)
+
+
+def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(tmp_path, word_tokenizer):
+    """A one-label BertForSequenceClassification (a reranker): the pair's second text is token type 1, as the
+    tokenizer marks it for transformers."""
+    from batchrun import LLM
+
+    config_cls, _, classify, overrides = CHECKPOINTS["bert"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "num_labels": 1})
+    config.architectures = [classify]
+    torch.manual_seed(0)
+    model = getattr(transformers, classify)(config).float().eval()
+    perturb_(model, 2)
+    model.save_pretrained(tmp_path)
+    word_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    query, docs = "the man said", ["it was good", "we have been there", "a state of people"]
+    scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    tok = llm.get_tokenizer()
+    with torch.inference_mode():
+        want = [torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+        assert all(abs(a - b) < 1e-5 for a, b in zip(scores, want))
+        no_types = [torch.sigmoid(model(input_ids=tok(query, d, return_tensors="pt").input_ids).logits[0, 0]).item()
+                    for d in docs]
+    assert max(abs(a - b) for a, b in zip(want, no_types)) > 1e-4  # the types matter to this model

@@ -1,7 +1,7 @@
-"""BERT and RoBERTa / XLM-RoBERTa encoders: word + token type 0 + absolute position embeddings, LayerNorm, then
-post-LayerNorm layers (attention, GELU MLP, biases everywhere); the classification head is dense, tanh, then a
-linear (BERT: its pooler and classifier; RoBERTa: its classification head). RoBERTa's positions start at
-padding_idx + 1."""
+"""BERT and RoBERTa / XLM-RoBERTa encoders: word + token type (1 after a pair's first SEP) + absolute position
+embeddings, LayerNorm, then post-LayerNorm layers (attention, GELU MLP, biases everywhere); the classification head
+is dense, tanh, then a linear (BERT: its pooler and classifier; RoBERTa: its classification head). RoBERTa's
+positions start at padding_idx + 1."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class BertEncoder(Encoder):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden)
         self.embed_types = nn.Embedding(config.type_vocab_size, hidden)
+        self.sep_token_id: int | None = None  # set from the tokenizer (build.py): pairs' second texts are type 1
         self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         if self.has_head:
@@ -92,11 +93,22 @@ class BertEncoder(Encoder):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
         """Packed sequences (sequence i at rows seq_starts[i]:seq_starts[i + 1], positions from 0) -> their last
         hidden states [tokens, hidden]."""
-        x = self.embed_tokens(input_ids) + self.embed_types.weight[0]
+        x = self.embed_tokens(input_ids) + self.token_types(input_ids, positions)
         x = self.embed_norm(x + self.embed_positions(positions + self.position_offset))
         for layer in self.layers:
             x = layer(x, seq_starts)
         return x
+
+    def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's type embedding: type 0, and with two types (BERT) type 1 after a sequence's first SEP, as
+        the tokenizer marks the second text of a pair (a cross-encoder's query and document)."""
+        if self.embed_types.num_embeddings < 2 or self.sep_token_id is None:
+            return self.embed_types.weight[0]
+        is_sep = (input_ids == self.sep_token_id).long()
+        before = torch.cumsum(is_sep, 0) - is_sep  # SEP tokens before each token, counted over the packed rows
+        first = positions == 0
+        at_start = torch.cummax(torch.where(first, before, torch.zeros_like(before)), 0).values
+        return self.embed_types((before - at_start > 0).long())
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
         if not self.has_head:

@@ -31,7 +31,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_star
         if end == start:
             continue
         mask = None if window is None else local_window_mask(end - start, window, q.device)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                                           v[start:end].transpose(0, 1), attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        # [1, heads, rows, head_dim]: batched inputs take torch's fused CPU kernel, 3-D ones its unfused reference
+        o = F.scaled_dot_product_attention(q[None, start:end].transpose(1, 2), k[None, start:end].transpose(1, 2),
+                                           v[None, start:end].transpose(1, 2), attn_mask=mask, scale=scale)
+        out[start:end] = o[0].transpose(0, 1)
     return out
