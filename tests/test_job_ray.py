@@ -83,6 +83,22 @@ def test_parquet_on_ray_gives_the_local_rows_in_order(ray_cluster, tmp_path):
     assert metrics["engine"]["num_requests_finished"] == n - 3
 
 
+def test_a_score_job_on_ray_gives_the_local_rows(ray_cluster, tmp_path):
+    """A pooling job whose rows pool two prompts each (the cosine of two embeddings): both requests of a row meet
+    on its replica, and the rows come back in order, the same as locally (the pooled rows are batch invariant)."""
+    n = 10
+    pq.write_table(pa.table({"id": list(range(n)), "text_1": [f"the river by mill {i}" for i in range(n)],
+                             "text_2": [f"an old mill on river {i % 3}" if i != 4 else None for i in range(n)]}),
+                   tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", task="score", model=MODEL, sampling=None, engine=ENGINE, executor=RAY,
+                    input={"path": str(tmp_path / "in.parquet")}, output={"path": "unused", "rows_per_part": 3})
+    local, ray_out = run_both(job, tmp_path)
+    rows = read_rows(ray_out)
+    assert rows == read_rows(local) and [r["id"] for r in rows] == list(range(n))
+    assert rows[4]["score"] is None and "text_2 is null" in rows[4]["error"]
+    assert all(-1.0 <= r["score"] <= 1.0 for r in rows if r["error"] is None)
+
+
 def test_jsonl_on_ray_keeps_bad_lines_and_per_row_seeds(ray_cluster, tmp_path):
     lines = [json.dumps({"id": i, "prompt": f"Once upon a time in village {i}"}) for i in range(9)]
     lines[4] = '{"id": 4, "prompt": "broken'  # a bad line is a row error, not a failed read

@@ -68,9 +68,13 @@ def test_pooling_and_generation_share_one_engine_with_prefix_caching(llm):
     shared = "The same long instruction before every text, long enough for blocks. " * 3
     before = llm.embed([shared + "one"], use_tqdm=False)[0].outputs.embedding
     out = llm.generate([shared + "two"], use_tqdm=False)
+    hits = llm.metrics()["prefix_cache_hit_tokens"]
     again = llm.embed([shared + "one"], use_tqdm=False)[0].outputs.embedding  # its prefix now from the cache
     assert out[0].outputs[0].token_ids
-    assert _cos(before, again) >= 0.99999
+    assert llm.metrics()["prefix_cache_hit_tokens"] > hits and _cos(before, again) >= 0.99999
+    hits = llm.metrics()["prefix_cache_hit_tokens"]
+    llm.encode([shared + "one"], PoolingParams(pooling_type="mean"), use_tqdm=False)  # every row computed
+    assert llm.metrics()["prefix_cache_hit_tokens"] == hits
 
 
 @torch.inference_mode()
