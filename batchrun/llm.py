@@ -339,9 +339,12 @@ class LLM:
 
     def score(self, data_1: str | list[str], data_2: str | list[str], /, *, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None, lora_request: Any = None,
-              truncate_prompt_tokens: int | None = None, **_: Any) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None, chat_template: str | None = None
+              ) -> list[ScoringRequestOutput]:
         """A score per pair (1 -> 1, 1 -> N or N -> N): a cross-encoder's (one-label classifier over the pair,
-        sigmoid) or the cosine of the two texts' embeddings."""
+        sigmoid) or the cosine of the two texts' embeddings. `chat_template`: None (pairs are not templated)."""
+        if chat_template is not None:
+            raise ValueError("score: chat_template is not supported (a pair is the tokenizer's pair encoding)")
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         if len(first) == 1 and len(second) > 1:

@@ -54,7 +54,8 @@ class PoolingModel:
         use_activation is false), class probabilities (softmax; sigmoid for one label) or raw logits (reward, and
         classify with use_activation false)."""
         activate = params.activation()
-        if task in ("embed", "encode") and self.num_labels is None or task == "embed":
+        embedding = task == "embed" or (task == "encode" and self.num_labels is None)
+        if embedding:
             if params.dimensions is not None:
                 if params.dimensions > len(vector):
                     raise ValueError(f"dimensions={params.dimensions} exceeds the model's {len(vector)}")
