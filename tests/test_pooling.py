@@ -2,6 +2,7 @@
 weights (fp32), and the embed / classify / score jobs."""
 
 import math
+import shutil
 import subprocess
 import sys
 
@@ -164,3 +165,19 @@ def test_job_mistakes_are_one_line_before_the_model_loads(tmp_path, tiny_llama_p
     r = _job(tmp_path, task, tiny_llama_path, **sections)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_embed_job_truncates_long_texts_by_its_policy(tmp_path, tiny_llama_path):
+    r = _job(tmp_path, "embed", tiny_llama_path, input_extra={"on_too_long": "truncate_right"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    full = pq.read_table(tmp_path / "out").to_pylist()
+    (tmp_path / "job.yaml").write_text((tmp_path / "job.yaml").read_text().replace("dtype: float32",
+                                                                                   "dtype: float32\n  max_model_len: 24"))
+    shutil.rmtree(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "batchrun.cli", "run", str(tmp_path / "job.yaml")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cut = pq.read_table(tmp_path / "out").to_pylist()
+    assert cut[3]["truncated_tokens"] > 0 and cut[3]["prompt_tokens"] == 24 and cut[3]["error"] is None
+    assert cut[0]["truncated_tokens"] == 0 and cut[0]["embedding"] == full[0]["embedding"]
+    assert _cos(cut[3]["embedding"], full[3]["embedding"]) < 0.9999  # another prompt: its first 24 tokens
