@@ -296,16 +296,7 @@ class LLM:
             self.add_pooling_request(rid, ids, task, p, prompt=text)
             index[rid] = i
 
-        def finished():
-            try:
-                while self.engine.has_unfinished():
-                    for out in self.step():
-                        yield index.pop(out.request_id), out
-            finally:
-                if index:
-                    self.abort_all()
-
-        return in_input_order(finished(), len(requests), desc=task, use_tqdm=use_tqdm)
+        return in_input_order(self._drain(index), len(requests), desc=task, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptInput | list[PromptInput], *, use_tqdm: bool = True,
               pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request: Any = None,
@@ -390,17 +381,19 @@ class LLM:
             engine.add_request(rid, r.prompt, r.prompt_token_ids, r.params, derive_seed(self.seed, i), beam=params)
             ids[rid] = i
 
-        def finished():
-            try:
-                while engine.has_unfinished():
-                    for out in engine.step():
-                        i = ids.pop(out.request_id)
-                        yield i, beam_search_output(requests[i].prompt_token_ids, out)
-            finally:
-                if ids:
-                    engine.abort_all()
+        finished = ((i, beam_search_output(requests[i].prompt_token_ids, out)) for i, out in self._drain(ids))
+        return in_input_order(finished, len(requests), desc="beam search", use_tqdm=use_tqdm)
 
-        return in_input_order(finished(), len(requests), desc="beam search", use_tqdm=use_tqdm)
+    def _drain(self, ids: dict[str, int]) -> Iterator[tuple[int, Any]]:
+        """(index, output) of the requests in `ids` (request id -> index), in completion order, stepping until all
+        are back; abandoned half way, every request in flight is dropped."""
+        try:
+            while self.engine.has_unfinished():
+                for out in self.step():
+                    yield ids.pop(out.request_id), out
+        finally:
+            if ids:
+                self.abort_all()
 
     def metrics(self) -> dict[str, float | int]:
         return self.engine.metrics_dict()

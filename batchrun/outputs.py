@@ -75,7 +75,6 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
-    error: str | None = None  # a prompt that could not be pooled (a job row's error)
 
 
 @dataclass

@@ -264,9 +264,14 @@ def sentence_transformers_modules():
     return Transformer, Pooling, Normalize
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
-                    reason="sentence-transformers not installed")
-def test_a_sentence_transformers_folder_gives_its_normalised_mean_vectors(root, word_tokenizer, tmp_path):
+NEEDS_SENTENCE_TRANSFORMERS = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
+                                                 reason="sentence-transformers not installed")
+ST_TEXTS = ["the man said that it was good", "we have been there", "a state of people who may be very little"]
+
+
+def sentence_transformers_folder(root, word_tokenizer, folder) -> torch.Tensor:
+    """The tiny BERT saved as a sentence-transformers model (Transformer, mean Pooling, Normalize) into `folder`;
+    its `encode` of ST_TEXTS."""
     from sentence_transformers import SentenceTransformer
 
     Transformer, Pooling, Normalize = sentence_transformers_modules()
@@ -274,11 +279,16 @@ def test_a_sentence_transformers_folder_gives_its_normalised_mean_vectors(root, 
     encoder = Transformer(str(path))
     st = SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), "mean"), Normalize()],
                              device="cpu")
-    folder = tmp_path / "st"
     st.save(str(folder))
+    return st.encode(ST_TEXTS, convert_to_tensor=True, batch_size=8).float()
+
+
+@NEEDS_SENTENCE_TRANSFORMERS
+def test_a_sentence_transformers_folder_gives_its_normalised_mean_vectors(root, word_tokenizer, tmp_path):
+    folder = tmp_path / "st"
+    want = sentence_transformers_folder(root, word_tokenizer, folder)
     assert (folder / "modules.json").is_file() and (folder / "config.json").is_file()
-    texts = ["the man said that it was good", "we have been there", "a state of people who may be very little"]
-    want = st.encode(texts, convert_to_tensor=True, batch_size=8).float()
+    texts = ST_TEXTS
 
     loaded = load(folder)
     seqs = [loaded.tokenizer(t)["input_ids"] for t in texts]
@@ -310,22 +320,12 @@ def test_llm_embeds_and_classifies_as_transformers(family, root, word_tokenizer,
         llm.generate("the man", use_tqdm=False)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
-                    reason="sentence-transformers not installed")
+@NEEDS_SENTENCE_TRANSFORMERS
 def test_llm_embed_equals_sentence_transformers_encode(root, word_tokenizer, tmp_path):
-    from sentence_transformers import SentenceTransformer
-
     from batchrun import LLM
 
-    Transformer, Pooling, Normalize = sentence_transformers_modules()
-    path, _ = checkpoint("bert", False, root, word_tokenizer)
-    encoder = Transformer(str(path))
-    st = SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), "mean"), Normalize()],
-                             device="cpu")
-    st.save(str(tmp_path / "st"))
-    texts = ["the man said that it was good", "we have been there", "a state of people who may be very little"]
-    want = st.encode(texts, convert_to_tensor=True, batch_size=8).float()
-    got = LLM(str(tmp_path / "st"), dtype="float32", device="cpu").embed(texts, use_tqdm=False)
+    want = sentence_transformers_folder(root, word_tokenizer, tmp_path / "st")
+    got = LLM(str(tmp_path / "st"), dtype="float32", device="cpu").embed(ST_TEXTS, use_tqdm=False)
     assert_rows_close(torch.tensor([o.outputs.embedding for o in got]), want)
 
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from batchrun.io.row_task import RowTask
-from batchrun.io.sources import POOLING_URLS
 from batchrun.pooling_params import PoolingParams
 
-__all__ = ["POOLING_URLS", "pooled_request", "pooling_body_problem"]
 ENCODING_FORMATS = ("float", "base64")
 
 

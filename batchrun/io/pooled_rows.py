@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchrun.io.row_task import RowTask, text_problem
-from batchrun.io.sources import ROW_ERROR, Row
+from batchrun.io.sources import Row
 
 
 def build_pooled(builder: Any, items: list[tuple[int, int, Row]]) -> list[RowTask]:
@@ -22,14 +22,10 @@ def build_pooled(builder: Any, items: list[tuple[int, int, Row]]) -> list[RowTas
     tasks: list[RowTask] = []
     texts: list[tuple[RowTask, str, str | None, bool]] = []  # (task, text, second text, add special tokens)
     for pos, index, row in items:
-        task = RowTask(pos=pos, index=index, id=index)
+        task = builder.row_task(pos, index, row)
         tasks.append(task)
-        if ROW_ERROR in row:
-            task.error = row[ROW_ERROR]
+        if task.error is not None:
             continue
-        if builder.id_column:
-            task.id = row.get(builder.id_column)
-        task.keep = {c: row.get(c) for c in inp["keep_columns"]}
         if score:
             first, second = inp["text_1_column"], inp["text_2_column"]
             task.error = text_problem(row, first) or text_problem(row, second)

@@ -218,6 +218,17 @@ class RequestBuilder:
         if task.error is not None:
             task.prompt_ids = task.more_ids = task.pooling = None
 
+    def row_task(self, pos: int, index: int, row: Row) -> RowTask:
+        """A column row's task (not an OpenAI batch line's): its id and kept columns, or the read error it carries."""
+        task = RowTask(pos=pos, index=index, id=index)
+        if ROW_ERROR in row:
+            task.error = row[ROW_ERROR]
+            return task
+        if self.id_column:
+            task.id = row.get(self.id_column)
+        task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
+        return task
+
     def _too_long(self, ids: list[int], scored: bool = False) -> bool:
         return (self.on_too_long != "error" and self.max_model_len is not None
                 and len(ids) > self.max_model_len - (0 if scored else 1))
@@ -251,14 +262,10 @@ class RequestBuilder:
         tasks: list[RowTask] = []
         pairs: list[tuple[RowTask, str, str]] = []
         for pos, index, row in items:
-            task = RowTask(pos=pos, index=index, id=index)
+            task = self.row_task(pos, index, row)
             tasks.append(task)
-            if ROW_ERROR in row:
-                task.error = row[ROW_ERROR]
+            if task.error is not None:
                 continue
-            if self.id_column:
-                task.id = row.get(self.id_column)
-            task.keep = {c: row.get(c) for c in self.inp["keep_columns"]}
             context, continuation = row.get(contexts), row.get(continuations)
             task.error = text_problem(row, contexts, empty_ok=True) or text_problem(row, continuations)
             if task.error is None:

@@ -9,8 +9,9 @@ import time
 import uuid
 from typing import Any
 
-POOLING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", *POOLING_ENDPOINTS)
+from batchrun.io.sources import POOLING_URLS
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", *POOLING_URLS)
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 TERMINAL = ("completed", "failed", "cancelled", "expired")

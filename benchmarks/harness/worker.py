@@ -452,10 +452,7 @@ def task_loglik_batchrun(spec: dict[str, Any]) -> Result:
     params = SamplingParams(max_tokens=0, prompt_logprobs=0, detokenize=False)
     runs = []
     for _ in range(spec.get("repeat", 1)):
-        t = time.perf_counter()
-        llm = _make_llm(spec)
-        load_s, load_rss = time.perf_counter() - t, rss_mb()
-        _warm_loglik(llm)
+        llm, load_s, load_rss = _loglik_llm(spec)
         limit = max_in_flight(llm.args.max_num_seqs)
         before = llm.metrics()
         scores: list[tuple[float, bool] | None] = [None] * len(reqs)
@@ -480,6 +477,15 @@ def task_loglik_batchrun(spec: dict[str, Any]) -> Result:
     return best_of(runs)
 
 
+def _loglik_llm(spec: dict[str, Any]) -> tuple[Any, float, float]:
+    """The LLM of a loglikelihood row, warmed, with its load seconds and the RSS after loading."""
+    t = time.perf_counter()
+    llm = _make_llm(spec)
+    load_s, load_rss = time.perf_counter() - t, rss_mb()
+    _warm_loglik(llm)
+    return llm, load_s, load_rss
+
+
 def task_loglik_batchrun_generate(spec: dict[str, Any]) -> Result:
     """batchrun through vLLM's names, as lm-eval's vLLM backend drives vLLM: one `generate` of TokensPrompts (in its
     order: longest first) with SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False);
@@ -492,10 +498,7 @@ def task_loglik_batchrun_generate(spec: dict[str, Any]) -> Result:
     params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
     runs = []
     for _ in range(spec.get("repeat", 1)):
-        t = time.perf_counter()
-        llm = _make_llm(spec)
-        load_s, load_rss = time.perf_counter() - t, rss_mb()
-        _warm_loglik(llm)
+        llm, load_s, load_rss = _loglik_llm(spec)
         before = llm.metrics()
         with Clock(torch.get_num_threads()) as clock:
             outs = llm.generate([TokensPrompt(prompt_token_ids=reqs[i][0] + reqs[i][1]) for i in order], params,

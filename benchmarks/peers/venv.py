@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,6 +31,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 def pip(py: Path, *args: str, timeout: float = 3600) -> None:
     subprocess.run([str(py), "-m", "pip", "install", "-q", *args], check=True, timeout=timeout,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def pip_keeping_torch(py: Path, *packages: str) -> None:
+    """Install packages into a peer's venv with its torch held by a constraint (requirements that name torch
+    unpinned would otherwise replace the CPU build)."""
+    torch_version = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"], check=True,
+                                   timeout=300, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "constraints.txt"
+        constraints.write_text(f"torch=={torch_version}\n")
+        pip(py, "-c", str(constraints), *packages)
 
 
 class PeerVenv:

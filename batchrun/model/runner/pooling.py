@@ -18,7 +18,7 @@ def pool_rows(hidden: torch.Tensor, requests: list[PoolingRequest], chunk_starts
         first = chunk_starts[r.seq_index] + r.first_row
         rows = hidden[first : first + r.num_rows].float()
         vector = rows[0] if r.reduce == "row" else rows.mean(0) if r.reduce == "mean" else rows.sum(0)
-        if r.head:
+        if r.head:  # one row at a time: a row's logits do not depend on the step's other rows
             if head is None:
                 raise ValueError("this model has no classification head")
             vector = head(vector[None].to(hidden.dtype))[0].float()

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
+from batchrun.io.sources import POOLING_URLS
 from batchrun.serve import shapes
 from batchrun.serve.errors import APIError, not_found, paged
 from batchrun.serve.finish import live_counts
@@ -48,7 +49,7 @@ def router(store: StateStore, runner: BatchRunner, options: ServeOptions, model:
             raise APIError(400, f"endpoint: batchrun serve runs {', '.join(shapes.ENDPOINTS)} batches, "
                                 f"got {body.endpoint!r}", param="endpoint")
         pooling = getattr(runner.engine, "pooling", None)
-        if pooling is not None and not pooling.generates and body.endpoint not in shapes.POOLING_ENDPOINTS:
+        if pooling is not None and not pooling.generates and body.endpoint not in POOLING_URLS:
             raise APIError(400, f"endpoint: the served model pools only (it runs {', '.join(pooling.tasks())}): "
                                 f"{body.endpoint} needs a model that generates", param="endpoint")
         if body.completion_window != shapes.COMPLETION_WINDOW:

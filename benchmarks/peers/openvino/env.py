@@ -25,7 +25,7 @@ from pathlib import Path
 
 from batchrun.paths import cache_dir
 from benchmarks.peers import venv
-from benchmarks.peers.venv import PeerSetup, PeerVenv, checkpoint_key, pip
+from benchmarks.peers.venv import PeerSetup, PeerVenv, checkpoint_key, pip_keeping_torch
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,7 @@ def is_ready() -> bool:
 
 def _install(py: Path) -> None:
     """OpenVINO, GenAI, its tokenizers and optimum-intel, with the venv's torch held by a constraint."""
-    torch_version = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"], check=True,
-                                   timeout=300, capture_output=True, text=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        # optimum's requirements name torch unpinned: the constraint keeps the CPU build in place
-        constraints = Path(tmp) / "constraints.txt"
-        constraints.write_text(f"torch=={torch_version}\n")
-        pip(py, "-c", str(constraints), *OPENVINO)
+    pip_keeping_torch(py, *OPENVINO)
 
 
 def ensure_venv() -> Path:

@@ -12,14 +12,12 @@ python.
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.peers import venv
-from benchmarks.peers.venv import PeerSetup, PeerVenv, pip
+from benchmarks.peers.venv import PeerSetup, PeerVenv, pip_keeping_torch
 
 SENTENCE_TRANSFORMERS = "sentence-transformers==6.3.0"
 VENV = PeerVenv("sentence-transformers", "sentence-transformers",
@@ -34,12 +32,7 @@ def is_ready() -> bool:
 
 def _install(py: Path) -> None:
     """sentence-transformers, with the venv's torch held by a constraint."""
-    torch_version = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"], check=True,
-                                   timeout=300, capture_output=True, text=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        constraints = Path(tmp) / "constraints.txt"
-        constraints.write_text(f"torch=={torch_version}\n")
-        pip(py, "-c", str(constraints), SENTENCE_TRANSFORMERS)
+    pip_keeping_torch(py, SENTENCE_TRANSFORMERS)
 
 
 def ensure_venv() -> Path:

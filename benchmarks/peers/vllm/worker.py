@@ -43,6 +43,16 @@ def _params(o: int, d: Decoding | None = None) -> Any:
     return SamplingParams(**kw)
 
 
+def _versions(res: Result) -> Result:
+    """A result with the vLLM version and the torch threads it ran with."""
+    import torch
+    import vllm
+
+    res["vllm_version"] = vllm.__version__
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
 def _prompts(prompts: list[list[int]]) -> list[Any]:
     from vllm.inputs import TokensPrompt
 
@@ -75,11 +85,7 @@ def task_vllm(spec: dict[str, Any]) -> Result:
 }})
         del llm
     res = best_of(runs)
-    import vllm
-
-    res["vllm_version"] = vllm.__version__
-    res["torch_threads"] = torch.get_num_threads()
-    return res
+    return _versions(res)
 
 
 def task_vllm_loglik(spec: dict[str, Any]) -> Result:
@@ -112,11 +118,7 @@ def task_vllm_loglik(spec: dict[str, Any]) -> Result:
                                                          **spec.get("vllm_kwargs", {})}})
         del llm
     res = best_of(runs)
-    import vllm
-
-    res["vllm_version"] = vllm.__version__
-    res["torch_threads"] = torch.get_num_threads()
-    return res
+    return _versions(res)
 
 
 def task_vllm_embed(spec: dict[str, Any]) -> Result:
@@ -137,11 +139,7 @@ def task_vllm_embed(spec: dict[str, Any]) -> Result:
         return [o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)]
 
     res = timed_embedding(load, embed, texts, torch.get_num_threads, spec.get("repeat", 1), config=kw)
-    import vllm
-
-    res["vllm_version"] = vllm.__version__
-    res["torch_threads"] = torch.get_num_threads()
-    return res
+    return _versions(res)
 
 
 TASKS = {"vllm": task_vllm, "loglik": task_vllm_loglik, "embed": task_vllm_embed}
