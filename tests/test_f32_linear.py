@@ -50,20 +50,25 @@ def test_rows_do_not_depend_on_the_row_count(in_features, out_features):
 
 
 def test_models_whose_weights_stream_from_memory_take_it(make_ckpt, monkeypatch):
-    from batchrun.model.layers.linear import ONEDNN_MIN_BYTES, own_kernel
+    from batchrun.model.layers.linear import AMX_ALONE_MIN_K, ONEDNN_MIN_BYTES, own_kernel
 
     small = nn.Sequential(nn.Linear(64, 64))
-    def big(dtype=torch.float32):  # exactly the threshold's bytes of fp32 weights (no memory: on the meta device)
-        return nn.Sequential(nn.Linear(1, ONEDNN_MIN_BYTES // 4, bias=False, device="meta", dtype=dtype))
+    def big(dtype=torch.float32, k=1):  # exactly the threshold's bytes of fp32 weights (no memory: on the meta device)
+        return nn.Sequential(nn.Linear(k, ONEDNN_MIN_BYTES // 4 // k, bias=False, device="meta", dtype=dtype))
 
     monkeypatch.delenv("BATCHRUN_F32_LINEAR", raising=False)
     monkeypatch.delenv("BATCHRUN_CPU_MATMUL", raising=False)
     assert own_kernel(big()) and not own_kernel(small)
-    # bf16 models take it (at any size) only where oneDNN has no bf16 kernels or the panels run on vdpbf16ps (or in
-    # the batch-invariant mode, or without room for the few-row copy): tests/test_small_bf16_linear.py,
-    # tests/test_memory_budget.py
-    assert own_kernel(big(torch.bfloat16)) == (not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                                               or cpu_linears.bf16_kernel() == "dot")
+    # bf16 models take it (at any size) only where oneDNN has no bf16 kernels, where the panels run on vdpbf16ps, or
+    # on AMX tiles where every linear's k is a multiple of 32 and at least AMX_ALONE_MIN_K (or in the batch-invariant
+    # mode, or without room for the few-row copy): tests/test_small_bf16_linear.py, tests/test_memory_budget.py
+    no_onednn, kernel = not torch.ops.mkldnn._is_mkldnn_bf16_supported(), cpu_linears.bf16_kernel()
+    wide = AMX_ALONE_MIN_K
+    assert own_kernel(big(torch.bfloat16)) == (no_onednn or kernel == "dot")
+    assert own_kernel(big(torch.bfloat16, k=wide)) == (no_onednn or kernel in ("dot", "amx"))
+    assert own_kernel(big(torch.bfloat16, k=64)) == (no_onednn or kernel == "dot")  # narrow: oneDNN's large calls
+    assert own_kernel(nn.Sequential(big(torch.bfloat16, k=wide), big(torch.bfloat16, k=wide + 16))) == \
+        (no_onednn or kernel == "dot")  # one linear off AMX tiles keeps oneDNN and its copy
     assert own_kernel(big(torch.bfloat16), batch_invariant=True) and own_kernel(big(torch.bfloat16), few_rows_room=False)
     monkeypatch.setenv("BATCHRUN_CPU_MATMUL", "onednn")  # oneDNN asked for by name
     assert not own_kernel(big())

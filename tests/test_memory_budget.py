@@ -188,8 +188,9 @@ def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
 def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):
     """Where oneDNN runs a bf16 model, its few-row copy is kept only where it fits; else every linear is packed
     once, for the panels. On a CPU whose panels run on vdpbf16ps (AVX512-BF16, no AMX) they take every linear
-    by default (faster than oneDNN there at every row count: layers/linear.py: own_kernel); BATCHRUN_CPU_MATMUL=onednn
-    asks for oneDNN instead."""
+    by default (faster than oneDNN there at every row count: layers/linear.py: own_kernel), as on AMX tiles for
+    models whose linears are all at least AMX_ALONE_MIN_K wide (not this one: tests/test_f32_linear.py);
+    BATCHRUN_CPU_MATMUL=onednn asks for oneDNN instead."""
     import batchrun.build as build_module
     from batchrun.kernels.cpu import linears as cpu_linears
     from batchrun.model.layers.linear import OneDNNLinear, PackedLinear

@@ -35,6 +35,25 @@ def test_bf16_linear_is_the_fp32_sum_of_exact_bf16_products_rounded_once(n, k):
             assert torch.equal(cpu_linears.linear_bf16(x[i : i + 1], packed, n, bias)[0], got[i])
 
 
+def test_a_prefill_call_in_several_row_chunks_and_k_spans_keeps_each_rows_bits():
+    """Past a row chunk's rows (AMX: 512, taken in equal chunks), with k in several spans and a thread's panels in
+    several groups: each row's outputs are the ones it gets alone or in a smaller call (AMX: under 16 rows on tiles
+    of their own rows, up to 128 read in place, more copied into tile order), within one bf16 rounding of the exact
+    sum."""
+    n, k, rows = 960, 1536, 1100
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    packed = cpu_linears.pack_linear(w)
+    got = cpu_linears.linear_bf16(x, packed, n, bias)
+    exact = x.double() @ w.double().T + bias.double()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * k).all()
+    for start, count in ((0, 1), (511, 2), (700, 16), (40, 100), (1099, 1), (300, 513)):
+        part = cpu_linears.linear_bf16(x[start : start + count].contiguous(), packed, n, bias)
+        assert torch.equal(part, got[start : start + count]), (start, count)
+
+
 @pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX)")
 def test_onednn_linear_takes_the_small_kernel_for_a_few_rows_only_outside_the_invariant_mode(monkeypatch):
     torch.manual_seed(0)
@@ -74,3 +93,25 @@ def test_a_bf16_model_without_onednn_bf16_runs_every_linear_on_the_panels():
         got = module(x)
         assert got.dtype == torch.bfloat16
         assert (got.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+def test_the_start_log_names_the_kernel_each_class_of_linear_takes():
+    """linear_kernels (logged when the engine packs its linears): every class by its attribute name, under the
+    kernel own_kernel chose for the model; a bf16 linear on AMX tiles only where its k is a multiple of 32."""
+    from batchrun.model.layers.linear import linear_kernels
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
+            self.down_proj = nn.Linear(80, 64, bias=False, dtype=torch.bfloat16)  # k not a multiple of 32
+
+    model = nn.Sequential(Layer(), Layer())
+    kinds = linear_kernels(model)
+    assert sorted(name for names in kinds.values() for name in names) == ["down_proj", "q_proj"]
+    if not own_kernel(model):
+        assert all(kernel.startswith("oneDNN") for kernel in kinds)
+    elif cpu_linears.bf16_kernel() == "amx":
+        assert kinds == {"batchrun's panels on AMX tiles": ["q_proj"], "batchrun's panels on vdpbf16ps": ["down_proj"]}
+    assert set(linear_kernels(model, batch_invariant=True)) <= {
+        "batchrun's panels on AMX tiles", "batchrun's panels on vdpbf16ps", "batchrun's panels (widened to fp32)"}

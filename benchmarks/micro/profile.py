@@ -153,7 +153,10 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
           f"{in_c / wall:.1%} of it in the C kernels")
     for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
         print(f"    {name:22s} {1e3 * s / taken:7.2f} ms a step ({s / wall:5.1%})")
-    ceiling = {"bfloat16": "vdpbf16ps", "float32": "vfmadd231ps"}.get(plan.dtype)
+    from batchrun.kernels.cpu import linears as cpu_linears
+
+    bf16_ceiling = "tdpbf16ps" if cpu_linears.bf16_kernel() == "amx" else "vdpbf16ps"
+    ceiling = {"bfloat16": bf16_ceiling, "float32": "vfmadd231ps"}.get(plan.dtype)
     peak = _isa_peak(ceiling) if ceiling else None
     for (n, k), (s, macs) in sorted(shapes.items()):
         share = f", {macs / s / peak:.0%} of {ceiling}'s ceiling on {THREADS} cores" if peak else ""

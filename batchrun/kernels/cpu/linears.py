@@ -24,6 +24,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
 # runs them on AMX (set when _library first loads). The measurements: docs/cpu-kernels.md.
 SMALL_ROWS = 24
 AMX_SMALL_ROWS = 64
+AMX_K = 32  # the k of an AMX tile product: linears whose k is a multiple of it run on AMX tiles
 
 
 @cache

@@ -20,6 +20,11 @@ ONEDNN_MIN_BYTES = 256 * 2**20
 _BATCH_HINT = 128  # the row count oneDNN plans the layout for; any row count works with it
 
 
+# The least k (inputs) at which the AMX panels measured at least oneDNN's speed at every row count: a bf16 model
+# whose every linear has it (and k a multiple of 32) takes the panels alone on AMX, one copy of its weights. Below
+# it, oneDNN's large-row kernels are faster, so oneDNN keeps the large calls beside the few-row copy.
+AMX_ALONE_MIN_K = 2048
+
 # Row counts between which oneDNN keeps one kernel, for the batch-invariant mode without the panels: fewer rows
 # are padded (a 1-row fp32 call takes another kernel for long rows), more cut into tiles. bf16 has no such range.
 INVARIANT_ROWS = {torch.float32: (2, None)}
@@ -86,8 +91,9 @@ def _takes_small(linear: nn.Linear) -> bool:
 
 def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> bool:
     """Whether the linears go to PackedLinear (the panels built). bf16: in the batch-invariant mode, without oneDNN
-    bf16 kernels, where the panels run on vdpbf16ps (AVX512-BF16, no AMX: faster than oneDNN) or without room for the
-    few-row copy (the last two unless BATCHRUN_CPU_MATMUL=onednn). fp32 (BATCHRUN_F32_LINEAR=auto): in the
+    bf16 kernels, where the panels run on vdpbf16ps (AVX512-BF16, no AMX: faster than oneDNN), where every linear
+    runs on AMX tiles with k at least AMX_ALONE_MIN_K (one copy, as fast as oneDNN at every row count) or without
+    room for the few-row copy (the last three unless BATCHRUN_CPU_MATMUL=onednn). fp32 (BATCHRUN_F32_LINEAR=auto): in the
     batch-invariant mode, or past ONEDNN_MIN_BYTES with BATCHRUN_CPU_MATMUL=auto; 1: always; 0: never."""
     choice = os.environ.get("BATCHRUN_F32_LINEAR", "auto")
     if choice not in ("auto", "0", "1"):
@@ -101,7 +107,10 @@ def own_kernel(model: nn.Module, batch_invariant: bool = False, few_rows_room: b
             return True
         if os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "onednn":
             return False
-        return not few_rows_room or cpu_linears.bf16_kernel() == "dot"
+        kernel = cpu_linears.bf16_kernel()
+        ks = [m.in_features for _, _, m in _linears(model, True)]
+        all_amx = kernel == "amx" and all(k % cpu_linears.AMX_K == 0 and k >= AMX_ALONE_MIN_K for k in ks)
+        return not few_rows_room or kernel == "dot" or all_amx
     if choice == "0" or dtype != torch.float32:
         return False
     return choice == "1" or batch_invariant or (os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "auto"
@@ -182,15 +191,18 @@ def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
     return _weight_bytes([m for _, _, m in _linears(model, with_tied=with_tied) if _takes_small(m)])
 
 
+def _packs_tied(model: nn.Module, batch_invariant: bool) -> bool:
+    """Whether a tied lm_head gets a packed copy: in bf16 and batch-invariant; an fp32 one stays on F.linear."""
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    return weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
+
+
 def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> int:
     """Pack every unshared nn.Linear, one at a time so the model is never held twice; returns how many. A tied
     lm_head gets a packed copy in bf16 and batch-invariant; an fp32 one stays on F.linear (transformers' logits)."""
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    with_tied = weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
     own = own_kernel(model, batch_invariant, few_rows_room)
-    linears = _linears(model, with_tied=with_tied)
+    linears = _linears(model, with_tied=_packs_tied(model, batch_invariant))
     count = len(linears)
-    del weight
     while linears:
         parent, name, linear = linears.pop()
         setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
@@ -203,9 +215,29 @@ def prepare_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dty
     """Pack every linear once for the kernel chosen for it on this CPU (use_onednn, own_kernel), and say which."""
     if not use_onednn(model, device, dtype, batch_invariant, few_rows_room):
         return
-    kernel = "oneDNN"
-    if own_kernel(model, batch_invariant, few_rows_room):
-        kernel = "batchrun's panel kernel" + (f" ({cpu_linears.bf16_kernel()})" if dtype == torch.bfloat16 else "")
+    kinds = linear_kernels(model, batch_invariant, few_rows_room)
     count = reorder_linears(model, batch_invariant, few_rows_room)
-    log.info("%d linear layers reordered for %s%s (docs/performance.md: linear kernels on a CPU)", count, kernel,
-             ", batch invariant" if batch_invariant else "")
+    log.info("%d linear layers reordered%s; on this CPU: %s (docs/performance.md: linear kernels on a CPU)", count,
+             ", batch invariant" if batch_invariant else "",
+             "; ".join(f"{', '.join(names)}: {kernel}" for kernel, names in kinds.items()))
+
+
+def linear_kernels(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> dict[str, list[str]]:
+    """The kernel each class of linear (its attribute name: q_proj, down_proj, lm_head, ...) takes here."""
+    own = own_kernel(model, batch_invariant, few_rows_room)
+    kinds: dict[str, list[str]] = {}
+    for _, name, linear in _linears(model, with_tied=_packs_tied(model, batch_invariant)):
+        if not own:
+            kernel = "oneDNN" + (", few rows on batchrun's panels" if not batch_invariant and _takes_small(linear)
+                                 else "")
+        elif linear.weight.dtype != torch.bfloat16:
+            kernel = "batchrun's fp32 panels"
+        else:
+            kernel = {"amx": "batchrun's panels on AMX tiles", "dot": "batchrun's panels on vdpbf16ps",
+                      "widened": "batchrun's panels (widened to fp32)"}.get(cpu_linears.bf16_kernel(), "?")
+            if kernel.endswith("AMX tiles") and linear.in_features % cpu_linears.AMX_K:
+                kernel = "batchrun's panels on vdpbf16ps"
+        names = kinds.setdefault(kernel, [])
+        if name not in names:
+            names.append(name)
+    return kinds

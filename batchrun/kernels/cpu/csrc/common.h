@@ -36,16 +36,18 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* tmm0-6, each 16 rows x 64 bytes (amx_panel, amx_attend_head). */
-static inline void amx_configure(void) {
+/* tmm0-6, each 64 bytes wide: tmm0-3 of `rows` rows (the sums and the A tile of a linear's short call), tmm4-6 of
+ * 16 (amx_panel, amx_attend_head). */
+static inline void amx_configure_rows(int rows) {
     TileConfig c = {0};
     c.palette = 1;
     for (int t = 0; t < 7; t++) {
-        c.rows[t] = 16;
+        c.rows[t] = t < 4 ? rows : 16;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
 }
+static inline void amx_configure(void) { amx_configure_rows(16); }
 #else
 #define HAVE_AMX 0
 #endif

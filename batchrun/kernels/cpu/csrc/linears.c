@@ -227,13 +227,21 @@ ALWAYS void panel_tiles(const float *xc, int64_t ldc, int64_t m0, int64_t end, c
 
 #if HAVE_AMX
 /* bf16 linears on AMX (AMX_PANELS): a panel is three B tiles (16 pairs of k-steps x 16 outputs), the rows go in
- * tiles of 16 with three C tiles of fp32 sums, over k in chunks of 32. With several row tiles the panel goes in k
- * blocks of AMX_KB chunks that stay in L1 for every tile (sums parked in `part`). Each output's sum is the same
- * chain of tile products at any row count. */
+ * tiles of 16 with three C tiles of fp32 sums, over k in chunks of 32. The rows go a chunk of up to AMX_CHUNK_ROWS
+ * at a time (past AMX_PACK_TILES tiles copied into tile order first: each A tile 1 KiB in one piece), and every
+ * panel passes over the whole chunk: the weights stream from memory once per chunk. A thread's panels go in groups
+ * that share each span of k of the chunk's rows while it sits in L2. With several row tiles a panel goes in k
+ * blocks of up to AMX_KB chunks that stay in L1 for every tile (sums parked in `part`). Each output's sum is the
+ * same chain of tile products, in k order, at any row count: the parked sums are exact fp32. */
 #define AMX_ROWS 16
 #define AMX_K 32
-#define AMX_KB 8                        /* chunks of a k block: 24 KiB of the panel */
-#define AMX_CHUNK_BYTES (256 * 1024)    /* the rows of x a row chunk holds (they stay in L2) */
+#define AMX_TILE (AMX_ROWS * AMX_K)       /* bf16 values of an A tile */
+#define AMX_KB 12                         /* most chunks of a k block (a span in equal blocks): 36 KiB, in L1 */
+#define AMX_CHUNK_ROWS 512                /* rows a chunk takes at most: each weight byte serves them all */
+#define AMX_SPAN_BYTES (512 * 1024)       /* a chunk's rows over a span of k: they stay in L2 for a group */
+#define AMX_GROUP 8                       /* panels a span of rows serves before the next span */
+#define AMX_PACK_TILES 8                  /* row tiles a call reads in place: more are copied into tile order */
+#define AMX_PANEL_CHUNK (AMX_K * PANEL_WIDTH * 2) /* bytes of one k chunk of a panel */
 
 /* Rows [r0, r0 + 16) of y, panel columns [col, col + width), from the fp32 sums (16 x PANEL_WIDTH) plus b. */
 static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int64_t n, int64_t col, int64_t width,
@@ -247,12 +255,23 @@ static void amx_store(const float *sums, int64_t r0, int64_t rows, bf16 *y, int6
     }
 }
 
-/* One panel (col, width outputs) for rows [m0, end) of y: row tile i's A rows at a[i]; part: fp32 scratch. */
-static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char *panel, int64_t k, bf16 *y,
-                      int64_t n, int64_t col, int64_t width, const bf16 *bias, float *part) {
-    const int64_t pair_row = PANEL_WIDTH * 4, chunk = AMX_K / 2 * pair_row; /* bytes of one k chunk of the panel */
+/* A row chunk's A tiles: tile t's k chunk c at a[t] + c * step, its 16 rows `stride` bytes apart. */
+typedef struct {
+    const bf16 **a;
+    int64_t step, stride;
+} AmxRows;
+
+/* One panel (col, width outputs) for rows [m0, end) of y over the k chunks [cs, ce); part: the tiles' fp32 sums
+ * before cs and after ce (cs 0: none; ce the last chunk: y written instead); next: the panel block read after this
+ * one (fetched into L2 by the later row tiles of a call of more than AMX_PACK_TILES). */
+static void amx_panel(const AmxRows *rows, int64_t m0, int64_t end, const char *panel, const char *next, int64_t k,
+                      int64_t cs, int64_t ce, bf16 *y, int64_t n, int64_t col, int64_t width, const bf16 *bias,
+                      float *part) {
+    const int64_t pair_row = PANEL_WIDTH * 4, chunk = AMX_PANEL_CHUNK;
     const int64_t chunks = k / AMX_K, tiles = (end - m0 + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t kb = tiles == 1 ? chunks : AMX_KB;
+    const int64_t blocks = tiles == 1 ? 1 : (ce - cs + AMX_KB - 1) / AMX_KB, kb = (ce - cs + blocks - 1) / blocks;
+    const int64_t block_lines = kb * chunk / 64, steps = (tiles - 1) * kb;
+    const int64_t per_step = next != NULL && tiles > AMX_PACK_TILES ? (block_lines + steps - 1) / steps : 0;
     float sums[AMX_ROWS * PANEL_WIDTH];
     vf b[PANEL_VECS];
     for (int q = 0; q < PANEL_VECS; q++) {
@@ -261,10 +280,13 @@ static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char 
         if (bias != NULL && left > 0) memcpy(lanes, bias + col + PV_LANES * q, 2 * (left < PV_LANES ? left : PV_LANES));
         b[q] = vload_bf16(lanes);
     }
-    for (int64_t c0 = 0; c0 < chunks; c0 += kb) {
-        const int64_t c1 = c0 + kb < chunks ? c0 + kb : chunks;
+    for (int64_t c0 = cs; c0 < ce; c0 += kb) {
+        const int64_t c1 = c0 + kb < ce ? c0 + kb : ce;
+        const char *ahead = c1 < ce ? panel + c1 * chunk : next;
+        int64_t fetched = 0;
         for (int64_t t = 0; t < tiles; t++) {
             float *pt = part + t * AMX_ROWS * PANEL_WIDTH;
+            const bf16 *at = rows->a[t];
             if (c0 == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
@@ -277,8 +299,11 @@ static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char 
             for (int64_t c = c0; c < c1; c++) {
                 const char *w = panel + c * chunk;
                 if (t == 0) /* the first row tile brings the block into L1; the others find it there */
-                    for (int64_t at = 0; at < chunk; at += 64) _mm_prefetch(w + 2 * chunk + at, _MM_HINT_T0);
-                _tile_loadd(3, a[t] + c * AMX_K, k * 2);
+                    for (int64_t line = 0; line < chunk; line += 64) _mm_prefetch(w + 2 * chunk + line, _MM_HINT_T0);
+                else
+                    for (int64_t i = 0; i < per_step && fetched < block_lines; i++, fetched++)
+                        _mm_prefetch(ahead + fetched * 64, _MM_HINT_T1);
+                _tile_loadd(3, at + c * rows->step, rows->stride);
                 _tile_loadd(4, w, pair_row);
                 _tile_loadd(5, w + 64, pair_row);
                 _tile_loadd(6, w + 128, pair_row);
@@ -295,45 +320,112 @@ static void amx_panel(const bf16 *const *a, int64_t m0, int64_t end, const char 
     }
 }
 
-/* y = x W^T + bias on AMX_PANELS weights (a last short row tile through a zero-padded copy); 1 without memory. */
+/* Rows [m0, end) of x [rows, k] copied into tile order at xa (each tile's k chunk one 1 KiB piece, the last tile's
+ * missing rows zero); in the enclosing parallel region's threads, with its barrier. */
+static void amx_pack_rows(const bf16 *x, int64_t m0, int64_t end, int64_t k, bf16 *xa) {
+    const int64_t chunks = k / AMX_K, tiles = (end - m0 + AMX_ROWS - 1) / AMX_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r = 0; r < AMX_ROWS; r++) {
+            const int64_t row = m0 + t * AMX_ROWS + r;
+            bf16 *dst = xa + t * chunks * AMX_TILE + r * AMX_K;
+            for (int64_t c = 0; c < chunks; c++, dst += AMX_TILE) {
+                if (row < end)
+                    memcpy(dst, x + row * k + c * AMX_K, AMX_K * 2);
+                else
+                    memset(dst, 0, AMX_K * 2);
+            }
+        }
+}
+
+/* The rows of a chunk: at most AMX_CHUNK_ROWS, in equal whole tiles. */
+static int64_t amx_chunk_rows(int64_t rows) {
+    const int64_t chunks = (rows + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    return ((rows + chunks - 1) / chunks + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+}
+
+/* The k chunks of a span: k in equal spans, each keeping a row chunk's rows within AMX_SPAN_BYTES (at least a k
+ * block's worth). */
+static int64_t amx_span_chunks(int64_t chunk_rows, int64_t chunks) {
+    int64_t most = AMX_SPAN_BYTES / (chunk_rows * AMX_K * 2);
+    if (most < AMX_KB) most = AMX_KB;
+    const int64_t spans = (chunks + most - 1) / most;
+    return (chunks + spans - 1) / spans;
+}
+
+/* A thread's scratch, kept between calls (the pool's threads live as long as the process): no allocation, and no
+ * page faults, per call. NULL without memory. */
+static void *amx_scratch(int slot, size_t bytes) {
+    static __thread void *buffers[2];
+    static __thread size_t sizes[2];
+    if (sizes[slot] < bytes) {
+        free(buffers[slot]);
+        buffers[slot] = malloc(bytes);
+        sizes[slot] = buffers[slot] != NULL ? bytes : 0;
+    }
+    return buffers[slot];
+}
+
+/* y = x W^T + bias on AMX_PANELS weights; 1 without memory. Each thread takes a run of panels, a group of
+ * AMX_GROUP at a time, and for each span of k the group's panels pass over the row chunk's rows there. A call of
+ * up to AMX_PACK_TILES row tiles reads x in place (a call of under 16 rows on tiles of its rows, else its last short
+ * tile through a zero-padded copy); a larger one copies each row chunk into tile order first. */
 static int linear_amx(const bf16 *x, int64_t rows, const void *packed, int64_t n, int64_t k, const bf16 *bias,
                       bf16 *y) {
-    const int64_t full = rows / AMX_ROWS * AMX_ROWS, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS;
-    int64_t chunk_tiles = AMX_CHUNK_BYTES / (2 * k * AMX_ROWS);
-    if (chunk_tiles < 1) chunk_tiles = 1;
-    const int64_t chunk = chunk_tiles * AMX_ROWS;
-    bf16 *tail = malloc(sizeof(bf16) * AMX_ROWS * k);
-    const bf16 **a = malloc(sizeof(bf16 *) * tiles);
-    if (tail == NULL || a == NULL) {
-        free(tail);
-        free(a);
-        return 1;
+    const int64_t chunk = amx_chunk_rows(rows), chunks = k / AMX_K, panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int64_t span = amx_span_chunks(chunk, chunks), panel_bytes = k * PANEL_WIDTH * 2;
+    const int64_t tiles = chunk / AMX_ROWS, full = rows / AMX_ROWS * AMX_ROWS;
+    const int packs = rows > AMX_PACK_TILES * AMX_ROWS;
+    /* the copied rows (a chunk in tile order, or the last short tile), then the tile pointers */
+    const size_t copy_bytes = sizeof(bf16) * (packs ? chunk : AMX_ROWS) * k;
+    char *shared = amx_scratch(0, copy_bytes + sizeof(bf16 *) * tiles);
+    if (shared == NULL) return 1;
+    bf16 *copy = (bf16 *)shared;
+    AmxRows tiled = {(const bf16 **)(shared + copy_bytes), packs ? AMX_TILE : AMX_K, packs ? AMX_K * 2 : k * 2};
+    if (packs) {
+        for (int64_t t = 0; t < tiles; t++) tiled.a[t] = copy + t * chunks * AMX_TILE;
+    } else if (rows < AMX_ROWS) { /* one short tile, read in place: the tiles are configured to its rows */
+        tiled.a[0] = x;
+    } else {
+        memset(copy, 0, sizeof(bf16) * AMX_ROWS * k);
+        memcpy(copy, x + full * k, sizeof(bf16) * (rows - full) * k);
+        for (int64_t t = 0; t < tiles; t++) tiled.a[t] = t * AMX_ROWS < full ? x + t * AMX_ROWS * k : copy;
     }
-    memset(tail, 0, sizeof(bf16) * AMX_ROWS * k);
-    memcpy(tail, x + full * k, sizeof(bf16) * (rows - full) * k);
-    for (int64_t t = 0; t < tiles; t++) a[t] = t * AMX_ROWS < full ? x + t * AMX_ROWS * k : tail;
-    const int64_t panels = (n + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    const int64_t spans = (chunks + span - 1) / span, parked = spans > 1 ? AMX_GROUP : 1;
     int failed = 0;
 #pragma omp parallel if (n * k > PAR_MIN_WORK) reduction(| : failed)
     {
-        float *part = malloc(sizeof(float) * (rows < chunk ? tiles * AMX_ROWS : chunk) * PANEL_WIDTH);
+        float *part = amx_scratch(1, sizeof(float) * parked * chunk * PANEL_WIDTH);
         failed = part == NULL;
-        if (!failed) amx_configure();
+        if (!failed) amx_configure_rows(rows < AMX_ROWS ? (int)rows : AMX_ROWS);
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t p0 = panels * me / threads, p1 = panels * (me + 1) / threads;
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
             const int64_t end = m0 + chunk < rows ? m0 + chunk : rows;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                if (part == NULL) continue;
-                const char *panel = (const char *)packed + p * k * PANEL_WIDTH * 2;
-                const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
-                amx_panel(a + m0 / AMX_ROWS, m0, end, panel, k, y, n, col, width, bias, part);
+            if (packs) amx_pack_rows(x, m0, end, k, copy);
+            for (int64_t g0 = p0; g0 < p1 && part != NULL; g0 += AMX_GROUP) {
+                const int64_t g1 = g0 + AMX_GROUP < p1 ? g0 + AMX_GROUP : p1;
+                const char *group = (const char *)packed + g0 * panel_bytes;
+                for (int64_t s0 = 0; s0 < chunks; s0 += span) {
+                    const int64_t s1 = s0 + span < chunks ? s0 + span : chunks;
+                    for (int64_t p = g0; p < g1; p++) {
+                        const char *panel = (const char *)packed + p * panel_bytes;
+                        const char *next = p + 1 < g1 ? panel + panel_bytes + s0 * AMX_PANEL_CHUNK
+                                           : s1 < chunks ? group + s1 * AMX_PANEL_CHUNK
+                                           : g1 < p1 ? group + (g1 - g0) * panel_bytes : NULL;
+                        const int64_t col = p * PANEL_WIDTH, width = n - col < PANEL_WIDTH ? n - col : PANEL_WIDTH;
+                        const AmxRows here = {tiled.a + (packs ? 0 : m0 / AMX_ROWS), tiled.step, tiled.stride};
+                        amx_panel(&here, m0, end, panel, next, k, s0, s1, y, n, col, width, bias,
+                                  part + (spans > 1 ? p - g0 : 0) * chunk * PANEL_WIDTH);
+                    }
+                }
+            }
+            if (packs) {
+#pragma omp barrier
             }
         }
         if (!failed) _tile_release();
-        free(part);
     }
-    free(tail);
-    free(a);
     return failed;
 }
 #endif
