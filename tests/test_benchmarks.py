@@ -683,3 +683,20 @@ def test_quick_loglik_benchmark_end_to_end(tmp_path):
     for r in rows[1:]:
         assert r["vs_batchrun"]["items"] == items and r["vs_batchrun"]["max_abs_diff"] < 1e-3
     assert "ratio" in d["fastest_peer"]
+
+
+def test_linear_variants_change_only_the_named_defines():
+    """benchmarks.micro.linear_variants rebuilds csrc/linears.c with some #define values changed: those lines
+    only, their comments kept; a name the sources lack, or a malformed variant, is refused."""
+    from benchmarks.micro.linear_variants import parse_variant, with_defines
+
+    source = cpu_kernels.sources()["linears.c"].decode()
+    changed = with_defines(source, parse_variant("AMX_KB=8,AMX_PACK_TILES=4"))
+    diff = [(a, b) for a, b in zip(source.splitlines(), changed.splitlines()) if a != b]
+    assert [b.split("/*")[0].split() for _, b in diff] == [["#define", "AMX_KB", "8"],
+                                                         ["#define", "AMX_PACK_TILES", "4"]]
+    assert all(a.split("/*")[1:] == b.split("/*")[1:] for a, b in diff)  # the comments stay
+    with pytest.raises(ValueError, match="NO_SUCH"):
+        with_defines(source, {"NO_SUCH": "1"})
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_variant("AMX_KB")

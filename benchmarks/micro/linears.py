@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,18 @@ def _kernel_pass(lib, packs: list[torch.Tensor], weights: list[torch.Tensor], xs
             lib.linear_f32(xs[k].data_ptr(), k, rows, p.data_ptr(), n, k, None, y.data_ptr())
 
 
+def medians_in_turn(systems: list[str], one_pass: Callable[[str], None], repeats: int) -> dict[str, float]:
+    """Each system's median seconds for one_pass(system), the systems in turn in each of `repeats` rounds (the order
+    alternating between rounds)."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for r in range(repeats):
+        for name in systems[:: 1 if r % 2 == 0 else -1]:
+            t = time.perf_counter()
+            one_pass(name)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
     g = torch.Generator().manual_seed(0)
     # layer by layer, as a forward calls them (grouping the calls by shape flatters oneDNN at few rows)
@@ -90,18 +103,14 @@ def run_dtype(dtype: torch.dtype, args, old) -> list[str]:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {w.shape[1] for w in weights}}
         y = torch.empty(rows, max(w.shape[0] for w in weights), dtype=dtype)
-        systems = [*libs, reference]
-        times: dict[str, list[float]] = {name: [] for name in systems}
-        for r in range(args.repeats):
-            for name in systems[:: 1 if r % 2 == 0 else -1]:  # alternate the order between rounds
-                t = time.perf_counter()
-                if name == reference:
-                    for w, matmul in zip(weights, matmuls):
-                        matmul(xs[w.shape[1]])
-                else:
-                    _kernel_pass(libs[name], packs[name], weights, xs, y, bf)
-                times[name].append(time.perf_counter() - t)
-        med = {name: statistics.median(ts) for name, ts in times.items()}
+        def one_pass(name: str, xs: dict = xs, y: torch.Tensor = y) -> None:
+            if name == reference:
+                for w, matmul in zip(weights, matmuls):
+                    matmul(xs[w.shape[1]])
+            else:
+                _kernel_pass(libs[name], packs[name], weights, xs, y, bf)
+
+        med = medians_in_turn([*libs, reference], one_pass, args.repeats)
         line = (f"{str(dtype)[6:]:8s} rows {rows:5d}: batchrun {1e3 * med['batchrun']:8.2f} ms "
                 f"({weight_bytes / med['batchrun'] / 1e9:5.1f} GB/s of weights) | {reference} "
                 f"{1e3 * med[reference]:8.2f} ms | batchrun/{reference} time {med['batchrun'] / med[reference]:.2f}")
