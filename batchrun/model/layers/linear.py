@@ -186,9 +186,8 @@ def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
     """Bytes of the bf16 few-row copies, the tied lm_head's too, kept only where they fit the free memory."""
     if own_kernel(model, batch_invariant):
         return 0
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    with_tied = weight is not None and weight.dtype == torch.bfloat16
-    return _weight_bytes([m for _, _, m in _linears(model, with_tied=with_tied) if _takes_small(m)])
+    linears = _linears(model, with_tied=_packs_tied(model, batch_invariant))
+    return _weight_bytes([m for _, _, m in linears if _takes_small(m)])
 
 
 def _packs_tied(model: nn.Module, batch_invariant: bool) -> bool:
@@ -233,11 +232,20 @@ def linear_kernels(model: nn.Module, batch_invariant: bool = False, few_rows_roo
         elif linear.weight.dtype != torch.bfloat16:
             kernel = "batchrun's fp32 panels"
         else:
-            kernel = {"amx": "batchrun's panels on AMX tiles", "dot": "batchrun's panels on vdpbf16ps",
-                      "widened": "batchrun's panels (widened to fp32)"}.get(cpu_linears.bf16_kernel(), "?")
-            if kernel.endswith("AMX tiles") and linear.in_features % cpu_linears.AMX_K:
-                kernel = "batchrun's panels on vdpbf16ps"
+            kernel = _BF16_PANELS.get(_bf16_panel_kernel(linear.in_features), "?")
         names = kinds.setdefault(kernel, [])
         if name not in names:
             names.append(name)
     return kinds
+
+
+_BF16_PANELS = {"amx": "batchrun's panels on AMX tiles", "dot": "batchrun's panels on vdpbf16ps",
+                "widened": "batchrun's panels (widened to fp32)"}
+
+
+def _bf16_panel_kernel(k: int) -> str:
+    """linear_bf16's kernel for a linear of k inputs here: AMX tiles take k a multiple of 32, vdpbf16ps even k."""
+    kernel = cpu_linears.bf16_kernel()
+    if kernel == "amx" and k % cpu_linears.AMX_K:
+        kernel = "dot"
+    return "widened" if kernel == "dot" and k % 2 else kernel
