@@ -36,9 +36,11 @@ demo: setup
 
 # BENCH_PLANS: the plans (or groups) to run; `make bench BENCH_PLANS=quant` runs issue 33's quantized 1B rows
 # with the bf16 one they are compared with (docs/benchmarks.md). The default set leaves them out: it is long already.
+# BENCH_THREADS: the threads every system runs with (default 2), e.g. `make bench BENCH_THREADS=1` for core scaling.
 BENCH_PLANS ?= all
+BENCH_THREADS ?= 2
 bench: setup
-	$(PY) -m benchmarks.run --rounds 2 --model $(BENCH_PLANS)
+	BENCH_THREADS=$(BENCH_THREADS) $(PY) -m benchmarks.run --rounds 2 --model $(BENCH_PLANS)
 
 lint: setup
 	$(VENV)/bin/ruff check batchrun tests benchmarks

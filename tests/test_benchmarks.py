@@ -700,3 +700,35 @@ def test_linear_variants_change_only_the_named_defines():
         with_defines(source, {"NO_SUCH": "1"})
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_variant("AMX_KB")
+
+
+def test_step_kinds_and_their_roofline_floor():
+    """The runner's steps split into decode-only and prompt-chunk steps (their tokens, context, attention pairs),
+    and a kind's floor: the larger of bytes over bandwidth and FLOPs over peak, a step."""
+    from types import SimpleNamespace
+
+    from batchrun.engine.contract import ScheduledSeq, SchedulerOutput
+    from benchmarks.harness.step_profile import StepKinds, roofline
+
+    runner = SimpleNamespace(execute=lambda out: "answer")
+    kinds = StepKinds(SimpleNamespace(engine=SimpleNamespace(runner=runner)))
+    decode = SchedulerOutput(seqs=[ScheduledSeq(0, [5], 9, [0], True), ScheduledSeq(1, [6], 19, [1], True)],
+                             num_decodes=2)
+    mixed = SchedulerOutput(seqs=[ScheduledSeq(0, [5], 10, [0], True), ScheduledSeq(2, [1, 2, 3], 4, [2], True)],
+                            num_decodes=1)
+    drafted = SchedulerOutput(seqs=[ScheduledSeq(0, [5, 7], 11, [0], True, num_draft=1)], num_decodes=0)
+    assert [runner.execute(o) for o in (decode, decode, mixed, drafted)] == ["answer"] * 4
+    got = kinds.summary()
+    assert {k: got["decode"][k] for k in ("steps", "tokens", "context_tokens", "attention_pairs")} == \
+        {"steps": 2, "tokens": 4, "context_tokens": 60, "attention_pairs": 60.0}
+    # the decode row: 1 x (10 + 1) pairs; the chunk of 3 after 4 cached tokens: 3 x (4 + 2)
+    assert {k: got["prefill"][k] for k in ("steps", "tokens", "context_tokens", "attention_pairs")} == \
+        {"steps": 1, "tokens": 4, "context_tokens": 18, "attention_pairs": 29.0}
+    steps = {"steps": 2, "tokens": 10, "context_tokens": 100, "attention_pairs": 50.0, "seconds": 0.02}
+    rf = roofline(steps, weight_bytes=1e6, kv_bytes_per_token=100, params=1e5, attention_flops_per_pair=10,
+                  bandwidth=1e9, peak_flops=1e10)
+    assert rf["step_ms"] == pytest.approx(10.0) and rf["rows_per_step"] == 5
+    assert rf["floor_ms"] == pytest.approx(1e3 * 2.01e6 / 1e9 / 2) and rf["bound"] == "bandwidth"
+    rf = roofline(steps, weight_bytes=1e6, kv_bytes_per_token=100, params=1e9, attention_flops_per_pair=10,
+                  bandwidth=1e9, peak_flops=1e10)
+    assert rf["floor_ms"] == pytest.approx(1e3 * (2e10 + 500) / 1e10 / 2) and rf["bound"] == "compute"

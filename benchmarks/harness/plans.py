@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ SCENARIOS = ("prefix", "budget", "n4")
 BLOCK_SIZE = 8
 # transformers' paged cache keeps its own page size (same KV bytes as batchrun).
 HF_PAGE_SIZE = 16
-THREADS = 2
+# threads every system runs with (its worker's OMP / torch threads, vLLM's bound cores, OpenVINO's inference
+# threads): BENCH_THREADS, for the same rows at several core counts (`make bench BENCH_THREADS=1`)
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 
 @dataclass

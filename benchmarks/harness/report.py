@@ -121,8 +121,8 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
     if default:
         derived["batchrun"] = _batchrun_details(m, br)
         derived["time_shares"] = time_shares(br)
-        dec = br.get("decode_steps")
-        if dec:
+        kinds = br.get("step_kinds") or {}
+        if kinds:
             from benchmarks.harness.step_profile import roofline
 
             shape = m["shape"]
@@ -132,9 +132,11 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
             # (quantize_lm_head)
             weight_bytes = (m["flops"]["body_params"] * (m.get("weight_bytes_per_param") or dtype_bytes)
                             + m["flops"]["lm_head_params"] * (m.get("lm_head_bytes_per_param") or dtype_bytes))
-            derived["roofline"] = roofline(dec, weight_bytes, _kv_bytes_per_token(shape), streamed,
-                                           4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"],
-                                           bandwidth or 0.0, peak_flops)
+            per_pair = 4.0 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"]
+            for kind, key in (("decode", "roofline"), ("prefill", "prefill_roofline")):
+                if kind in kinds:
+                    derived[key] = roofline(kinds[kind], weight_bytes, _kv_bytes_per_token(shape), streamed,
+                                            per_pair, bandwidth or 0.0, peak_flops)
     derived["targets"] = _targets(m["key"], derived)
     return derived
 
@@ -217,7 +219,8 @@ def derive_loglik(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_tok_s(d: dict[str, Any]) -> float | None:
-    """batchrun's tokens/s over its decode-only steps (forward time, from the roofline pass), None without one."""
+    """batchrun's tokens/s over its decode-only steps (their execute time, from the roofline pass), None without
+    one."""
     rf = d.get("roofline")
     return 1e3 * rf["rows_per_step"] / rf["step_ms"] if rf and rf.get("step_ms") else None
 
@@ -398,18 +401,26 @@ def shares_table(res: dict[str, Any]) -> list[str]:
     against this machine's memory bandwidth and matmul peak."""
     keys = ["schedule", "forward: linears", "forward: attention", "forward: elementwise", "forward: other",
             "logits", "sampling", "outputs", "other"]
-    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms) | of bandwidth | of matmul peak |",
-             "|---|" + "---:|" * (len(keys) + 3)]
+    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms, floor ms) | of bandwidth | of matmul peak "
+             "| prefill step (tokens, ms, floor ms) |", "|---|" + "---:|" * (len(keys) + 4)]
     for m in _generation(res):
         d = m["derived"]
         sh = d.get("time_shares") or {}
         if "forward" in sh:  # no op profile: the forward whole
             sh = {**sh, "forward: other": sh["forward"]}
-        rf = d.get("roofline")
-        step = f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}" if rf else "-"
+        rf, pf = d.get("roofline"), d.get("prefill_roofline")
         lines.append(f"| {_row_name(m)} | " + " | ".join(_pct(sh.get(k)) if k in sh else "-" for k in keys)
-                     + f" | {step} | {_pct(rf and rf['bandwidth_share'])} | {_pct(rf and rf['peak_share'])} |")
+                     + f" | {_step(rf)} | {_pct(rf and rf['bandwidth_share'])} | {_pct(rf and rf['peak_share'])}"
+                     + f" | {_step(pf)} |")
     return lines
+
+
+def _step(rf: dict[str, Any] | None) -> str:
+    """A kind of step's rows, time and floor (the bound that sets it: b bandwidth, c compute), or -."""
+    if not rf:
+        return "-"
+    floor = f"{rf['floor_ms']:.1f} ({rf['bound'][0]})" if rf.get("floor_ms") is not None else "n/a"
+    return f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}, {floor}"
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -494,8 +505,9 @@ def markdown(res: dict[str, Any]) -> str:
              ""]
     if _generation(res):
         lines += ["## Summary: generated tokens/s", "", *summary_table(res), "",
-                  "Where batchrun's step time goes (share of its step time), and its decode-only steps against this "
-                  "machine's read bandwidth and matmul peak:", "", *shares_table(res), ""]
+                  "Where batchrun's step time goes (share of its step time), and its decode and prefill steps against this "
+                  "machine's read bandwidth and matmul peak (a step's floor: the larger of its bytes over the bandwidth "
+                  "and its FLOPs over the peak; b or c, the bound that sets it):", "", *shares_table(res), ""]
     loglik = [m for m in res["models"].values() if m.get("kind") == "loglik"]
     if loglik:
         lines += ["## Summary: loglikelihood (four-choice items scored)", "", *loglik_summary_table(loglik), ""]

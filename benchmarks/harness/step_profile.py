@@ -4,9 +4,10 @@ split into linears, attention and element-wise ops.
 The engine's own timers (LLM.metrics(): schedule, forward, logits, sampling and outputs seconds) give the step's
 split; these two add what the engine does not time itself, by wrapping methods on the instance around a run, so
 the engine's code is untouched:
-  - DecodeSteps: for the steps that only decode (one token per sequence, no prompt chunk, no draft), their rows,
-    the context they read and their forward time: the bytes a decode step must move (every weight once, the K/V
-    of every context) and its FLOPs, over its time, against this machine's memory bandwidth and matmul peak;
+  - StepKinds: the decode-only steps and the steps with a prompt chunk, each kind's tokens, the context its
+    attention reads and its time (ModelRunner.execute): roofline() sets the bytes a step must move (every weight
+    once, the K/V of every context) and its FLOPs against this machine's memory bandwidth and matmul peak, and
+    gives the floor of a step beside its measured time;
   - op_shares: a second, short pass after the timed one, with every linear module, the attention backend and the
     element-wise ops timed (CPU ops are synchronous, so a wrapper's clock is the op's time).
 """
@@ -18,49 +19,63 @@ from collections import defaultdict
 from typing import Any
 
 
-class DecodeSteps:
+class StepKinds:
+    """The runner's steps timed around `execute` (block moves, forward, logits, sampling), by kind: decode-only
+    steps (one token per sequence, no draft) and steps with a prompt chunk; per kind its steps, tokens, the
+    context each sequence's attention reads (its cached tokens plus its chunk) and the (query, key) pairs that
+    attention multiplies (causal within a chunk)."""
+
+    KINDS = ("decode", "prefill")
+
     def __init__(self, llm: Any) -> None:
-        self.steps = 0
-        self.rows = 0
-        self.context_tokens = 0
-        self.seconds = 0.0
+        self.kinds = {k: {"steps": 0, "tokens": 0, "context_tokens": 0, "attention_pairs": 0.0, "seconds": 0.0}
+                      for k in self.KINDS}
         self.ok = False
-        engine = getattr(llm, "engine", None)
-        runner = getattr(engine, "runner", None)
-        if runner is None or not hasattr(runner, "compute_logits"):
+        runner = getattr(getattr(llm, "engine", None), "runner", None)
+        if runner is None or not hasattr(runner, "execute"):
             return
-        inner = runner.compute_logits
+        inner = runner.execute
 
         def traced(out: Any) -> Any:
-            decode_only = bool(out.seqs) and out.num_decodes == len(out.seqs) and not any(s.num_draft for s in out.seqs)
             t = time.perf_counter()
-            logits = inner(out)
-            if decode_only:
-                self.steps += 1
-                self.rows += len(out.seqs)
-                self.context_tokens += sum(s.start + 1 for s in out.seqs)
-                self.seconds += time.perf_counter() - t
-            return logits
+            result = inner(out)
+            seconds = time.perf_counter() - t
+            if out.seqs and not any(s.num_draft for s in out.seqs):
+                kind = self.kinds["decode" if out.num_decodes == len(out.seqs) else "prefill"]
+                kind["steps"] += 1
+                kind["seconds"] += seconds
+                for s in out.seqs:
+                    q = len(s.token_ids)
+                    kind["tokens"] += q
+                    kind["context_tokens"] += s.start + q
+                    kind["attention_pairs"] += q * (s.start + (q + 1) / 2)
+            return result
 
-        runner.compute_logits = traced
+        runner.execute = traced
         self.ok = True
 
     def summary(self) -> dict[str, Any] | None:
-        if not self.ok or not self.steps:
+        if not self.ok:
             return None
-        return {"steps": self.steps, "rows": self.rows, "context_tokens": self.context_tokens,
-                "forward_s": self.seconds}
+        return {k: v for k, v in self.kinds.items() if v["steps"]} or None
 
 
-def roofline(decode: dict[str, Any], weight_bytes: float, kv_bytes_per_token: float, params: float,
-             attention_flops_per_context_token: float, bandwidth: float, peak_flops: float) -> dict[str, Any]:
-    """A decode step streams every weight once and reads each row's K/V: its bytes over its time against the measured
-    bandwidth, and its FLOPs (2 x params a row, attention over each row's context) against the matmul peak."""
-    bytes_moved = decode["steps"] * weight_bytes + decode["context_tokens"] * kv_bytes_per_token
-    flops = 2 * params * decode["rows"] + attention_flops_per_context_token * decode["context_tokens"]
-    s = decode["forward_s"]
-    return {"decode_steps": decode["steps"], "rows_per_step": decode["rows"] / decode["steps"],
-            "step_ms": 1e3 * s / decode["steps"], "bytes_per_s": bytes_moved / s, "flops_per_s": flops / s,
+def roofline(steps: dict[str, Any], weight_bytes: float, kv_bytes_per_token: float, params: float,
+             attention_flops_per_pair: float, bandwidth: float, peak_flops: float) -> dict[str, Any]:
+    """Steps that each stream every weight once and read the K/V of their context, and compute 2 x params a token
+    plus attention over their (query, key) pairs: per step their time and the floor the machine allows, the larger
+    of bytes over the measured bandwidth and FLOPs over the measured matmul peak; their bytes and FLOPs a second as
+    shares of those two."""
+    n = steps["steps"]
+    bytes_moved = n * weight_bytes + steps["context_tokens"] * kv_bytes_per_token
+    flops = 2 * params * steps["tokens"] + attention_flops_per_pair * steps["attention_pairs"]
+    s = steps["seconds"]
+    memory_s = bytes_moved / bandwidth if bandwidth else 0.0
+    compute_s = flops / peak_flops if peak_flops else 0.0
+    return {"steps": n, "rows_per_step": steps["tokens"] / n, "step_ms": 1e3 * s / n,
+            "floor_ms": 1e3 * max(memory_s, compute_s) / n if bandwidth and peak_flops else None,
+            "bound": "bandwidth" if memory_s >= compute_s else "compute",
+            "bytes_per_s": bytes_moved / s, "flops_per_s": flops / s,
             "bandwidth_share": bytes_moved / s / bandwidth if bandwidth else None,
             "peak_share": flops / s / peak_flops if peak_flops else None}
 

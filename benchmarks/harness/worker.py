@@ -193,12 +193,12 @@ def _warm(llm: Any) -> None:
 
 def _timed_generate(llm: Any, wl: Workload, params: list[Any], trace: bool = False) -> Result:
     """Generate the workload once (timed) after a warm-up; outputs in request order and the run's metrics."""
-    from benchmarks.harness.step_profile import DecodeSteps
+    from benchmarks.harness.step_profile import StepKinds
 
     _warm(llm)
     before = llm.metrics()
     tracer = StepTrace(llm) if trace else None
-    decode = DecodeSteps(llm) if trace else None
+    kinds = StepKinds(llm) if trace else None
     with Clock(torch.get_num_threads()) as clock:
         outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
     metrics = metrics_delta(before, llm.metrics())
@@ -209,8 +209,8 @@ def _timed_generate(llm: Any, wl: Workload, params: list[Any], trace: bool = Fal
     if tracer is not None:
         res["overhead_ge_64"] = tracer.overhead(64)
         res["overhead_ge_16"] = tracer.overhead(16)
-    if decode is not None:
-        res["decode_steps"] = decode.summary()
+    if kinds is not None:
+        res["step_kinds"] = kinds.summary()
     return res
 
 

@@ -23,7 +23,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
 # The most rows OneDNNLinear gives linear_bf16 where oneDNN runs a bf16 model; AMX_SMALL_ROWS where the library
 # runs them on AMX (set when _library first loads). The measurements: docs/cpu-kernels.md.
 SMALL_ROWS = 24
-AMX_SMALL_ROWS = 64
+AMX_SMALL_ROWS = 128
 AMX_K = 32  # the k of an AMX tile product: linears whose k is a multiple of it run on AMX tiles
 
 

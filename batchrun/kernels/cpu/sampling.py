@@ -25,7 +25,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def logits_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 logits [N, V] -> (them in fp32, int64 [N, k] indices of each row's k largest in no order); k <= 64."""
+    """bf16 logits [N, V] -> (them in fp32, int64 [N, k] indices of each row's k largest, by value descending
+    then index); k <= 64."""
     if not logits.is_contiguous():
         logits = logits.contiguous()
     n, vocab = logits.shape

@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchrun.kernels import cpu as cpu_kernels
 from batchrun.kernels.cpu import elementwise
+from batchrun.kernels.cpu import logits as cpu_logits
 from batchrun.kernels.cpu import sampling as cpu_sampling
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import Rotary, TorchOps
@@ -419,6 +420,27 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             soft_cap_(logits, self.final_softcap)
         return logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of compute_logits(hidden), int64 [rows], from the lm_head's REFINE_TOP + 1 largest
+        bf16 outputs (the logits never written whole): the top REFINE_TOP refined as compute_logits refines them,
+        the next the largest of the rest. None where that does not hold: the lm_head's call would not take the
+        bf16 panels, a scaling or cap applies, or a row has a NaN."""
+        panels_for = getattr(self.lm_head, "panels_for", None)
+        weight = self.lm_weight
+        rows = hidden.shape[0]
+        if (panels_for is None or weight is None or self.logits_divisor is not None or self.final_softcap is not None
+                or hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
+                or self.lm_head.out_features <= REFINE_TOP or not cpu_kernels.available()):
+            return None
+        packed = panels_for(rows)
+        if packed is None:
+            return None
+        values, ids, nan = cpu_logits.linear_top(hidden, packed, self.lm_head.out_features, REFINE_TOP + 1)
+        values[:, :REFINE_TOP] = refined_logits(hidden, weight, ids[:, :REFINE_TOP])
+        # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
+        # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
+        return cpu_logits.top_argmax(values, ids, nan)
+
 
 def soft_cap_(logits: torch.Tensor, cap: float) -> None:
     """logits = cap * tanh(logits / cap) in place; on a CPU by the C kernel, since torch's vector and scalar tanh
@@ -434,9 +456,19 @@ REFINE_TOP = 8
 
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> None:
     """Recompute in fp32, in place, the logits at `top` (each row's k largest): bf16 logits keep 8 bits, so top
-    candidates tie or swap by rounding. A single row goes beside a copy of itself: a 1-row bmm takes another kernel."""
+    candidates tie or swap by rounding."""
+    logits.scatter_(1, top, refined_logits(hidden, weight, top))
+
+
+def refined_logits(hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows, k]: the logits at `top` [rows, k] from the plain weight, each row's the same at any row count
+    (on a CPU one dot product each, by the C kernel; else a bmm, a single row beside a copy of itself: a 1-row bmm
+    takes another kernel)."""
     rows = top.shape[0]
+    if cpu_kernels.available() and cpu_logits.refines(hidden, weight) and top.stride(-1) == 1:
+        out = torch.empty(rows, top.shape[1], dtype=torch.float32)
+        cpu_logits.refine_logits(hidden, weight, top, out)
+        return out
     if rows == 1:
         top, hidden = top.expand(2, -1), hidden.expand(2, -1)
-    exact = torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)
-    logits.scatter_(1, top[:rows], exact[:rows])
+    return torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)[:rows]

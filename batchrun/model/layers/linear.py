@@ -44,6 +44,10 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         return self._kernel(flat, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
+    def panels_for(self, rows: int) -> torch.Tensor | None:
+        """The bf16 panels a bias-free call of `rows` rows runs on (linear_bf16), else None."""
+        return self.packed if self.packed.dtype == torch.bfloat16 and self.bias is None else None
+
 
 class OneDNNLinear(nn.Module):
     """y = x W^T + b, W in oneDNN's layout. `invariant` (fp32): calls padded to `min_rows` or tiled by `max_rows`,
@@ -63,6 +67,11 @@ class OneDNNLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def panels_for(self, rows: int) -> torch.Tensor | None:
+        """The bf16 panels a bias-free call of `rows` rows runs on (the few-row copy), else None: oneDNN's."""
+        return self.small if self.small is not None and rows <= cpu_linears.SMALL_ROWS and self.bias is None \
+            else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features

@@ -21,7 +21,7 @@ from batchrun.model.layers.ops import select_ops
 from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
 from batchrun.model.runner.pooling import pool_rows
 from batchrun.model.sampling.prompt_logprobs import score_prompts
-from batchrun.model.sampling.step import plan_sampling, sample_step
+from batchrun.model.sampling.step import argmax_output, plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,13 @@ class ModelRunner:
             num_drafts = list(map(_num_draft, filter(_samples, out.seqs))) if any(map(_num_draft, out.seqs)) else None
             plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device, num_drafts)
         planned = time.perf_counter() - t0
-        logits, hidden = self._forward(out)
+        argmax = plan is not None and plan.argmax_only and not out.prompt_logprobs and not out.pooling
+        logits, hidden, tokens = self._forward(out, argmax)
+        if tokens is not None:
+            t1 = time.perf_counter()
+            result = argmax_output(tokens, len(out.sampling))
+            self.timers.sampling_s += planned + time.perf_counter() - t1
+            return result
         prompt = pooled = None
         if out.prompt_logprobs or out.pooling:
             t = time.perf_counter()
@@ -288,8 +294,10 @@ class ModelRunner:
         """Block moves, then the forward: fp32 logits of each sampling sequence, in order, then its draft rows'."""
         return self._forward(out)[0]
 
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """compute_logits' logits, and the step's hidden states (None: no forward)."""
+    def _forward(self, out: SchedulerOutput, argmax: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """compute_logits' logits, the step's hidden states (None: no forward), and with `argmax` each logits row's
+        argmax where the model finds it without the logits (CausalLM.greedy_tokens; the logits None then)."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -297,7 +305,7 @@ class ModelRunner:
         if out.copies:
             self.copy_blocks(out.copies)
         if not out.seqs:
-            return None, None
+            return None, None, None
         ids, ctx, logits_idx = self.prepare(out)
         meta = ctx.attn
         t0 = time.perf_counter()
@@ -307,13 +315,15 @@ class ModelRunner:
         else:
             hidden = self.model(ids, ctx)
         t1 = time.perf_counter()
-        logits = self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])
+        rows = hidden if logits_idx is None else hidden[logits_idx]
+        tokens = self.model.greedy_tokens(rows) if argmax else None
+        logits = self.model.compute_logits(rows) if tokens is None else None
         t2 = time.perf_counter()
         # (on CUDA the forward is queued, not run, by t1: the logits' time then holds most of it)
         self.timers.forward_s += t1 - t0
         self.timers.logits_s += t2 - t1
         self.model_time_s += t2 - t0
-        return logits, hidden
+        return logits, hidden, tokens
 
 
 def profile_out(num_tokens: int, max_len: int, block_size: int):

@@ -42,6 +42,23 @@ class SamplingPlan:
     # the draft rows' sampling when some drafting row samples (None: every draft row takes its argmax)
     drafts: SamplingBatch | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every logits row's answer is its argmax alone: each request one greedy draw in order, no
+        penalties, bans, logprobs, grammars or beams, and greedy drafts."""
+        b = self.batch
+        return (self.rows is None and b is not None and b.all_greedy and not b.want_logprobs and b.repetition is None
+                and b.banned is None and not self.grammars and not self.beams and self.drafts is None)
+
+
+def argmax_output(tokens: torch.Tensor, num_sampling: int) -> StepOutput:
+    """The step's output when each logits row takes its argmax (SamplingPlan.argmax_only): the first num_sampling
+    tokens are the requests' draws, the rest their draft rows', in one host transfer."""
+    ids = tokens.tolist()
+    if len(ids) == num_sampling:
+        return StepOutput(token_ids=ids)
+    return StepOutput(token_ids=ids[:num_sampling], draft_token_ids=ids[num_sampling:])
+
 
 def plan_draft_sampling(requests: list[SamplingRequest], num_drafts: list[int], vocab: int,
                         device: torch.device) -> SamplingBatch | None:

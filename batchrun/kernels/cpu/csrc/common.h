@@ -131,6 +131,15 @@ ALWAYS vf rnd(vf v, const int bf) {
 ALWAYS float rnd1(float x, const int bf) { return bf ? round_bf16(x) : x; }
 ALWAYS vf vsplat(float x) { return (vf){0} + x; }
 ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+/* Whether a lane of v is above x or NaN (x not NaN): one compare into a mask, where a loop over the lanes of a
+ * vector compare would not be folded into one. */
+ALWAYS int any_above_or_nan(vf v, float x) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_NLE_UQ) != 0;
+#else
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(x), _CMP_NLE_UQ)) != 0;
+#endif
+}
 ALWAYS float hsum(vf v) {
 #if (defined(__clang__) || __GNUC__ >= 12) && VW == 16 /* a log-depth tree of lane swaps */
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -3,8 +3,13 @@
 
 /* ---- bf16 logits ------------------------------------------------------------------------------------ */
 
-/* out = bf16 logits widened to fp32, top[r, 0..k) the indices of row r's k largest (no order, ties the earlier),
- * found in the same pass: mostly one vector compare against the smallest kept. */
+/* Whether kept entry j is evicted before entry lo: the smaller value, of equal ones the larger id. */
+static inline int evicts_before(const float *val, const int64_t *idx, int64_t j, int64_t lo) {
+    return val[j] < val[lo] || (val[j] == val[lo] && idx[j] > idx[lo]);
+}
+
+/* out = bf16 logits widened to fp32, top[r, 0..k) the indices of row r's k largest (ties the earlier), by value
+ * descending then index, found in the same pass: mostly one vector compare against the smallest kept. */
 void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top) {
 #pragma omp parallel for if (rows * vocab > PAR_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
@@ -15,27 +20,24 @@ void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t
             val[j] = o[j] = bf16_to_f(x[j]);
             idx[j] = j;
         }
-        for (int64_t j = 1; j < kk; j++) lo = val[j] < val[lo] ? j : lo;
+        for (int64_t j = 1; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
         int64_t i = kk;
         for (; i < vocab; i++) { /* up to a multiple of VW */
             if (i % VW == 0) break;
             const float v = o[i] = bf16_to_f(x[i]);
             if (v > val[lo]) {
                 val[lo] = v, idx[lo] = i;
-                for (int64_t j = 0; j < kk; j++) lo = val[j] < val[lo] ? j : lo;
+                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
             }
         }
         for (; i + VW <= vocab; i += VW) {
             const vf v = vload_bf16(x + i);
             vstore(o + i, v);
-            const vi beats = v > vsplat(val[lo]);
-            int any = 0;
-            for (int j = 0; j < VW; j++) any |= beats[j];
-            if (!any) continue;
+            if (!any_above_or_nan(v, val[lo])) continue; /* a NaN never goes in: the lane loop passes it */
             for (int64_t t = i; t < i + VW; t++) {
                 if (o[t] > val[lo]) {
                     val[lo] = o[t], idx[lo] = t;
-                    for (int64_t j = 0; j < kk; j++) lo = val[j] < val[lo] ? j : lo;
+                    for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
                 }
             }
         }
@@ -43,9 +45,16 @@ void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t
             const float v = o[i] = bf16_to_f(x[i]);
             if (v > val[lo]) {
                 val[lo] = v, idx[lo] = i;
-                for (int64_t j = 0; j < kk; j++) lo = val[j] < val[lo] ? j : lo;
+                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
             }
         }
+        for (int64_t j = 1; j < kk; j++) /* in order: value descending, equal values by index */
+            for (int64_t i = j; i > 0 && (val[i - 1] < val[i] || (val[i - 1] == val[i] && idx[i - 1] > idx[i])); i--) {
+                const float v = val[i];
+                const int64_t t = idx[i];
+                val[i] = val[i - 1], idx[i] = idx[i - 1];
+                val[i - 1] = v, idx[i - 1] = t;
+            }
         for (int64_t j = kk; j < k; j++) idx[j] = idx[0]; /* vocab < k: repeat a kept index */
     }
 }
@@ -354,11 +363,6 @@ int sample_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab
 
 /* ---- scores of given tokens: logprobs and prompt logprobs ---------------------------------------------- */
 
-/* Whether kept entry j goes before entry lo: the smaller value, of equal ones the larger id. */
-static inline int evicts_before(const float *val, const int64_t *idx, int64_t j, int64_t lo) {
-    return val[j] < val[lo] || (val[j] == val[lo] && idx[j] > idx[lo]);
-}
-
 /* val / idx: the kk largest of x, of equal values the smaller ids (kept unordered). */
 static void keep_top(const float *x, int64_t vocab, int64_t kk, float *val, int64_t *idx) {
     int64_t lo = 0;
@@ -372,12 +376,7 @@ static void keep_top(const float *x, int64_t vocab, int64_t kk, float *val, int6
         }
     for (; i < vocab; i += VW) {
         const int64_t end = i + VW <= vocab ? i + VW : vocab;
-        if (end == i + VW) {
-            const vi beats = vload(x + i) > vsplat(val[lo]);
-            int any = 0;
-            for (int j = 0; j < VW; j++) any |= beats[j];
-            if (!any) continue;
-        }
+        if (end == i + VW && !any_above_or_nan(vload(x + i), val[lo])) continue;
         for (int64_t t = i; t < end; t++)
             if (x[t] > val[lo]) {
                 val[lo] = x[t], idx[lo] = t;

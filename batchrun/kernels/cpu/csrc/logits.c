@@ -1,0 +1,186 @@
+/* The lm_head's selection kernels: the lm_head with each row's largest outputs found as they pass (linear_bf16_top:
+ * the [rows, vocab] logits are never written), the fp32 refinement of a row's top candidates (refine_logits) and
+ * the greedy token from them (top_argmax). */
+#include "common.h"
+
+/* linears.c */
+extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
+                       bf16 *y);
+extern int f32_linear_panel(void);
+
+#define TOP_SCRATCH_BYTES (1024 * 1024) /* one chunk's outputs, all rows: within a core's L2 */
+
+/* Whether (v, i) comes before (w, j) in a row's order: larger value first, equal values by index. */
+#define BEFORE(v, i, w, j) ((v) > (w) || ((v) == (w) && (i) < (j)))
+
+/* A kept list: val/idx in the row's order, `count` of at most `top` kept. (v, i) goes in its place when it comes
+ * before the last kept one or the list has room. */
+static void top_insert(float *val, int64_t *idx, int64_t *count, int64_t top, float v, int64_t i) {
+    if (*count == top && !BEFORE(v, i, val[top - 1], idx[top - 1])) return;
+    int64_t j = *count < top ? (*count)++ : top - 1;
+    for (; j > 0 && BEFORE(v, i, val[j - 1], idx[j - 1]); j--) {
+        val[j] = val[j - 1];
+        idx[j] = idx[j - 1];
+    }
+    val[j] = v;
+    idx[j] = i;
+}
+
+/* One row's outputs [c0, c0 + width) into its kept list, in index order (so a value equal to the last kept one
+ * never goes in); nan: the first NaN output's index (-1: none yet). */
+static void top_scan(const bf16 *y, int64_t width, int64_t c0, float *val, int64_t *idx, int64_t *count,
+                     int64_t top, int64_t *nan) {
+    int64_t i = 0;
+    for (; i < width && (*count < top || i % VW); i++) {
+        const float v = bf16_to_f(y[i]);
+        if (v != v) {
+            if (*nan < 0) *nan = c0 + i;
+        } else {
+            top_insert(val, idx, count, top, v, c0 + i);
+        }
+    }
+    for (; i + VW <= width; i += VW) {
+        if (!any_above_or_nan(vload_bf16(y + i), val[top - 1])) continue;
+        for (int64_t t = i; t < i + VW; t++) {
+            const float w = bf16_to_f(y[t]);
+            if (w != w) {
+                if (*nan < 0) *nan = c0 + t;
+            } else {
+                top_insert(val, idx, count, top, w, c0 + t);
+            }
+        }
+    }
+    for (; i < width; i++) {
+        const float v = bf16_to_f(y[i]);
+        if (v != v) {
+            if (*nan < 0) *nan = c0 + i;
+        } else {
+            top_insert(val, idx, count, top, v, c0 + i);
+        }
+    }
+}
+
+/* A thread's kept lists, one per row. */
+typedef struct {
+    float *val;
+    int64_t *idx, *count, *nan;
+} Kept;
+
+static Kept kept_at(char *base, int64_t rows, int64_t top) {
+    Kept k = {NULL, (int64_t *)base, NULL, NULL};
+    k.count = k.idx + rows * top;
+    k.nan = k.count + rows;
+    k.val = (float *)(k.nan + rows);
+    return k;
+}
+
+/* For each row of x [rows, k] (bf16, contiguous): the `top` largest of x W^T (W packed for linear_bf16, n outputs,
+ * no bias) as fp32 values [rows, top] and their indices [rows, top], in the row's order (value descending, equal
+ * values by index), NaN outputs left out; nan[r] is row r's first NaN output (-1: none); a row of fewer than `top`
+ * others ends in NaN values at that index. A thread scans the outputs it computed (the panels' split), keeping its
+ * own lists, merged at the end. 1 without memory (nothing written). */
+int linear_bf16_top(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, int64_t top, float *values,
+                    int64_t *ids, int64_t *nan) {
+    static __thread bf16 *scratch;
+    static __thread size_t scratch_bytes;
+    const int64_t panel = f32_linear_panel(), threads = omp_get_max_threads();
+    if (rows <= 0) return 0;
+    if (panel <= 0 || top <= 0 || top > n) return 1;
+    int64_t width = TOP_SCRATCH_BYTES / (2 * rows) / panel * panel;
+    if (width < panel) width = panel;
+    if (width > n) width = n;
+    const size_t bytes = sizeof(bf16) * rows * width;
+    if (scratch_bytes < bytes) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_bytes = scratch != NULL ? bytes : 0;
+        if (scratch == NULL) return 1;
+    }
+    const bf16 *y = scratch; /* the caller's thread's: the parallel region's threads have their own */
+    /* each thread's lists on lines of their own */
+    const size_t list_bytes = (sizeof(float) + sizeof(int64_t)) * rows * top + 2 * sizeof(int64_t) * rows;
+    const size_t per_thread = (list_bytes + 63) / 64 * 64;
+    char *lists = malloc(per_thread * threads);
+    if (lists == NULL) return 1;
+    for (int64_t t = 0; t < threads; t++) {
+        const Kept kt = kept_at(lists + t * per_thread, rows, top);
+        for (int64_t r = 0; r < rows; r++) kt.count[r] = 0, kt.nan[r] = -1;
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += width) {
+        const int64_t w = n - c0 < width ? n - c0 : width, panels = (w + panel - 1) / panel;
+        if (linear_bf16(x, rows, packed + c0 * k, w, k, NULL, scratch)) {
+            free(lists);
+            return 1;
+        }
+#pragma omp parallel if (rows * w > PAR_MIN_WORK)
+        {
+            const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t lo = panels * me / team * panel, hi_panel = panels * (me + 1) / team * panel;
+            const int64_t hi = hi_panel < w ? hi_panel : w;
+            const Kept kt = kept_at(lists + me * per_thread, rows, top);
+            for (int64_t r = 0; r < rows && lo < hi; r++)
+                top_scan(y + r * w + lo, hi - lo, c0 + lo, kt.val + r * top, kt.idx + r * top, kt.count + r, top,
+                         kt.nan + r);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *val = values + r * top;
+        int64_t *idx = ids + r * top, count = 0;
+        nan[r] = -1;
+        for (int64_t t = 0; t < threads; t++) {
+            const Kept kt = kept_at(lists + t * per_thread, rows, top);
+            for (int64_t j = 0; j < kt.count[r]; j++)
+                top_insert(val, idx, &count, top, kt.val[r * top + j], kt.idx[r * top + j]);
+            if (kt.nan[r] >= 0 && (nan[r] < 0 || kt.nan[r] < nan[r])) nan[r] = kt.nan[r];
+        }
+        for (int64_t j = count; j < top; j++) val[j] = NAN, idx[j] = nan[r];
+    }
+    free(lists);
+    return 0;
+}
+
+/* x . w over dim values (bf16 or fp32, both the same) in fp32: VW lanes of sums in order, then hsum. */
+ALWAYS float dot_row(const void *x, const void *w, int64_t dim, const int bf) {
+    vf acc = vsplat(0.0f);
+    int64_t i = 0;
+    for (; i + VW <= dim; i += VW) acc += ldv(x, i, bf) * ldv(w, i, bf);
+    for (int64_t j = 0; i < dim; i++, j++) acc[j] += ld1(x, i, bf) * ld1(w, i, bf);
+    return hsum(acc);
+}
+
+ALWAYS void refine_rows(const void *hidden, int64_t rows, int64_t dim, const void *weight, const int64_t *ids,
+                        int64_t ldi, int64_t k, float *out, int64_t ldo, const int bf) {
+    const int64_t es = bf ? 2 : 4;
+#pragma omp parallel for if (rows * k * dim > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < k; j++)
+            out[r * ldo + j] = dot_row((const char *)hidden + r * dim * es,
+                                       (const char *)weight + ids[r * ldi + j] * dim * es, dim, bf);
+}
+
+/* out[r * ldo + j] = hidden[r] . weight[ids[r * ldi + j]] in fp32 for j < k: row r's logits at those ids from the
+ * plain weight [*, dim] (hidden and weight both fp32, or both bf16: bf), each one dot product whose bits never
+ * depend on the rows beside it. */
+void refine_logits(const void *hidden, int64_t rows, int64_t dim, const void *weight, const int64_t *ids, int64_t ldi,
+                   int64_t k, float *out, int64_t ldo, int bf) {
+    BY_DTYPE(bf, refine_rows, hidden, rows, dim, weight, ids, ldi, k, out, ldo);
+}
+
+/* tokens[r]: the id of row r's largest value of values [rows, top], the smallest id among equal ones (the first
+ * maximum of the whole row, where its other values are at most the last one at later ids). Returns 1, tokens
+ * unset, when a value is NaN or nan[r] >= 0 for some row (the argmax takes a NaN as the largest). */
+int top_argmax(const float *values, const int64_t *ids, const int64_t *nan, int64_t rows, int64_t top,
+               int64_t *tokens) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = values + r * top;
+        const int64_t *i = ids + r * top;
+        if (nan[r] >= 0) return 1;
+        int64_t best = 0;
+        for (int64_t j = 0; j < top; j++) {
+            if (v[j] != v[j]) return 1;
+            if (BEFORE(v[j], i[j], v[best], i[best])) best = j;
+        }
+        tokens[r] = i[best];
+    }
+    return 0;
+}

@@ -1,0 +1,67 @@
+"""The lm_head's selection kernels (csrc/logits.c): each row's largest logits with the logits never written whole,
+their fp32 refinement, the greedy token from them."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import dtype_flag
+
+_P, _I, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES: dict[str, cpu_kernels.Signature] = {
+    "linear_bf16_top": (ctypes.c_int, [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
+    "refine_logits": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _B]),
+    "top_argmax": (ctypes.c_int, [_P, _P, _P, _I, _I, _P]),
+}
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    return cpu_kernels.library(SIGNATURES)
+
+
+def linear_top(x: torch.Tensor, packed: torch.Tensor, n: int, top: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 x [rows, k] and a bf16 weight [n, k] packed for linear_bf16 (no bias) -> each row's `top` largest
+    outputs of linear_bf16(x), the bits it gives them, as (fp32 values [rows, top], int64 ids [rows, top]) sorted
+    by value descending then id ascending, NaN outputs left out; and int64 [rows], each row's first NaN output
+    (-1: none)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    values = torch.empty(rows, top, dtype=torch.float32)
+    ids = torch.empty(rows, top, dtype=torch.int64)
+    nan = torch.empty(rows, dtype=torch.int64)
+    if _library().linear_bf16_top(x.data_ptr(), rows, packed.data_ptr(), n, k, top, values.data_ptr(),
+                                  ids.data_ptr(), nan.data_ptr()):
+        raise MemoryError("linear_bf16_top: no memory for its scratch")
+    return values, ids, nan
+
+
+def refines(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether refine_logits takes these: both fp32 or both bf16, on a CPU, rows contiguous."""
+    return (hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.bfloat16)
+            and hidden.device.type == "cpu" and weight.device.type == "cpu" and hidden.dim() == 2
+            and hidden.stride(-1) == 1 and weight.is_contiguous())
+
+
+def refine_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out[r, j] = hidden[r] . weight[ids[r, j]] in fp32 (out fp32 [rows, k], unit stride in k; ids int64 with
+    unit stride in k): each one dot product, whose bits never depend on the rows beside it (refines() holds)."""
+    hidden = hidden.contiguous()
+    rows, dim = hidden.shape
+    _library().refine_logits(hidden.data_ptr(), rows, dim, weight.data_ptr(), ids.data_ptr(), ids.stride(0),
+                             ids.shape[1], out.data_ptr(), out.stride(0), dtype_flag(hidden))
+
+
+def top_argmax(values: torch.Tensor, ids: torch.Tensor, nan: torch.Tensor) -> torch.Tensor | None:
+    """Each row's id of its largest value (the smallest id among equal ones) from contiguous fp32 values and
+    int64 ids [rows, top]; None where a value is NaN or a row's nan is set (linear_top's)."""
+    rows, top = values.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if _library().top_argmax(values.data_ptr(), ids.data_ptr(), nan.data_ptr(), rows, top, tokens.data_ptr()):
+        return None
+    return tokens

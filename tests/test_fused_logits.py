@@ -1,0 +1,128 @@
+"""The lm_head with its greedy selection (kernels/cpu/logits.py: linear_top, CausalLM.greedy_tokens): each row's
+largest logits found chunk by chunk of the vocabulary, never the whole [rows, vocab] matrix, and the greedy token
+exactly the argmax the unfused path (compute_logits, then the sampler) takes."""
+
+import pytest
+import torch
+
+from batchrun import LLM, SamplingParams
+from batchrun.kernels import cpu as cpu_kernels
+from batchrun.kernels.cpu import linears as cpu_linears
+from batchrun.kernels.cpu import logits as cpu_logits
+from batchrun.kernels.cpu import sampling as cpu_sampling
+from batchrun.model.arch.blocks import REFINE_TOP, CausalLM
+from batchrun.model.sampling.sampler import argmax_rows
+
+BF = torch.bfloat16
+pytestmark = pytest.mark.skipif(not cpu_kernels.available() or not cpu_linears.has_panel_linears(),
+                                reason="needs the C kernels built with the panel linears (AVX2 or AVX-512)")
+
+
+def _packed(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(BF)
+    return weight, cpu_linears.pack_linear(weight)
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 49152), (74, 576, 49152), (5, 64, 1000), (130, 2048, 5003),
+                                        (17, 96, 1001)])
+def test_linear_top_is_the_top_of_the_whole_linear(rows, k, n):
+    """The same values and ids as logits_top over linear_bf16's whole output, in the same order; 130 rows of 5003
+    outputs go in two vocabulary chunks, 1001 ends in a short panel."""
+    _, packed = _packed(n, k, rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(BF)
+    whole, top = cpu_sampling.logits_top(cpu_linears.linear_bf16(x, packed, n, None), REFINE_TOP + 1)
+    values, ids, nan = cpu_logits.linear_top(x, packed, n, REFINE_TOP + 1)
+    assert torch.equal(ids, top)
+    assert torch.equal(values, whole.gather(1, top))
+    assert torch.equal(nan, torch.full((rows,), -1))
+    assert (values[:, :-1] >= values[:, 1:]).all()
+
+
+def test_linear_top_ties_keep_the_earliest_and_nan_is_reported():
+    weight = torch.zeros(1000, 64)
+    weight[:, 0] = 1.0  # every output 1.0: the earliest ids win
+    weight[[700, 900], 0] = 2.0
+    x = torch.ones(3, 64).to(BF)
+    values, ids, nan = cpu_logits.linear_top(x, cpu_linears.pack_linear(weight.to(BF)), 1000, 9)
+    assert ids[0].tolist() == [700, 900, 0, 1, 2, 3, 4, 5, 6]
+    assert values[0].tolist() == [2.0, 2.0] + [1.0] * 7
+    _, top = cpu_sampling.logits_top(torch.ones(3, 1000, dtype=BF), 9)  # the unfused pass keeps the same ones
+    assert top[0].tolist() == list(range(9))
+    weight[500, 1] = float("nan")
+    weight[800, 2] = float("nan")
+    values, ids, nan = cpu_logits.linear_top(x, cpu_linears.pack_linear(weight.to(BF)), 1000, 9)
+    assert nan.tolist() == [500, 500, 500]
+    assert ids[0].tolist() == [700, 900, 0, 1, 2, 3, 4, 5, 6]  # NaNs are left out of the kept values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_refine_logits_is_each_rows_dot_product_alone(dtype):
+    """fp32 dot products at the given ids, within fp32 rounding of float64's, each row's bits the same alone as in
+    any batch (dim 581: a tail past the vector lanes)."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(40, 581, generator=g).to(dtype), torch.randn(3000, 581, generator=g).to(dtype)
+    ids = torch.randint(0, 3000, (40, 8), generator=g)
+    out = torch.empty(40, 8)
+    cpu_logits.refine_logits(hidden, weight, ids, out)
+    exact = torch.einsum("rd,rkd->rk", hidden.double(), weight[ids].double())
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)
+    for start, rows in ((0, 1), (3, 2), (7, 33)):
+        part = torch.empty(rows, 8)
+        cpu_logits.refine_logits(hidden[start : start + rows], weight, ids[start : start + rows], part)
+        assert torch.equal(part, out[start : start + rows])
+    wide = torch.zeros(40, 9)  # into the first 8 columns of a wider matrix, from a slice of wider ids
+    cpu_logits.refine_logits(hidden, weight, torch.cat([ids, ids[:, :1]], 1)[:, :8], wide)
+    assert torch.equal(wide[:, :8], out) and not wide[:, 8].any()
+
+
+def test_top_argmax_takes_the_first_maximum_and_declines_a_nan():
+    values = torch.tensor([[3.0, 5.0, 5.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    ids = torch.tensor([[10, 40, 7, 3], [9, 8, 12, 30]])
+    assert cpu_logits.top_argmax(values, ids, torch.tensor([-1, -1])).tolist() == [7, 8]
+    assert cpu_logits.top_argmax(values, ids, torch.tensor([-1, 5])) is None
+    values[0, 3] = float("nan")
+    assert cpu_logits.top_argmax(values, ids, torch.tensor([-1, -1])) is None
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_path):
+    # no prefix cache: a second run of the same prompts would prefill only their tails, other bf16 sums
+    return LLM(str(smollm2_path), dtype="bfloat16", device="cpu", kv_cache_memory="64MiB", enable_prefix_caching=False)
+
+
+def test_greedy_tokens_are_the_argmax_of_compute_logits(smollm2_bf16):
+    """On the real model's lm_head (49152 x 576): hidden states of a real forward and random ones, every row's
+    token the unfused argmax, at row counts on the few-row copy; past it (oneDNN's call) the model declines."""
+    model = smollm2_bf16.engine.runner.model
+    hidden = torch.randn(cpu_linears.SMALL_ROWS, 576, generator=torch.Generator().manual_seed(0)).to(BF) * 2
+    hidden[0] = 0  # every logit 0: the first id
+    for rows in (1, 2, 9, cpu_linears.SMALL_ROWS):
+        tokens = model.greedy_tokens(hidden[:rows])
+        if tokens is None:  # a lm_head off the panels: nothing to compare
+            assert model.lm_head.panels_for(rows) is None
+            continue
+        assert torch.equal(tokens, argmax_rows(model.compute_logits(hidden[:rows])))
+    assert tokens is None or tokens[0] == 0
+    if type(model.lm_head).__name__ == "OneDNNLinear":
+        assert model.greedy_tokens(torch.zeros(cpu_linears.SMALL_ROWS + 1, 576, dtype=BF)) is None
+    hidden[1, 3] = float("nan")
+    assert model.greedy_tokens(hidden[:2]) is None  # compute_logits' argmax takes a NaN as its largest
+
+
+def test_greedy_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monkeypatch):
+    """Greedy chat answers with the fused path and with it off (CausalLM.greedy_tokens declining): token for
+    token the same; the fused path served the decode steps."""
+    from test_real_model import QUESTIONS, chat_text
+
+    llm = smollm2_bf16
+    prompts = [chat_text(llm.get_tokenizer(), q) for q in QUESTIONS[:12]]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    calls = []
+    linear_top = cpu_logits.linear_top
+    monkeypatch.setattr(cpu_logits, "linear_top", lambda *a: calls.append(a[0].shape[0]) or linear_top(*a))
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.runner.model.lm_head.panels_for(1) is not None  # the panels, or oneDNN's few-row copy
+    assert len(calls) >= 40
+    monkeypatch.setattr(CausalLM, "greedy_tokens", lambda self, hidden: None)
+    unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert fused == unfused
