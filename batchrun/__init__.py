@@ -11,15 +11,36 @@ import time
 from typing import TYPE_CHECKING
 
 
+def _own_running() -> int:
+    """This process's threads running right now (state R in /proc/self/task/*/stat)."""
+    running = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        running += stat[stat.rindex(")") + 2] == "R"
+    return running
+
+
 def _others_running() -> int:
-    """Processes other than this one running right now: the fewest of five looks at /proc/loadavg's
-    runnable count, 2 ms apart (a process that holds a core shows in all five; a blip does not)."""
+    """Threads of other processes running right now: the fewest of five looks at /proc/loadavg's runnable count
+    less this process's own running threads, 2 ms apart (a process that holds a core shows in all five; a blip
+    does not)."""
     counts = []
     for _ in range(5):
         with open("/proc/loadavg") as f:
-            counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+            runnable = int(f.read().split()[3].split("/")[0])
+        counts.append(max(0, runnable - _own_running()))
         time.sleep(0.002)
     return min(counts)
+
+
+# What _openmp_defaults put into os.environ for this process (empty: nothing). A process started from this one
+# inherits it; one that should decide for itself at its own start (a benchmark's worker) is given the environment
+# without it.
+OPENMP_SET: dict[str, str] = {}
 
 
 def _openmp_defaults() -> None:
@@ -34,10 +55,8 @@ def _openmp_defaults() -> None:
         busy = _others_running() >= max(1, (os.cpu_count() or 1) // 4)
     except (OSError, ValueError, IndexError):
         busy = True
-    if busy:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    else:
-        os.environ["GOMP_SPINCOUNT"] = "10000"
+    OPENMP_SET.update({"OMP_WAIT_POLICY": "PASSIVE"} if busy else {"GOMP_SPINCOUNT": "10000"})
+    os.environ.update(OPENMP_SET)
 
 
 _openmp_defaults()

@@ -732,3 +732,20 @@ def test_step_kinds_and_their_roofline_floor():
     rf = roofline(steps, weight_bytes=1e6, kv_bytes_per_token=100, params=1e9, attention_flops_per_pair=10,
                   bandwidth=1e9, peak_flops=1e10)
     assert rf["floor_ms"] == pytest.approx(1e3 * (2e10 + 500) / 1e10 / 2) and rf["bound"] == "compute"
+
+
+def test_workers_choose_their_own_openmp_wait(monkeypatch, tmp_path):
+    """The wait setting batchrun's import chose for the benchmark's own process is not handed to its workers (each
+    chooses at its own start); one the user set stays."""
+    import batchrun
+    from benchmarks.harness.runner import Runner, worker_environ
+    from benchmarks.peers.venv import environment
+
+    monkeypatch.setattr(batchrun, "OPENMP_SET", {"OMP_WAIT_POLICY": "PASSIVE"})
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")  # the user's own
+    assert "OMP_WAIT_POLICY" not in worker_environ() and worker_environ()["GOMP_SPINCOUNT"] == "500"
+    assert "OMP_WAIT_POLICY" not in environment(2)
+    assert "OMP_WAIT_POLICY" not in Runner(tmp_path, 10).env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # set again by the user after the import: kept
+    assert worker_environ()["OMP_WAIT_POLICY"] == "ACTIVE"

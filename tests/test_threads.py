@@ -100,3 +100,31 @@ def test_taskset_limits_the_engine_threads():
     slurm = subprocess.run([sys.executable, "-c", code.format(n=None)], env=_child_env(SLURM_CPUS_PER_TASK="1"),
                            capture_output=True, text=True, timeout=300)
     assert slurm.returncode == 0 and "threads 1" in slurm.stdout and "SLURM_CPUS_PER_TASK=1" in slurm.stderr
+
+
+def test_a_busy_thread_of_this_process_is_not_another_process():
+    """The OpenMP wait choice counts other processes' running threads: this process's own busy thread (a torch
+    matmul loop, the GIL released) is seen running by _own_running, which _others_running subtracts."""
+    import threading
+
+    import torch
+
+    import batchrun
+
+    done = threading.Event()
+
+    def busy() -> None:
+        a = torch.randn(256, 256)
+        while not done.is_set():
+            a @ a
+
+    worker = threading.Thread(target=busy)
+    with torch.inference_mode():
+        torch.set_num_threads(1)
+        worker.start()
+        try:
+            own = max(batchrun._own_running() for _ in range(50))
+        finally:
+            done.set()
+            worker.join()
+    assert own >= 2  # the reading thread and the busy one, both subtracted from the runnable count

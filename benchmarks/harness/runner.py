@@ -15,6 +15,14 @@ from benchmarks.harness.plans import THREADS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def worker_environ() -> dict[str, str]:
+    """This process's environment less the OpenMP wait setting batchrun's import chose for this process
+    (batchrun.OPENMP_SET): each worker, batchrun's or a peer's, then waits as a process started on its own would."""
+    import batchrun
+
+    return {k: v for k, v in os.environ.items() if batchrun.OPENMP_SET.get(k) != v}
+
+
 class Runner:
     """Starts workers, one process each, and keeps their specs, results and logs under out/work/."""
 
@@ -23,7 +31,7 @@ class Runner:
         self.work.mkdir(parents=True, exist_ok=True)
         self.timeout_s = timeout_s
         self.verbose = verbose
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS),
+        self.env = {**worker_environ(), "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS),
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
                         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 

@@ -9,7 +9,6 @@ PyPI is CUDA's multi-GB build), then the peer's own packages. A stamp file named
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from batchrun.paths import cache_dir
+from benchmarks.harness.runner import worker_environ
 
 TORCH = ("torch==2.13.0+cpu", "torch==2.13.0")  # the local CPU build first: plain 2.13.0 on PyPI is CUDA's
 # What ties a process to the project's venv: a peer's processes run without them.
@@ -93,9 +93,9 @@ class PeerVenv:
 
 
 def environment(threads: int, drop: Sequence[str] = (), **values: str) -> dict[str, str]:
-    """A peer process's environment: this one's less PROJECT_VARS and `drop`, OpenMP-style thread counts, no hub
-    access, and `values`."""
-    env = {k: v for k, v in os.environ.items() if k not in (*PROJECT_VARS, *drop)}
+    """A peer process's environment: this one's (less batchrun's OpenMP wait setting, worker_environ) less
+    PROJECT_VARS and `drop`, OpenMP-style thread counts, no hub access, and `values`."""
+    env = {k: v for k, v in worker_environ().items() if k not in (*PROJECT_VARS, *drop)}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **values})
     return env
 
