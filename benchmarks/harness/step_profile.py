@@ -57,7 +57,7 @@ class StepKinds:
     def summary(self) -> dict[str, Any] | None:
         if not self.ok:
             return None
-        return {k: v for k, v in self.kinds.items() if v["steps"]} or None
+        return {k: dict(v) for k, v in self.kinds.items() if v["steps"]} or None  # later passes count on
 
 
 def roofline(steps: dict[str, Any], weight_bytes: float, kv_bytes_per_token: float, params: float,
