@@ -63,6 +63,7 @@ from benchmarks.harness.workload import (
     contiguous_preallocation,
     model_flops,
 )
+from benchmarks.micro import isa_peak
 from benchmarks.peers.venv import PeerSetup
 from benchmarks.peers.vllm.env import VllmSetup
 
@@ -408,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the {dtype} matmul peak measurement failed; see the log above", file=sys.stderr)
             return 1
         runner.log(f"  {dtype} matmul peak: {peaks[dtype]['peak_flops'] / 1e9:.1f} GFLOP/s")
+    # the same dtypes' ceiling by instruction (each core's multiply-add loop in registers, times the threads)
+    for dtype, flops in isa_peak.linear_flops(THREADS).items():
+        if dtype in peaks:
+            peaks[dtype]["isa_flops"] = flops
     res["peak"], res["peaks"] = peaks["float32"], peaks
     vllm = openvino = None
     if not args.no_vllm and any(p.vllm for p in plans):
@@ -432,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             m = run_model(plan, runner, scenarios, args.llm_kwargs, args.kv_scale, max(1, args.repeat), vllm,
                           max(1, args.rounds), openvino)
-            m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"))
+            m["derived"] = report.derive_model(m, peaks[plan.dtype]["peak_flops"], peaks[plan.dtype].get("bandwidth"),
+                                               peaks[plan.dtype].get("isa_flops"))
         _strip_outputs(m)
         res["models"][plan.key] = m
     report.link_baselines(res)

@@ -732,6 +732,10 @@ def test_step_kinds_and_their_roofline_floor():
     rf = roofline(steps, weight_bytes=1e6, kv_bytes_per_token=100, params=1e9, attention_flops_per_pair=10,
                   bandwidth=1e9, peak_flops=1e10)
     assert rf["floor_ms"] == pytest.approx(1e3 * (2e10 + 500) / 1e10 / 2) and rf["bound"] == "compute"
+    assert rf["isa_floor_ms"] is None
+    rf = roofline(steps, weight_bytes=1e6, kv_bytes_per_token=100, params=1e9, attention_flops_per_pair=10,
+                  bandwidth=1e9, peak_flops=1e10, isa_flops=4e10)  # the ISA's peak: a lower floor
+    assert rf["isa_floor_ms"] == pytest.approx(1e3 * (2e10 + 500) / 4e10 / 2)
 
 
 def test_workers_choose_their_own_openmp_wait(monkeypatch, tmp_path):

@@ -71,7 +71,8 @@ def reply_tokens(outputs: list[Any], eos: list[int]) -> int:
     return sum(len(o) - (1 if o and o[-1] in eos else 0) for o in _samples(outputs))
 
 
-def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None = None) -> dict[str, Any]:
+def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None = None,
+                 isa_flops: float | None = None) -> dict[str, Any]:
     """Per-model figures: throughput, MFU, the best configuration of each system, ratios (batchrun's default row to
     each peer's fastest row, and to the fastest peer), output checks, where batchrun's time went."""
     flops = m["flops"]["total_flops"]
@@ -136,7 +137,7 @@ def derive_model(m: dict[str, Any], peak_flops: float, bandwidth: float | None =
             for kind, key in (("decode", "roofline"), ("prefill", "prefill_roofline")):
                 if kind in kinds:
                     derived[key] = roofline(kinds[kind], weight_bytes, _kv_bytes_per_token(shape), streamed,
-                                            per_pair, bandwidth or 0.0, peak_flops)
+                                            per_pair, bandwidth or 0.0, peak_flops, isa_flops)
     derived["targets"] = _targets(m["key"], derived)
     return derived
 
@@ -401,8 +402,8 @@ def shares_table(res: dict[str, Any]) -> list[str]:
     against this machine's memory bandwidth and matmul peak."""
     keys = ["schedule", "forward: linears", "forward: attention", "forward: elementwise", "forward: other",
             "logits", "sampling", "outputs", "other"]
-    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms, floor ms) | of bandwidth | of matmul peak "
-             "| prefill step (tokens, ms, floor ms) |", "|---|" + "---:|" * (len(keys) + 4)]
+    lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms, floor ms / at ISA peak) | of bandwidth "
+             "| of matmul peak | prefill step (tokens, ms, floor ms / at ISA peak) |", "|---|" + "---:|" * (len(keys) + 4)]
     for m in _generation(res):
         d = m["derived"]
         sh = d.get("time_shares") or {}
@@ -416,11 +417,13 @@ def shares_table(res: dict[str, Any]) -> list[str]:
 
 
 def _step(rf: dict[str, Any] | None) -> str:
-    """A kind of step's rows, time and floor (the bound that sets it: b bandwidth, c compute), or -."""
+    """A kind of step's rows, time and floor (the bound that sets it: b bandwidth, c compute), then its floor at
+    the ISA's peak where measured; or -."""
     if not rf:
         return "-"
     floor = f"{rf['floor_ms']:.1f} ({rf['bound'][0]})" if rf.get("floor_ms") is not None else "n/a"
-    return f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}, {floor}"
+    isa = f" / {rf['isa_floor_ms']:.1f}" if rf.get("isa_floor_ms") is not None else ""
+    return f"{rf['rows_per_step']:.1f}, {rf['step_ms']:.1f}, {floor}{isa}"
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -507,7 +510,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["## Summary: generated tokens/s", "", *summary_table(res), "",
                   "Where batchrun's step time goes (share of its step time), and its decode and prefill steps against this "
                   "machine's read bandwidth and matmul peak (a step's floor: the larger of its bytes over the bandwidth "
-                  "and its FLOPs over the peak; b or c, the bound that sets it):", "", *shares_table(res), ""]
+                  "and its FLOPs over the matmul peak, b or c the bound that sets it; then the same with the ISA's "
+                  "peak, benchmarks.micro.isa_peak's loop times the threads):", "", *shares_table(res), ""]
     loglik = [m for m in res["models"].values() if m.get("kind") == "loglik"]
     if loglik:
         lines += ["## Summary: loglikelihood (four-choice items scored)", "", *loglik_summary_table(loglik), ""]

@@ -61,11 +61,12 @@ class StepKinds:
 
 
 def roofline(steps: dict[str, Any], weight_bytes: float, kv_bytes_per_token: float, params: float,
-             attention_flops_per_pair: float, bandwidth: float, peak_flops: float) -> dict[str, Any]:
+             attention_flops_per_pair: float, bandwidth: float, peak_flops: float,
+             isa_flops: float | None = None) -> dict[str, Any]:
     """Steps that each stream every weight once and read the K/V of their context, and compute 2 x params a token
     plus attention over their (query, key) pairs: per step their time and the floor the machine allows, the larger
-    of bytes over the measured bandwidth and FLOPs over the measured matmul peak; their bytes and FLOPs a second as
-    shares of those two."""
+    of bytes over the measured bandwidth and FLOPs over the measured matmul peak (isa_floor_ms: over the ISA's
+    peak instead, where given); their bytes and FLOPs a second as shares of those two."""
     n = steps["steps"]
     bytes_moved = n * weight_bytes + steps["context_tokens"] * kv_bytes_per_token
     flops = 2 * params * steps["tokens"] + attention_flops_per_pair * steps["attention_pairs"]
@@ -75,6 +76,7 @@ def roofline(steps: dict[str, Any], weight_bytes: float, kv_bytes_per_token: flo
     return {"steps": n, "rows_per_step": steps["tokens"] / n, "step_ms": 1e3 * s / n,
             "floor_ms": 1e3 * max(memory_s, compute_s) / n if bandwidth and peak_flops else None,
             "bound": "bandwidth" if memory_s >= compute_s else "compute",
+            "isa_floor_ms": 1e3 * max(memory_s, flops / isa_flops) / n if bandwidth and isa_flops else None,
             "bytes_per_s": bytes_moved / s, "flops_per_s": flops / s,
             "bandwidth_share": bytes_moved / s / bandwidth if bandwidth else None,
             "peak_share": flops / s / peak_flops if peak_flops else None}
