@@ -136,8 +136,13 @@ ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (
 ALWAYS int any_above_or_nan(vf v, float x) {
 #if defined(__AVX512F__)
     return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_NLE_UQ) != 0;
-#else
+#elif defined(__AVX__)
     return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(x), _CMP_NLE_UQ)) != 0;
+#else
+    const vi hit = ~(v <= vsplat(x));
+    int any = 0;
+    for (int j = 0; j < VW; j++) any |= hit[j];
+    return any;
 #endif
 }
 ALWAYS float hsum(vf v) {
