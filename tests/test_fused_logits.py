@@ -84,6 +84,12 @@ def test_top_argmax_takes_the_first_maximum_and_declines_a_nan():
     assert cpu_logits.top_argmax(values, ids, torch.tensor([-1, -1])) is None
 
 
+@pytest.fixture(autouse=True)
+def measured_here(monkeypatch):
+    """The fused path on this CPU's kernel too, measured or not (its exactness holds on every kernel)."""
+    monkeypatch.setattr(cpu_logits, "MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
+
+
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_path):
     # no prefix cache: a second run of the same prompts would prefill only their tails, other bf16 sums
@@ -107,6 +113,8 @@ def test_greedy_tokens_are_the_argmax_of_compute_logits(smollm2_bf16):
         assert model.greedy_tokens(torch.zeros(cpu_linears.SMALL_ROWS + 1, 576, dtype=BF)) is None
     hidden[1, 3] = float("nan")
     assert model.greedy_tokens(hidden[:2]) is None  # compute_logits' argmax takes a NaN as its largest
+    cpu_logits.MEASURED_KERNELS = ()  # a kernel the path was not measured on (the fixture puts it back)
+    assert model.greedy_tokens(hidden[2:4]) is None
 
 
 def test_greedy_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monkeypatch):

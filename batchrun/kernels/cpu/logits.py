@@ -9,7 +9,7 @@ from functools import cache
 import torch
 
 from batchrun.kernels import cpu as cpu_kernels
-from batchrun.kernels.cpu import dtype_flag
+from batchrun.kernels.cpu import dtype_flag, linears
 
 _P, _I, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
@@ -19,9 +19,19 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
 }
 
 
+# The bf16 linear kernels (linears.bf16_kernel()) on which the greedy path through linear_top was measured faster
+# than the whole logits (docs/performance.md); on the others compute_logits keeps the step until it is measured there.
+MEASURED_KERNELS = ("amx",)
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     return cpu_kernels.library(SIGNATURES)
+
+
+def greedy_measured() -> bool:
+    """Whether this CPU's bf16 linear kernel is one the fused greedy path was measured on (MEASURED_KERNELS)."""
+    return linears.bf16_kernel() in MEASURED_KERNELS
 
 
 def linear_top(x: torch.Tensor, packed: torch.Tensor, n: int, top: int

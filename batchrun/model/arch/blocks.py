@@ -423,14 +423,16 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of compute_logits(hidden), int64 [rows], from the lm_head's REFINE_TOP + 1 largest
         bf16 outputs (the logits never written whole): the top REFINE_TOP refined as compute_logits refines them,
-        the next the largest of the rest. None where that does not hold: the lm_head's call would not take the
-        bf16 panels, a scaling or cap applies, or a row has a NaN."""
+        the next the largest of the rest. None where that does not hold (the lm_head's call would not take the
+        bf16 panels, a scaling or cap applies, a row has a NaN) or where it was not measured faster (another CPU
+        kind: cpu_logits.MEASURED_KERNELS)."""
         panels_for = getattr(self.lm_head, "panels_for", None)
         weight = self.lm_weight
         rows = hidden.shape[0]
         if (panels_for is None or weight is None or self.logits_divisor is not None or self.final_softcap is not None
                 or hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
-                or self.lm_head.out_features <= REFINE_TOP or not cpu_kernels.available()):
+                or self.lm_head.out_features <= REFINE_TOP or not cpu_kernels.available()
+                or not cpu_logits.greedy_measured()):
             return None
         packed = panels_for(rows)
         if packed is None:
