@@ -88,14 +88,19 @@ def measure() -> dict[str, tuple[float, float]]:
     return {name: (float(a), float(b)) for name, a, b in (line.split() for line in out.splitlines())}
 
 
+def measure_here() -> dict[str, tuple[float, float]]:
+    """measure(), or {} where its loops cannot run here (no C compiler, no AVX-512 VNNI / BF16)."""
+    try:
+        return measure()
+    except (RuntimeError, OSError, subprocess.CalledProcessError, ValueError):
+        return {}
+
+
 def linear_flops(threads: int) -> dict[str, float]:
     """FLOP/s (2 per multiply-add) of the instruction each dtype's linears run on here, `threads` times one core's:
     fp32 vfmadd231ps, bf16 tdpbf16ps on AMX else vdpbf16ps. {} where the loops cannot run (no C compiler, no
     AVX-512 VNNI / BF16)."""
-    try:
-        per_core = measure()
-    except (RuntimeError, OSError, subprocess.CalledProcessError, ValueError):
-        return {}
+    per_core = measure_here()
     bf16 = per_core.get("tdpbf16ps") or per_core.get("vdpbf16ps")
     flops = {"float32": per_core.get("vfmadd231ps"), "bfloat16": bf16}
     return {dtype: 2e9 * macs * threads for dtype, (_, macs) in ((d, v) for d, v in flops.items() if v)}

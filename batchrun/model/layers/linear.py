@@ -68,14 +68,17 @@ class OneDNNLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def _few(self, rows: int) -> bool:
+        """Whether a call of `rows` rows takes the few-row copy."""
+        return self.small is not None and rows <= cpu_linears.SMALL_ROWS
+
     def panels_for(self, rows: int) -> torch.Tensor | None:
         """The bf16 panels a bias-free call of `rows` rows runs on (the few-row copy), else None: oneDNN's."""
-        return self.small if self.small is not None and rows <= cpu_linears.SMALL_ROWS and self.bias is None \
-            else None
+        return self.small if self._few(rows) and self.bias is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
-        if self.small is not None and rows <= cpu_linears.SMALL_ROWS and x.dim() == 2:
+        if self._few(rows) and x.dim() == 2:
             return cpu_linears.linear_bf16(x, self.small, self.out_features, self.bias)
         if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
             return self._matmul(x)

@@ -131,6 +131,9 @@ ALWAYS vf rnd(vf v, const int bf) {
 ALWAYS float rnd1(float x, const int bf) { return bf ? round_bf16(x) : x; }
 ALWAYS vf vsplat(float x) { return (vf){0} + x; }
 ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+/* Whether (v, i) ranks before (w, j) in a row of logits: the larger value, of equal ones the smaller id (the order
+ * the top-k kernels keep, the first maximum first). */
+ALWAYS int ranks_before(float v, int64_t i, float w, int64_t j) { return v > w || (v == w && i < j); }
 /* Whether a lane of v is above x or NaN (x not NaN): one compare into a mask, where a loop over the lanes of a
  * vector compare would not be folded into one. */
 ALWAYS int any_above_or_nan(vf v, float x) {

@@ -10,15 +10,12 @@ extern int f32_linear_panel(void);
 
 #define TOP_SCRATCH_BYTES (1024 * 1024) /* one chunk's outputs, all rows: within a core's L2 */
 
-/* Whether (v, i) comes before (w, j) in a row's order: larger value first, equal values by index. */
-#define BEFORE(v, i, w, j) ((v) > (w) || ((v) == (w) && (i) < (j)))
-
-/* A kept list: val/idx in the row's order, `count` of at most `top` kept. (v, i) goes in its place when it comes
- * before the last kept one or the list has room. */
+/* A kept list: val/idx in the row's order (ranks_before), `count` of at most `top` kept. (v, i) goes in its place
+ * when it ranks before the last kept one or the list has room. */
 static void top_insert(float *val, int64_t *idx, int64_t *count, int64_t top, float v, int64_t i) {
-    if (*count == top && !BEFORE(v, i, val[top - 1], idx[top - 1])) return;
+    if (*count == top && !ranks_before(v, i, val[top - 1], idx[top - 1])) return;
     int64_t j = *count < top ? (*count)++ : top - 1;
-    for (; j > 0 && BEFORE(v, i, val[j - 1], idx[j - 1]); j--) {
+    for (; j > 0 && ranks_before(v, i, val[j - 1], idx[j - 1]); j--) {
         val[j] = val[j - 1];
         idx[j] = idx[j - 1];
     }
@@ -26,38 +23,26 @@ static void top_insert(float *val, int64_t *idx, int64_t *count, int64_t top, fl
     idx[j] = i;
 }
 
+/* Output i, of value v, into the kept list, or noted as the row's first NaN (nan: -1 none yet). */
+static inline void top_take(float v, int64_t i, float *val, int64_t *idx, int64_t *count, int64_t top,
+                            int64_t *nan) {
+    if (v != v) {
+        if (*nan < 0) *nan = i;
+    } else {
+        top_insert(val, idx, count, top, v, i);
+    }
+}
+
 /* One row's outputs [c0, c0 + width) into its kept list, in index order (so a value equal to the last kept one
- * never goes in); nan: the first NaN output's index (-1: none yet). */
+ * never goes in): one vector compare skips VW outputs below the last kept one. */
 static void top_scan(const bf16 *y, int64_t width, int64_t c0, float *val, int64_t *idx, int64_t *count,
                      int64_t top, int64_t *nan) {
     int64_t i = 0;
-    for (; i < width && (*count < top || i % VW); i++) {
-        const float v = bf16_to_f(y[i]);
-        if (v != v) {
-            if (*nan < 0) *nan = c0 + i;
-        } else {
-            top_insert(val, idx, count, top, v, c0 + i);
-        }
-    }
-    for (; i + VW <= width; i += VW) {
-        if (!any_above_or_nan(vload_bf16(y + i), val[top - 1])) continue;
-        for (int64_t t = i; t < i + VW; t++) {
-            const float w = bf16_to_f(y[t]);
-            if (w != w) {
-                if (*nan < 0) *nan = c0 + t;
-            } else {
-                top_insert(val, idx, count, top, w, c0 + t);
-            }
-        }
-    }
-    for (; i < width; i++) {
-        const float v = bf16_to_f(y[i]);
-        if (v != v) {
-            if (*nan < 0) *nan = c0 + i;
-        } else {
-            top_insert(val, idx, count, top, v, c0 + i);
-        }
-    }
+    for (; i < width && (*count < top || i % VW); i++) top_take(bf16_to_f(y[i]), c0 + i, val, idx, count, top, nan);
+    for (; i + VW <= width; i += VW)
+        if (any_above_or_nan(vload_bf16(y + i), val[top - 1]))
+            for (int64_t t = i; t < i + VW; t++) top_take(bf16_to_f(y[t]), c0 + t, val, idx, count, top, nan);
+    for (; i < width; i++) top_take(bf16_to_f(y[i]), c0 + i, val, idx, count, top, nan);
 }
 
 /* A thread's kept lists, one per row. */
@@ -178,7 +163,7 @@ int top_argmax(const float *values, const int64_t *ids, const int64_t *nan, int6
         int64_t best = 0;
         for (int64_t j = 0; j < top; j++) {
             if (v[j] != v[j]) return 1;
-            if (BEFORE(v[j], i[j], v[best], i[best])) best = j;
+            if (ranks_before(v[j], i[j], v[best], i[best])) best = j;
         }
         tokens[r] = i[best];
     }

@@ -3,9 +3,9 @@
 
 /* ---- bf16 logits ------------------------------------------------------------------------------------ */
 
-/* Whether kept entry j is evicted before entry lo: the smaller value, of equal ones the larger id. */
+/* Whether kept entry j is evicted before entry lo: lo ranks before it. */
 static inline int evicts_before(const float *val, const int64_t *idx, int64_t j, int64_t lo) {
-    return val[j] < val[lo] || (val[j] == val[lo] && idx[j] > idx[lo]);
+    return ranks_before(val[lo], idx[lo], val[j], idx[j]);
 }
 
 /* out = bf16 logits widened to fp32, top[r, 0..k) the indices of row r's k largest (ties the earlier), by value
@@ -48,8 +48,8 @@ void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t
                 for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
             }
         }
-        for (int64_t j = 1; j < kk; j++) /* in order: value descending, equal values by index */
-            for (int64_t i = j; i > 0 && (val[i - 1] < val[i] || (val[i - 1] == val[i] && idx[i - 1] > idx[i])); i--) {
+        for (int64_t j = 1; j < kk; j++) /* in the rows' order (ranks_before) */
+            for (int64_t i = j; i > 0 && evicts_before(val, idx, i - 1, i); i--) {
                 const float v = val[i];
                 const int64_t t = idx[i];
                 val[i] = val[i - 1], idx[i] = idx[i - 1];
