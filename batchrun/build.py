@@ -119,6 +119,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     n_params = sum(p.numel() for p in loaded.model.parameters()) + quantized_params(loaded.model)
     room = few_rows_room(loaded.model, memory, device, batch_invariant)
     prepare_cpu_linears(loaded.model, device, dtype, batch_invariant, room)
+    runner.enable_native_layers()
     engine_config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                                  max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_bytes_per_token=shape.bytes_per_token, sliding_window=loaded.model.kv_window)

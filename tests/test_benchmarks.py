@@ -168,11 +168,21 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys):
     out = capsys.readouterr().out
     share = float(out.split("% of it in the C kernels")[0].rsplit(" ", 1)[1])
     assert 0 < share < 100
-    # the tiny model's linears are the C kernel's, timed by shape; the library's functions are restored after
-    assert "linear_f32" in out and "G multiply-adds/s" in out and "paged_attention" in out
+    # the layers in one native call; the lm_head on the C kernel, timed by shape; the library's functions restored
+    assert "decoder_layers" in out and "linear_f32" in out and "G multiply-adds/s" in out
     # the time between the calls, by where it falls: "<call> -> <call>   x ms a step"
     between = out.split("outside them, ")[1].splitlines()[1:]
     assert between and all(" -> " in line and line.endswith("ms a step") for line in between)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
+def test_profile_times_each_kernel_with_the_layers_in_python(capsys, monkeypatch):
+    from benchmarks.micro import profile
+
+    monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "0")
+    assert profile.main(["--quick", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder_layers" not in out and "paged_attention" in out and "rms_norm" in out
     assert isinstance(cpu_kernels.library({}).linear_f32, ctypes._CFuncPtr)
 
 

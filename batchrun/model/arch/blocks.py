@@ -296,6 +296,8 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         self.cos = self.sin = torch.empty(0)
         self.rope_variants: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_multiplier: float | None = None
+        # the step's layers in one native call where it applies (native_layers.py; set by the runner, else None)
+        self.native_layers = None
 
     @abstractmethod
     def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
@@ -396,9 +398,13 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         x = self.embed_tokens(input_ids)
         if self._embed_multiplier is not None:
             x = x * self._embed_multiplier
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, ctx)
+        native = self.native_layers.run(x, ctx) if self.native_layers is not None else None
+        if native is not None:
+            x, residual = native
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, ctx)
         return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

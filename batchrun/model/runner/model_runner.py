@@ -14,6 +14,7 @@ import torch
 from batchrun.engine.contract import RunnerTimers, ScheduledSeq, SchedulerOutput, StepOutput
 from batchrun.kernels.layouts.kv_rows import as_bytes, row_width
 from batchrun.model.arch.blocks import CausalLM
+from batchrun.model.arch.native_layers import NativeLayers
 from batchrun.model.layers.attention import AttentionMetadata
 from batchrun.model.layers.backends import select_backend
 from batchrun.model.layers.context import ForwardContext
@@ -91,6 +92,12 @@ class ModelRunner:
         self.grammar_mask = None  # made at the first constrained row (structured outputs import xgrammar)
         # the step's block tables, kept across steps (rows as wide as the longest sequence the model takes)
         self.block_rows = BlockTableRows(-(-model.cos.shape[0] // shape.block_size))
+
+    def enable_native_layers(self) -> None:
+        """On a CPU, once the linears are packed: the steps' decoder layers in one native call where the model's
+        layers are what it runs (model/arch/native_layers.py), the Python loop elsewhere."""
+        if self.device.type == "cpu":
+            self.model.native_layers = NativeLayers.build(self.model, self.backend, self.ops, self.kv_cache)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode graphs (CUDA with a graph-safe backend only); on failure stay eager."""

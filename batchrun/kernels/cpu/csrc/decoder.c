@@ -1,0 +1,129 @@
+/* A step's pre-norm decoder layers in one call: each layer's RMSNorm, q|k|v, RoPE, the KV store, paged
+ * attention, o_proj, the residual add with the second norm, gate|up, the gated activation and down, in that order,
+ * through the same kernels and with the same arguments as the Python layer makes them, so every output has the
+ * Python path's bits. The step's plan (positions, slots, block tables, rows) is set once for all layers; the
+ * activations live in one workspace the caller keeps. */
+#include "common.h"
+
+/* linears.c, quant_linears.c, elementwise.c, attention.c */
+extern void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
+                       const float *bias, float *y);
+extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
+                       bf16 *y);
+extern int quant_linear(const void *x, int64_t rows, int64_t k, int xbf, const uint8_t *packed, const float *pscale,
+                        const float *poffset, int64_t n, int64_t wgs, int64_t gs, int bits, const void *bias, void *y,
+                        int ybf, int plain);
+extern void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
+                     float eps, int add, int res_fp32, int bf);
+extern void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
+extern void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
+extern void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, int64_t rot,
+                 const int64_t *positions, const float *cos_t, const float *sin_t, int bf);
+extern int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                           int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                           int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                           int64_t amx_lanes, int64_t window, float softcap);
+extern void store_kv(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
+                     int64_t width, void *kc, void *vc, int64_t elsize);
+extern int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                                int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                                int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                                int64_t window, float softcap);
+extern void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
+                          int64_t hkv, int64_t d, void *kc, void *vc, int bf);
+
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { KV_MODEL_DTYPE = 0, KV_INT8 = 1 };
+
+/* One linear as its module holds it: panels (fp32 or bf16) or a quantized weight's packed panels. */
+typedef struct {
+    int64_t kind, n, k;
+    const void *packed, *bias;
+    const float *scale, *offset; /* LINEAR_QUANT: the packed scales, the 4-bit offsets (NULL for int8) */
+    int64_t weight_group, group, bits, plain;
+} NativeLinear;
+
+typedef struct {
+    NativeLinear qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;
+    int64_t window;
+    float scale, softcap;
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
+    int64_t activation, kv_format, amx_lanes, bf, res_fp32;
+    float eps;
+} DecoderShape;
+
+typedef struct {
+    const void *x_in; /* [rows, hidden]: layer 0's input (the embeddings) */
+    void *residual;   /* [rows, hidden]: x_in's values on entry, the stream before the last layer's output on return */
+    void *x;          /* [rows, hidden]: the last layer's output on return (the hidden state is residual + x) */
+    void *h, *qkv, *attn, *gate_up, *act; /* the workspace: [rows, hidden | q + 2 kv | q | 2 inter | inter] */
+    int64_t rows;
+    const int64_t *positions, *slots;
+    const float *cos_t, *sin_t;
+    const int32_t *block_tables, *row_seq, *row_len;
+    int64_t bt_stride;
+    char *kv;                        /* the pool: layer l's K at kv + l * layer_bytes, its V half_bytes after */
+    int64_t layer_bytes, half_bytes;
+} DecoderStep;
+
+/* y [rows, n] = x [rows, k] W^T + b; nonzero where a kernel found no scratch memory. */
+static int run_linear(const NativeLinear *w, const void *x, int64_t rows, void *y, int bf) {
+    switch (w->kind) {
+    case LINEAR_F32:
+        linear_f32(x, w->k, rows, w->packed, w->n, w->k, w->bias, y);
+        return 0;
+    case LINEAR_BF16:
+        return linear_bf16(x, rows, w->packed, w->n, w->k, w->bias, y);
+    default:
+        return quant_linear(x, rows, w->k, bf, w->packed, w->scale, w->offset, w->n, w->weight_group, w->group,
+                            (int)w->bits, w->bias, y, bf, (int)w->plain);
+    }
+}
+
+static int attention(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, int64_t l) {
+    const int bf = (int)s->bf;
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t width = q_size + 2 * kv_size, elsize = bf ? 2 : 4;
+    char *qkv = t->qkv, *k = qkv + q_size * elsize, *v = k + kv_size * elsize;
+    char *kc = t->kv + l * t->layer_bytes, *vc = kc + t->half_bytes;
+    rope(qkv, width, t->rows, s->heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
+    rope(k, width, t->rows, s->kv_heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
+    if (s->kv_format == KV_INT8) {
+        store_kv_int8(k, v, width, t->slots, t->rows, s->kv_heads, s->head_dim, kc, vc, bf);
+        return paged_attention_int8(qkv, width, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
+                                    t->attn, t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size,
+                                    layer->scale, bf, layer->window, layer->softcap);
+    }
+    store_kv(k, v, width, t->slots, t->rows, kv_size, kc, vc, elsize);
+    return paged_attention(qkv, width, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len, t->attn,
+                           t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size, layer->scale, bf,
+                           s->amx_lanes, layer->window, layer->softcap);
+}
+
+/* Layers [0, num_layers) of the step: 0 when done, else 1 (a kernel found no scratch memory). */
+int decoder_layers(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, const DecoderStep *t) {
+    const int bf = (int)s->bf, res_fp32 = (int)s->res_fp32;
+    const int64_t rows = t->rows;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const DecoderLayer *layer = layers + l;
+        /* layer 0 norms the embeddings (the residual holds them already); later layers add their input first */
+        rms_norm(l ? t->x : t->x_in, l ? t->residual : NULL, layer->input_norm, t->h, rows, s->hidden, s->eps, l > 0,
+                 res_fp32, bf);
+        if (run_linear(&layer->qkv, t->h, rows, t->qkv, bf) || attention(s, layer, t, l) ||
+            run_linear(&layer->o, t->attn, rows, t->x, bf))
+            return 1;
+        rms_norm(t->x, t->residual, layer->post_norm, t->h, rows, s->hidden, s->eps, 1, res_fp32, bf);
+        if (run_linear(&layer->gate_up, t->h, rows, t->gate_up, bf)) return 1;
+        if (s->activation == ACT_SILU)
+            silu_mul(t->gate_up, t->act, rows, s->inter, bf);
+        else
+            gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
+        if (run_linear(&layer->down, t->act, rows, t->x, bf)) return 1;
+    }
+    return 0;
+}
