@@ -21,7 +21,7 @@ from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
 from batchrun.model.arch.registry import model_class
 from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.layers.backends import resolve_batch_invariant
-from batchrun.model.layers.linear import few_rows_copy_bytes, prepare_cpu_linears
+from batchrun.model.layers.linear import few_rows_copy_bytes, prepare_cpu_linears, prepare_encoder_linears
 from batchrun.model.quant.linear import LM_HEAD_SPEC, QuantSpec, quantized_params
 from batchrun.model.runner.memory import (
     WORKING_BYTES,
@@ -151,6 +151,7 @@ def _encoder_engine(args: EngineArgs, source: Any, device: torch.device, dtype: 
 
     loaded = load_model(source.load_spec, dtype=dtype, device=device, max_model_len=args.max_model_len,
                         tokenizer=source.tokenizer, trust_remote_code=args.trust_remote_code)
+    prepare_encoder_linears(loaded.model, device, dtype)
     max_len = loaded.max_model_len
     budget = max(args.max_num_batched_tokens, max_len)
     num_blocks = -(-budget // args.block_size) + args.max_num_seqs

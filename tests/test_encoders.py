@@ -352,3 +352,47 @@ def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(tmp_path, word
         no_types = [torch.sigmoid(model(input_ids=tok(query, d, return_tensors="pt").input_ids).logits[0, 0]).item()
                     for d in docs]
     assert max(abs(a - b) for a, b in zip(want, no_types)) > 1e-4  # the types matter to this model
+
+
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_bf16_embeddings_follow_the_fp32_model(family, root, word_tokenizer, sequences):
+    """bf16 through LLM (where oneDNN runs bf16: every linear packed once, GELU and the residual adds in the
+    linears' own pass) against transformers' fp32 hidden states, within bf16's rounding."""
+    from batchrun import LLM
+    from batchrun.model.layers.linear import OneDNNLinear
+
+    path, hf = checkpoint(family, False, root, word_tokenizer)
+    llm = LLM(str(path), dtype="bfloat16", device="cpu")
+    model = llm.engine.runner.model
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert all(isinstance(m, OneDNNLinear) for layer in model.layers for m in layer.children()
+                   if isinstance(m, (torch.nn.Linear, OneDNNLinear)))
+    prompts = [{"prompt_token_ids": [2, *seq, 3]} for seq in sequences]
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, llm.embed(prompts, use_tqdm=False)):
+            cls = reference_hidden(hf, prompt["prompt_token_ids"])[0]
+            cos = F.cosine_similarity(torch.tensor(out.outputs.embedding).double(), cls.double(), dim=0).item()
+            assert cos >= 0.999, cos
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_a_packed_linear_with_its_activation_or_add_in_its_pass(activation):
+    """linear_act / linear_add on a packed bf16 linear: act(linear(x)) and linear(x) + other within bf16 rounding;
+    on a plain nn.Linear exactly the unfused ops."""
+    from transformers.activations import ACT2FN
+
+    from batchrun.model.layers.linear import OneDNNLinear, linear_act, linear_add
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    act = ACT2FN[activation]
+    x, other = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(40, 96, dtype=torch.bfloat16)
+    assert torch.equal(linear_act(plain, x, activation, act), act(plain(x)))
+    assert torch.equal(linear_add(plain, x, other), plain(x) + other)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN runs no bf16 here: the packed linear is not made")
+    packed = OneDNNLinear(plain, few_rows_copy=False)
+    want = act(F.linear(x.float(), plain.weight.float(), plain.bias.float()))
+    torch.testing.assert_close(linear_act(packed, x, activation, act).float(), want, atol=2e-2, rtol=2e-2)
+    want = F.linear(x.float(), plain.weight.float(), plain.bias.float()) + other.float()
+    torch.testing.assert_close(linear_add(packed, x, other).float(), want, atol=3e-2, rtol=2e-2)

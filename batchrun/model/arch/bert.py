@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 
 from batchrun.model.arch.encoder import Encoder
 from batchrun.model.errors import ModelLoadError
+from batchrun.model.layers.linear import linear_act, linear_add
 from batchrun.model.layers.varlen_attention import varlen_attention
 
 
@@ -29,6 +30,7 @@ class BertLayer(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
         self.up_proj = nn.Linear(hidden, config.intermediate_size)
+        self.act_name = config.hidden_act
         self.act = ACT2FN[config.hidden_act]
         self.down_proj = nn.Linear(config.intermediate_size, hidden)
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
@@ -36,8 +38,8 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         a = varlen_attention(q, k, v, seq_starts, self.head_dim**-0.5).reshape(x.shape)
-        x = self.attn_norm(self.o_proj(a) + x)
-        return self.mlp_norm(self.down_proj(self.act(self.up_proj(x))) + x)
+        x = self.attn_norm(linear_add(self.o_proj, a, x))
+        return self.mlp_norm(linear_add(self.down_proj, linear_act(self.up_proj, x, self.act_name, self.act), x))
 
 
 class BertEncoder(Encoder):

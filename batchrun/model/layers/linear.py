@@ -233,6 +233,44 @@ def prepare_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dty
              "; ".join(f"{', '.join(names)}: {kernel}" for kernel, names in kinds.items()))
 
 
+def prepare_encoder_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """An encoder's bf16 linears in oneDNN's layout, packed once, where oneDNN's bf16 kernels run here (no few-row
+    copy: an encoder's steps are whole prompts); returns how many. Other dtypes and devices keep F.linear."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "mkl" \
+            or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0
+    linears = _linears(model)
+    if not linears or not _works(linears[0][2]):
+        return 0
+    count = len(linears)
+    while linears:
+        parent, name, linear = linears.pop()
+        setattr(parent, name, OneDNNLinear(linear, few_rows_copy=False))
+        del linear
+    log.info("%d encoder linear layers in oneDNN's layout", count)
+    return count
+
+
+# transformers' GELU activations -> oneDNN's fused GELU algorithm (erf: "none"; tanh's approximation: "tanh")
+_ONEDNN_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def linear_act(module: nn.Module, x: torch.Tensor, activation: str, act: nn.Module) -> torch.Tensor:
+    """act(module(x)), for `activation` (transformers' name of `act`): in the linear's own pass where oneDNN runs it."""
+    algorithm = _ONEDNN_GELU.get(activation)
+    if isinstance(module, OneDNNLinear) and algorithm is not None and module.small is None and x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed, module.bias, "gelu", [], algorithm)
+    return act(module(x))
+
+
+def linear_add(module: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """module(x) + other, the add in the linear's own pass where oneDNN runs it."""
+    if isinstance(module, OneDNNLinear) and module.small is None and x.dim() == 2 and other.shape[0] == x.shape[0] \
+            and other.dtype == x.dtype and other.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, module.packed, module.bias, "add")
+    return module(x) + other
+
+
 def linear_kernels(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> dict[str, list[str]]:
     """The kernel each class of linear (its attribute name: q_proj, down_proj, lm_head, ...) takes here."""
     own = own_kernel(model, batch_invariant, few_rows_room)
