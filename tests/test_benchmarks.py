@@ -161,8 +161,10 @@ def test_profile_breaks_down_steps(capsys):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
-def test_profile_times_the_c_kernels_inside_the_steps(capsys):
+def test_profile_times_the_c_kernels_inside_the_steps(capsys, monkeypatch):
     from benchmarks.micro import profile
+
+    monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "1")
 
     assert profile.main(["--quick", "--kernels"]) == 0
     out = capsys.readouterr().out

@@ -16,6 +16,12 @@ from batchrun.model.arch.native_layers import NativeLayers
 pytestmark = pytest.mark.skipif(not (decoder.available() and linears.has_panel_linears()),
                                 reason="needs the C kernels with their linear panels (AVX2 or AVX-512)")
 
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """On whatever the CPU (by default only where it was measured: native_layers.MEASURED_KERNELS)."""
+    monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "1")
+
+
 PROMPTS = ["the cat sat on the mat and then " * 3, "hello there", "the cat sat on the mat and then " * 3 + "a dog",
            "one two three four five six seven eight nine ten eleven twelve", "x"]
 

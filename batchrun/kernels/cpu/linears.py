@@ -42,9 +42,11 @@ def has_panel_linears() -> bool:
     return lib is not None and lib.f32_linear_panel() > 0
 
 
+@cache
 def bf16_kernel() -> str:
     """linear_bf16's kernel here: "amx" (k a multiple of 32; vdpbf16ps for other even k), "dot" (vdpbf16ps, k
-    even), "widened" (fp32 multiply-adds), or "". BATCHRUN_AMX=0, BATCHRUN_BF16_DOT=0 turn the first two off."""
+    even), "widened" (fp32 multiply-adds), or "". BATCHRUN_AMX=0, BATCHRUN_BF16_DOT=0 turn the first two off (read
+    once by the library, so the answer holds for the process: the greedy path asks it every step)."""
     if not has_panel_linears():
         return ""
     lib = _library()

@@ -1,9 +1,7 @@
-"""A step's decoder layers in one native call (kernels/cpu/decoder.py) in place of the Python loop, where the call
-makes the same kernel calls with the same arguments: pre-norm layers (PreNormLayer, no residual scale) of plain
-attention (no q/k norms, the global rotary table) and a gated MLP, every linear on a C kernel at the step's row
-count, the attention on the C backend, over a pool in the model's dtype or int8. Each output then has the Python
-path's bits (tests/test_native_layers.py); a step or model outside that takes the Python loop.
-BATCHRUN_NATIVE_LAYERS=0 turns it off."""
+"""A step's decoder layers in one native call (kernels/cpu/decoder.py) where it makes the Python loop's kernel calls
+with the same arguments, so the same bits: pre-norm layers of plain attention and a gated MLP, every linear on a C
+kernel at the step's row count, the C attention over a pool in the model's dtype or int8. Elsewhere: the loop.
+BATCHRUN_NATIVE_LAYERS: auto (on where it was measured, MEASURED_KERNELS), 1 (on), 0 (off)."""
 
 from __future__ import annotations
 
@@ -30,6 +28,9 @@ log = logging.getLogger(__name__)
 # past a few hundred rows it is a small share of the step, and the workspace stays small.
 MAX_ROWS = 256
 _ALIGN = 64  # bytes: each workspace section starts on a cache line
+# The CPU kinds (by their bf16 linear kernel, linears.bf16_kernel()) where the native call was measured faster than
+# the Python loop (docs/performance.md); elsewhere the loop stays the default until it is measured there.
+MEASURED_KERNELS = ("amx",)
 
 
 @dataclass
@@ -62,8 +63,13 @@ def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> _Linear | Non
 def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tensor) -> str | None:
     """Why the model's layers cannot take the native call (None: they can, layer by layer checked in build)."""
     dtype = model.embed_tokens.weight.dtype
-    if os.environ.get("BATCHRUN_NATIVE_LAYERS", "1") == "0":
+    choice = os.environ.get("BATCHRUN_NATIVE_LAYERS", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"BATCHRUN_NATIVE_LAYERS must be auto, 0 or 1, got {choice!r}")
+    if choice == "0":
         return "BATCHRUN_NATIVE_LAYERS=0"
+    if choice == "auto" and cpu_linears.bf16_kernel() not in MEASURED_KERNELS:
+        return "not yet measured on this CPU kind (BATCHRUN_NATIVE_LAYERS=1 turns it on)"
     if not isinstance(ops, CpuKernelOps) or dtype not in (torch.float32, torch.bfloat16):
         return "the element-wise ops are not the C kernels"
     if not isinstance(backend, TorchBackend) or not backend.cpu_kernels or backend.sdpa_prefill:
@@ -154,8 +160,7 @@ class NativeLayers:
         return sections
 
     def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the last layer's output, the residual stream) as the Python loop returns them, or None where this step
-        is not the native call's (more rows than its linears take there, padded slots, an input not the model's)."""
+        """(the last layer's output, the residual stream) as the Python loop returns them, or None (the loop's)."""
         rows = x.shape[0]
         meta, pool = ctx.attn, ctx.kv_cache
         backend, ops, pool_dtype, block_size = self.made_for

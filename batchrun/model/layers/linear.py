@@ -234,8 +234,7 @@ def prepare_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dty
 
 
 def prepare_encoder_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """An encoder's bf16 linears in oneDNN's layout, packed once, where oneDNN's bf16 kernels run here (no few-row
-    copy: an encoder's steps are whole prompts); returns how many. Other dtypes and devices keep F.linear."""
+    """An encoder's bf16 linears packed once in oneDNN's layout where it runs bf16 (no few-row copy); how many."""
     if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("BATCHRUN_CPU_MATMUL", "auto") == "mkl" \
             or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
