@@ -21,7 +21,8 @@ class NativeLinear(ctypes.Structure):
 
 class DecoderLayer(ctypes.Structure):
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
-                ("input_norm", _P), ("post_norm", _P), ("window", _I), ("scale", _F), ("softcap", _F)]
+                ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("window", _I), ("scale", _F),
+                ("softcap", _F)]
 
 
 class DecoderShape(ctypes.Structure):
@@ -32,7 +33,7 @@ class DecoderShape(ctypes.Structure):
 
 class DecoderStep(ctypes.Structure):
     _fields_ = [("x_in", _P), ("residual", _P), ("x", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
-                ("act", _P), ("rows", _I), ("positions", _P), ("slots", _P), ("cos_t", _P), ("sin_t", _P),
+                ("act", _P), ("q_normed", _P), ("k_normed", _P), ("k_copy", _P), ("v_copy", _P), ("rows", _I), ("positions", _P), ("slots", _P), ("cos_t", _P), ("sin_t", _P),
                 ("block_tables", _P), ("row_seq", _P), ("row_len", _P), ("bt_stride", _I), ("kv", _P),
                 ("layer_bytes", _I), ("half_bytes", _I)]
 

@@ -1,6 +1,6 @@
 """A step's decoder layers in one native call (kernels/cpu/decoder.py) where it makes the Python loop's kernel calls
-with the same arguments, so the same bits: pre-norm layers of plain attention and a gated MLP, every linear on a C
-kernel at the step's row count, the C attention over a pool in the model's dtype or int8. Elsewhere: the loop.
+with the same arguments, so the same bits: pre-norm layers of attention (per-head q/k norms or none) and a gated MLP,
+every linear on a C kernel at the step's row count, the C attention over a pool in the model's dtype or int8.
 BATCHRUN_NATIVE_LAYERS: auto (on where it was measured, MEASURED_KERNELS), 1 (on), 0 (off)."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class NativeLayers:
         # the backend, ops, pool dtype and block size it was described for: another runner of the same model
         # (a pool of another format) takes the Python loop
         self.made_for = made_for
-        self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation
+        self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied k, v
         self._keep = keep  # the tensors the structures point into
         self._work = torch.empty(0, dtype=dtype)
 
@@ -108,25 +108,28 @@ class NativeLayers:
         for layer in model.layers if why is None else ():
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if type(layer) is not PreNormLayer or layer.residual_scale != 1.0 or type(attn) is not Attention \
-                    or attn.qk_norm is not None or attn.rope != "global" or type(mlp) is not GatedMLP:
+                    or attn.qk_norm not in (None, "head") or attn.rope != "global" or type(mlp) is not GatedMLP:
                 why = f"a {type(layer).__name__} layer"
                 break
-            if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act,
-                    layer.input_layernorm.eps, layer.post_attention_layernorm.eps) != \
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm)
+                                                                                if attn.qk_norm else ())]
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act, attn.qk_norm) != \
                     (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-                     first.mlp.inter, first.mlp.act, first.input_layernorm.eps, first.input_layernorm.eps):
+                     first.mlp.inter, first.mlp.act, first.self_attn.qk_norm) \
+                    or any(norm.eps != first.input_layernorm.eps for norm in norms):
                 why = "layers of different shapes"
                 break
             linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                           mlp.down_proj)]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+            weights = [norm.weight for norm in norms]
+            if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
                 why = "a linear or norm no C kernel takes"
                 break
             max_rows = min([max_rows, *(lin.max_rows for lin in linears)])
-            keep += norms
-            specs.append(decoder.DecoderLayer(*(lin.spec for lin in linears), norms[0].data_ptr(), norms[1].data_ptr(),
-                                              attn.window, attn.scale, attn.softcap))
+            keep += weights
+            pointers = [w.data_ptr() for w in weights] + [None, None]
+            specs.append(decoder.DecoderLayer(*(lin.spec for lin in linears), *pointers[:4], attn.window, attn.scale,
+                                              attn.softcap))
         if why is None and not specs:
             why = "no layers"
         if why is not None:
@@ -142,7 +145,8 @@ class NativeLayers:
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
             res_fp32=int(residual_dtype == torch.float32), eps=first.input_layernorm.eps)
         hidden = model.config.hidden_size
-        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter)
+        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,
+                  *((attn.q_size, attn.kv_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0, 0)))
         log.info("decoder layers in one native call for steps of up to %d rows", max_rows)
         return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
                    (backend, ops, kv_cache.dtype, kv_cache.shape[3]))
@@ -169,13 +173,14 @@ class NativeLayers:
                 or pool.dtype != pool_dtype or pool.shape[3] != block_size:
             return None
         residual = x.to(self.residual_dtype)  # as start_residual makes it (x itself where the dtypes agree)
-        out, h, qkv, attn, gate_up, act = self._sections(rows)
+        out, h, qkv, attn, gate_up, act, q_normed, k_normed, k_copy, v_copy = self._sections(rows)
         row_seq, row_len = meta.query_rows
         tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
         rotary = ctx.rotary
         step = decoder.DecoderStep(
             x.data_ptr(), residual.data_ptr(), out.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
-            gate_up.data_ptr(), act.data_ptr(), rows, rotary.positions.data_ptr(), meta.slot_mapping.data_ptr(),
+            gate_up.data_ptr(), act.data_ptr(), q_normed.data_ptr(), k_normed.data_ptr(), k_copy.data_ptr(),
+            v_copy.data_ptr(), rows, rotary.positions.data_ptr(), meta.slot_mapping.data_ptr(),
             rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), tables.data_ptr(), row_seq.data_ptr(),
             row_len.data_ptr(), tables.stride(0), pool.data_ptr(), pool.stride(0) * pool.element_size(),
             pool.stride(1) * pool.element_size())

@@ -47,6 +47,7 @@ typedef struct {
 typedef struct {
     NativeLinear qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
+    const void *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3), or NULL */
     int64_t window;
     float scale, softcap;
 } DecoderLayer;
@@ -62,6 +63,7 @@ typedef struct {
     void *residual;   /* [rows, hidden]: x_in's values on entry, the stream before the last layer's output on return */
     void *x;          /* [rows, hidden]: the last layer's output on return (the hidden state is residual + x) */
     void *h, *qkv, *attn, *gate_up, *act; /* the workspace: [rows, hidden | q + 2 kv | q | 2 inter | inter] */
+    void *q_normed, *k_normed, *k_copy, *v_copy; /* with q/k norms: [rows, q | kv | kv | kv] */
     int64_t rows;
     const int64_t *positions, *slots;
     const float *cos_t, *sin_t;
@@ -85,22 +87,38 @@ static int run_linear(const NativeLinear *w, const void *x, int64_t rows, void *
     }
 }
 
+/* Columns [col, col + width) of `rows` rows `stride` apart, into a contiguous [rows, width]: the copy torch's
+ * .contiguous() makes of a q / k / v view. */
+static void copy_columns(const char *src, int64_t stride, int64_t rows, int64_t width, char *dst, int64_t elsize) {
+#pragma omp parallel for if (rows * width > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * width * elsize, src + r * stride * elsize, width * elsize);
+}
+
 static int attention(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, int64_t l) {
     const int bf = (int)s->bf;
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t width = q_size + 2 * kv_size, elsize = bf ? 2 : 4;
-    char *qkv = t->qkv, *k = qkv + q_size * elsize, *v = k + kv_size * elsize;
+    const int64_t elsize = bf ? 2 : 4;
+    int64_t q_stride = q_size + 2 * kv_size, kv_stride = q_stride;
+    char *q = t->qkv, *k = q + q_size * elsize, *v = k + kv_size * elsize;
     char *kc = t->kv + l * t->layer_bytes, *vc = kc + t->half_bytes;
-    rope(qkv, width, t->rows, s->heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
-    rope(k, width, t->rows, s->kv_heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
+    if (layer->q_norm != NULL) { /* per-head norms of contiguous copies, as the Python layer takes them */
+        copy_columns(q, q_stride, t->rows, q_size, t->attn, elsize);
+        rms_norm(t->attn, NULL, layer->q_norm, t->q_normed, t->rows * s->heads, s->head_dim, s->eps, 0, 0, bf);
+        copy_columns(k, q_stride, t->rows, kv_size, t->k_copy, elsize);
+        rms_norm(t->k_copy, NULL, layer->k_norm, t->k_normed, t->rows * s->kv_heads, s->head_dim, s->eps, 0, 0, bf);
+        copy_columns(v, q_stride, t->rows, kv_size, t->v_copy, elsize);
+        q = t->q_normed, k = t->k_normed, v = t->v_copy, q_stride = q_size, kv_stride = kv_size;
+    }
+    rope(q, q_stride, t->rows, s->heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
+    rope(k, kv_stride, t->rows, s->kv_heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
     if (s->kv_format == KV_INT8) {
-        store_kv_int8(k, v, width, t->slots, t->rows, s->kv_heads, s->head_dim, kc, vc, bf);
-        return paged_attention_int8(qkv, width, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
+        store_kv_int8(k, v, kv_stride, t->slots, t->rows, s->kv_heads, s->head_dim, kc, vc, bf);
+        return paged_attention_int8(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
                                     t->attn, t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size,
                                     layer->scale, bf, layer->window, layer->softcap);
     }
-    store_kv(k, v, width, t->slots, t->rows, kv_size, kc, vc, elsize);
-    return paged_attention(qkv, width, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len, t->attn,
+    store_kv(k, v, kv_stride, t->slots, t->rows, kv_size, kc, vc, elsize);
+    return paged_attention(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len, t->attn,
                            t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size, layer->scale, bf,
                            s->amx_lanes, layer->window, layer->softcap);
 }
