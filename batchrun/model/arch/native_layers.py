@@ -6,6 +6,7 @@ BATCHRUN_NATIVE_LAYERS: auto (on where it was measured, MEASURED_KERNELS), 1 (on
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -88,12 +89,12 @@ class NativeLayers:
 
     def __init__(self, shape: decoder.DecoderShape, layers: ctypes.Array, max_rows: int, dtype: torch.dtype,
                  residual_dtype: torch.dtype, widths: tuple[int, ...], keep: list[torch.Tensor],
-                 made_for: tuple[object, object, torch.dtype, int]) -> None:
+                 backend: object) -> None:
         self.shape, self.layers, self.max_rows = shape, layers, max_rows
         self.dtype, self.residual_dtype = dtype, residual_dtype
-        # the backend, ops, pool dtype and block size it was described for: another runner of the same model
-        # (a pool of another format) takes the Python loop
-        self.made_for = made_for
+        # the runner's backend it was described for (with its pool's format): another runner of the same model takes
+        # the Python loop
+        self.backend = backend
         self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied k, v
         self._keep = keep  # the tensors the structures point into
         self._work = torch.empty(0, dtype=dtype)
@@ -127,9 +128,9 @@ class NativeLayers:
                 break
             max_rows = min([max_rows, *(lin.max_rows for lin in linears)])
             keep += weights
-            pointers = [w.data_ptr() for w in weights] + [None, None]
-            specs.append(decoder.DecoderLayer(*(lin.spec for lin in linears), *pointers[:4], attn.window, attn.scale,
-                                              attn.softcap))
+            input_norm, post_norm, q_norm, k_norm = [w.data_ptr() for w in weights] + [None] * (4 - len(weights))
+            specs.append(decoder.DecoderLayer(*(lin.spec for lin in linears), input_norm, post_norm, q_norm, k_norm,
+                                              attn.window, attn.scale, attn.softcap))
         if why is None and not specs:
             why = "no layers"
         if why is not None:
@@ -149,40 +150,35 @@ class NativeLayers:
                   *((attn.q_size, attn.kv_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0, 0)))
         log.info("decoder layers in one native call for steps of up to %d rows", max_rows)
         return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
-                   (backend, ops, kv_cache.dtype, kv_cache.shape[3]))
+                   backend)
 
-    def _sections(self, rows: int) -> list[torch.Tensor]:
-        """The workspace's sections for `rows` rows, each [rows, width] from a cache line (grown as needed)."""
+    def _sections(self, rows: int) -> tuple[torch.Tensor, list[int]]:
+        """The workspace for `rows` rows (grown as needed): its first section as a tensor [rows, hidden] (the output
+        the step returns), and the address of each section [rows, width], each from a cache line."""
         per_line = _ALIGN // self._work.element_size()
         sizes = [-(-rows * width // per_line) * per_line for width in self.widths]
         if self._work.numel() < sum(sizes):
             self._work = torch.empty(sum(sizes), dtype=self.dtype)
-        sections, start = [], 0
-        for width, size in zip(self.widths, sizes):
-            sections.append(self._work[start : start + rows * width].view(rows, width))
-            start += size
-        return sections
+        base, element = self._work.data_ptr(), self._work.element_size()
+        starts = [base + element * start for start in itertools.accumulate(sizes[:-1], initial=0)]
+        return self._work[: rows * self.widths[0]].view(rows, self.widths[0]), starts
 
     def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) as the Python loop returns them, or None (the loop's)."""
         rows = x.shape[0]
         meta, pool = ctx.attn, ctx.kv_cache
-        backend, ops, pool_dtype, block_size = self.made_for
         if not 0 < rows <= self.max_rows or meta.has_padding or x.dim() != 2 or x.dtype != self.dtype \
-                or not x.is_contiguous() or ctx.backend is not backend or ctx.ops is not ops \
-                or pool.dtype != pool_dtype or pool.shape[3] != block_size:
+                or not x.is_contiguous() or ctx.backend is not self.backend:
             return None
         residual = x.to(self.residual_dtype)  # as start_residual makes it (x itself where the dtypes agree)
-        out, h, qkv, attn, gate_up, act, q_normed, k_normed, k_copy, v_copy = self._sections(rows)
+        out, sections = self._sections(rows)
         row_seq, row_len = meta.query_rows
         tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
         rotary = ctx.rotary
         step = decoder.DecoderStep(
-            x.data_ptr(), residual.data_ptr(), out.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
-            gate_up.data_ptr(), act.data_ptr(), q_normed.data_ptr(), k_normed.data_ptr(), k_copy.data_ptr(),
-            v_copy.data_ptr(), rows, rotary.positions.data_ptr(), meta.slot_mapping.data_ptr(),
-            rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), tables.data_ptr(), row_seq.data_ptr(),
-            row_len.data_ptr(), tables.stride(0), pool.data_ptr(), pool.stride(0) * pool.element_size(),
-            pool.stride(1) * pool.element_size())
+            x.data_ptr(), residual.data_ptr(), *sections, rows, rotary.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(), rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), tables.data_ptr(),
+            row_seq.data_ptr(), row_len.data_ptr(), tables.stride(0), pool.data_ptr(),
+            pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size())
         decoder.decoder_layers(self.shape, self.layers, step)
         return out, residual

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -212,11 +213,17 @@ def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_ro
     """Pack every unshared nn.Linear, one at a time so the model is never held twice; returns how many. A tied
     lm_head gets a packed copy in bf16 and batch-invariant; an fp32 one stays on F.linear (transformers' logits)."""
     own = own_kernel(model, batch_invariant, few_rows_room)
-    linears = _linears(model, with_tied=_packs_tied(model, batch_invariant))
+    return _replace_linears(_linears(model, with_tied=_packs_tied(model, batch_invariant)),
+                            lambda linear: PackedLinear(linear) if own
+                            else OneDNNLinear(linear, invariant=batch_invariant))
+
+
+def _replace_linears(linears: list[tuple[nn.Module, str, nn.Linear]], pack: Callable[[nn.Linear], nn.Module]) -> int:
+    """Each (parent, attribute, linear) replaced by pack(linear), one at a time so the model is never held twice."""
     count = len(linears)
     while linears:
         parent, name, linear = linears.pop()
-        setattr(parent, name, PackedLinear(linear) if own else OneDNNLinear(linear, invariant=batch_invariant))
+        setattr(parent, name, pack(linear))
         del linear  # the last reference to its plain weight (unless tied to the embedding)
     return count
 
@@ -241,11 +248,7 @@ def prepare_encoder_linears(model: nn.Module, device: torch.device, dtype: torch
     linears = _linears(model)
     if not linears or not _works(linears[0][2]):
         return 0
-    count = len(linears)
-    while linears:
-        parent, name, linear = linears.pop()
-        setattr(parent, name, OneDNNLinear(linear, few_rows_copy=False))
-        del linear
+    count = _replace_linears(linears, lambda linear: OneDNNLinear(linear, few_rows_copy=False))
     log.info("%d encoder linear layers in oneDNN's layout", count)
     return count
 
