@@ -171,7 +171,7 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys, monkeypatch):
     share = float(out.split("% of it in the C kernels")[0].rsplit(" ", 1)[1])
     assert 0 < share < 100
     # the layers in one native call; the lm_head on the C kernel, timed by shape; the library's functions restored
-    assert "decoder_layers" in out and "linear_f32" in out and "G multiply-adds/s" in out
+    assert "decoder_forward" in out and "linear_f32" in out and "G multiply-adds/s" in out
     # the time between the calls, by where it falls: "<call> -> <call>   x ms a step"
     between = out.split("outside them, ")[1].splitlines()[1:]
     assert between and all(" -> " in line and line.endswith("ms a step") for line in between)
@@ -184,7 +184,7 @@ def test_profile_times_each_kernel_with_the_layers_in_python(capsys, monkeypatch
     monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "0")
     assert profile.main(["--quick", "--kernels"]) == 0
     out = capsys.readouterr().out
-    assert "decoder_layers" not in out and "paged_attention" in out and "rms_norm" in out
+    assert "decoder_forward" not in out and "paged_attention" in out and "rms_norm" in out
     assert isinstance(cpu_kernels.library({}).linear_f32, ctypes._CFuncPtr)
 
 

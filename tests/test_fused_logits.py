@@ -126,8 +126,30 @@ def test_greedy_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monk
     prompts = [chat_text(llm.get_tokenizer(), q) for q in QUESTIONS[:12]]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     calls = []
-    linear_top = cpu_logits.linear_top
-    monkeypatch.setattr(cpu_logits, "linear_top", lambda *a: calls.append(a[0].shape[0]) or linear_top(*a))
+    greedy = cpu_logits.greedy_bf16
+    monkeypatch.setattr(cpu_logits, "greedy_bf16", lambda *a: calls.append(a[0].shape[0]) or greedy(*a))
+    native = llm.engine.runner.model.native_layers
+    if native is not None:  # the native forward finds the tokens in its own call
+        run_greedy = native.run_greedy
+
+        def counted(input_ids, *a):
+            got = run_greedy(input_ids, *a)
+            if got is not None and got[1] is not None:
+                calls.append(input_ids.shape[0])
+            return got
+
+        monkeypatch.setattr(native, "run_greedy", counted)
+    host = llm.engine.runner.host_decode
+    if host is not None:  # its greedy decode steps, planned as host arrays
+        run_host = host.run
+
+        def counted_host(seqs, *a):
+            got = run_host(seqs, *a)
+            if got is not None:
+                calls.append(len(seqs))
+            return got
+
+        monkeypatch.setattr(host, "run", counted_host)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.runner.model.lm_head.panels_for(1) is not None  # the panels, or oneDNN's few-row copy
     assert len(calls) >= 40

@@ -1,6 +1,6 @@
-"""The decoder layers in one native call (model/arch/native_layers.py) against the Python loop they replace: every
-step the call serves is run both ways on the same inputs, and the last layer's output, the residual stream and the
-KV pool must be equal bit for bit, in fp32 and bf16, batch invariant or not, with q/k/v biases, windows, partial
+"""A step's forward in one native call (model/arch/native_layers.py) against the Python path it replaces: every
+step the call serves is run both ways on the same inputs, and the hidden states after the final norm and the KV
+pool must be equal bit for bit, in fp32 and bf16, batch invariant or not, with q/k/v biases, windows, partial
 rotary dims, per-head q/k norms, an int8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
 prompts and prefix hits included. Layers the call does not run keep the Python loop."""
 
@@ -26,43 +26,107 @@ PROMPTS = ["the cat sat on the mat and then " * 3, "hello there", "the cat sat o
            "one two three four five six seven eight nine ten eleven twelve", "x"]
 
 
-def python_layers(model, x, ctx):
-    residual = None
-    for layer in model.layers:
-        x, residual = layer(x, residual, ctx)
-    return x, residual
+def python_forward(model, input_ids, ctx):
+    """The model's forward with the native call off: embeddings, the layers' loop, the final norm."""
+    native, model.native_layers = model.native_layers, None
+    try:
+        return model(input_ids, ctx)
+    finally:
+        model.native_layers = native
 
 
-def checked(native: NativeLayers, model, served: list[int]):
-    """native.run, with each step it serves run again by the Python loop and compared bit for bit."""
-    run = native.run
+def check_step(got, model, input_ids, ctx, served: list[int]) -> None:
+    """The native call's hidden states and pool equal the Python path's on the same step (run again)."""
+    got = got.clone()
+    pool = ctx.kv_cache.clone()
+    want = python_forward(model, input_ids, ctx)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want)
+    assert torch.equal(pool.view(torch.uint8), ctx.kv_cache.view(torch.uint8))
+    served.append(input_ids.shape[0])
 
-    def both(x, ctx):
-        got = run(x.clone(), ctx)
-        if got is None:
-            return None
-        out, residual = got[0].clone(), got[1].clone()
-        pool = ctx.kv_cache.clone()
-        want_out, want_residual = python_layers(model, x.clone(), ctx)
-        assert torch.equal(out, want_out)
-        assert torch.equal(residual, want_residual)
-        assert torch.equal(pool.view(torch.uint8), ctx.kv_cache.view(torch.uint8))
-        served.append(x.shape[0])
-        return out, residual
 
+def checked(native: NativeLayers, model, served: list[int], greedy_served: list[int] | None = None):
+    """native.run and native.run_greedy, each step they serve run again by the Python path and compared bit for
+    bit: the hidden states, the pool, and run_greedy's tokens against greedy_tokens of the Python path's."""
+    run, run_greedy = native.run, native.run_greedy
+
+    def both(input_ids, ctx):
+        got = run(input_ids, ctx)
+        if got is not None:
+            check_step(got, model, input_ids, ctx, served)
+        return got
+
+    def both_greedy(input_ids, ctx, *lm):
+        got = run_greedy(input_ids, ctx, *lm)
+        if got is not None:
+            hidden, tokens = got
+            check_step(hidden, model, input_ids, ctx, served)
+            want = model.greedy_tokens(python_forward(model, input_ids, ctx))
+            assert tokens is not None and want is not None and torch.equal(tokens, want)
+            if greedy_served is not None:
+                greedy_served.append(input_ids.shape[0])
+        return got
+
+    native.run_greedy = both_greedy
     return both
 
 
-def _generate(path, **engine) -> tuple[list[list[int]], list[int]]:
+def perturb_norms(model) -> None:
+    """Every RMSNorm weight moved in place by its own random amount (the checkpoints' norms are all ones: a norm
+    applied with another's weight would go unseen)."""
+    from batchrun.model.arch.blocks import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_((0.2 * torch.randn(module.weight.shape, generator=gen)).to(module.weight.dtype))
+
+
+def checked_host(runner, served: list[int]) -> None:
+    """The runner's greedy decode steps planned as host arrays (host_decode.py), each run again through prepare()
+    and the Python path: the hidden states, the pool and the tokens must be equal."""
+    from batchrun.engine.contract import SchedulerOutput
+
+    host = runner.host_decode
+    assert host is not None
+    run = host.run
+
+    def both(seqs, kv_cache):
+        got = run(seqs, kv_cache)
+        if got is not None:
+            hidden = host.native.hidden_view(len(seqs)).clone()
+            pool = kv_cache.clone()
+            ids, ctx, logits_idx = runner.prepare(SchedulerOutput(seqs=seqs, num_decodes=len(seqs)))
+            assert logits_idx is None
+            want = python_forward(runner.model, ids, ctx)
+            assert torch.equal(hidden, want)
+            assert torch.equal(pool.view(torch.uint8), kv_cache.view(torch.uint8))
+            assert got == runner.model.greedy_tokens(want).tolist()
+            served.append(len(seqs))
+        return got
+
+    host.run = both
+
+
+def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[list[list[int]], list[int]]:
+    """Greedy and sampled rows together, checked step by step; then, with greedy_served, greedy rows alone (steps
+    whose tokens the native call may find itself)."""
     llm = LLM(str(path), device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=24, **engine)
     model = llm.engine.runner.model
+    perturb_norms(model)
     native = model.native_layers
     assert native is not None, "the model's layers should take the native call"
     served: list[int] = []
-    native.run = checked(native, model, served)
+    native.run = checked(native, model, served, greedy_served)
+    if greedy_served is not None:
+        checked_host(llm.engine.runner, greedy_served)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)]
     outs = llm.generate(PROMPTS, [params[i % 2] for i in range(len(PROMPTS))])
+    if greedy_served is not None:
+        llm.generate(PROMPTS[::-1], params[0])
     return [list(o.outputs[0].token_ids) for o in outs], served
 
 
@@ -72,12 +136,24 @@ def _generate(path, **engine) -> tuple[list[list[int]], list[int]]:
     ("mistral", {"sliding_window": 12}),
     ("phi3", {}),  # partial rotary dims, a window
     ("qwen3", {}),  # per-head q/k norms
+    ("gemma2", {}),  # sandwich norms, GeGLU, scores soft-capped, sliding and global layers, scaled embeddings
+    ("gemma3", {}),  # and per-head q/k norms, the sliding layers' own rotary table
+    ("granite", {}),  # residual and embedding multipliers
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_layers_equal_the_python_loop(make_ckpt, arch, overrides, dtype):
     tokens, served = _generate(make_ckpt(arch, **overrides), dtype=dtype)
     assert len(served) > 10 and max(served) > 1  # decode steps, and steps with prompt chunks
     assert all(len(t) == 10 for t in tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_in_the_native_call(make_ckpt, arch):
+    """bf16 with a tied lm_head (its plain weight kept: the fused greedy path's): all-greedy steps find their
+    tokens in the native call, each step's equal to greedy_tokens of the Python path's hidden states."""
+    greedy_served: list[int] = []
+    _, served = _generate(make_ckpt(arch, tie_word_embeddings=True), greedy_served, dtype="bfloat16")
+    assert len(greedy_served) > 5 and max(greedy_served) > 1
 
 
 @pytest.mark.parametrize("engine", [dict(batch_invariant=True), dict(kv_cache_dtype="int8"),
@@ -97,13 +173,14 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
     monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "0")
     llm = LLM(str(tiny_llama_path), device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=24, dtype="bfloat16")
     assert llm.engine.runner.model.native_layers is None
+    perturb_norms(llm.engine.runner.model)  # as _generate did
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)]
     off = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, [params[i % 2] for i in range(len(PROMPTS))])]
     assert served and on == off
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["olmo2", "qwen3_moe"])
 def test_other_layers_keep_the_python_loop(make_ckpt, arch):
     llm = LLM(str(make_ckpt(arch)), device="cpu", kv_cache_memory="16MiB", dtype="float32")
     assert llm.engine.runner.model.native_layers is None
@@ -117,7 +194,7 @@ def test_steps_past_the_row_limit_take_the_python_loop(tiny_llama_path):
     runner = llm.engine.runner
     ctx = type("Ctx", (), {"attn": type("Meta", (), {"has_padding": False})(), "kv_cache": runner.kv_cache,
                            "backend": runner.backend, "ops": runner.ops})()
-    assert native.run(torch.zeros(native.max_rows + 1, 64, dtype=torch.bfloat16), ctx) is None
+    assert native.run(torch.zeros(native.max_rows + 1, dtype=torch.int64), ctx) is None
 
 
 def test_another_runner_of_the_model_takes_the_python_loop(tiny_llama_path):

@@ -96,7 +96,9 @@ def _timed(fn: Any, seconds: dict[str, float], key: str) -> Any:
 def op_shares(llm: Any, wl: Any, params: list[Any], num_requests: int) -> dict[str, float] | None:
     """Shares of the forward's time in linears, attention, element-wise ops and the rest, over a pass of the first
     num_requests requests after the timed run (their first prompt token moved, so the prefix cache does not
-    shorten their prefill). None where the engine's parts are not where this expects them."""
+    shorten their prefill). The pass takes the Python path: the native call (model/arch/native_layers.py) makes the
+    same kernel calls, but inside one C call where no module is timed. None where the engine's parts are not where
+    this expects them."""
     runner = getattr(getattr(llm, "engine", None), "runner", None)
     model = getattr(runner, "model", None)
     if model is None or not hasattr(runner, "backend") or not hasattr(runner, "ops"):
@@ -121,6 +123,11 @@ def op_shares(llm: Any, wl: Any, params: list[Any], num_requests: int) -> dict[s
     for op in ("rms_norm", "silu_mul", "apply_rope"):
         if hasattr(runner.ops, op):
             wrap(runner.ops, op, "elementwise")
+    native = (getattr(model, "native_layers", None), getattr(runner, "host_decode", None))
+    if native[0] is not None:
+        model.native_layers = None
+    if native[1] is not None:
+        runner.host_decode = None
     forward0 = runner.timers.forward_s
     try:
         n = min(num_requests, len(wl.prompts))
@@ -129,6 +136,10 @@ def op_shares(llm: Any, wl: Any, params: list[Any], num_requests: int) -> dict[s
     finally:
         for obj, method in wrapped:
             delattr(obj, method)
+        if native[0] is not None:
+            model.native_layers = native[0]
+        if native[1] is not None:
+            runner.host_decode = native[1]
     forward = runner.timers.forward_s - forward0
     if forward <= 0:
         return None

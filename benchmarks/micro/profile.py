@@ -95,7 +95,7 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
     between them. Linears also by shape, against this CPU's multiply-add ceiling (benchmarks.micro.isa_peak) when it has
     one for the model's dtype; and that rest by where it falls, between which two calls (a linear named by its
     outputs), the largest first: the Python a fused kernel would take out. Where the layers run in one native call
-    (decoder_layers), the kernels inside it are not seen one by one: BATCHRUN_NATIVE_LAYERS=0 times each."""
+    (decoder_forward), the kernels inside it are not seen one by one: BATCHRUN_NATIVE_LAYERS=0 times each."""
     import ctypes
 
     from batchrun.kernels import cpu as cpu_kernels

@@ -16,6 +16,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "linear_bf16_top": (ctypes.c_int, [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
     "refine_logits": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _B]),
     "top_argmax": (ctypes.c_int, [_P, _P, _P, _I, _I, _P]),
+    "greedy_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
 }
 
 
@@ -75,3 +76,15 @@ def top_argmax(values: torch.Tensor, ids: torch.Tensor, nan: torch.Tensor) -> to
     if _library().top_argmax(values.data_ptr(), ids.data_ptr(), nan.data_ptr(), rows, top, tokens.data_ptr()):
         return None
     return tokens
+
+
+def greedy_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top: int) -> torch.Tensor | None:
+    """linear_top, refine_logits on the first top - 1 and top_argmax in one call: each row's greedy token, int64,
+    from bf16 x [rows, k] (contiguous), the lm_head's panels and plain weight [n, k]; None on a NaN."""
+    rows = x.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    status = _library().greedy_bf16(x.data_ptr(), rows, packed.data_ptr(), weight.data_ptr(), weight.shape[0],
+                                    weight.shape[1], top, tokens.data_ptr())
+    if status < 0:
+        raise MemoryError("greedy_bf16: no memory for its scratch")
+    return None if status else tokens

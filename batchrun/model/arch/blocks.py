@@ -296,7 +296,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         self.cos = self.sin = torch.empty(0)
         self.rope_variants: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_multiplier: float | None = None
-        # the step's layers in one native call where it applies (native_layers.py; set by the runner, else None)
+        # the step's forward in one native call where it applies (native_layers.py; set by the runner, else None)
         self.native_layers = None
 
     @abstractmethod
@@ -395,16 +395,16 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
+        if self.native_layers is not None:
+            hidden = self.native_layers.run(input_ids, ctx)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         if self._embed_multiplier is not None:
             x = x * self._embed_multiplier
-        native = self.native_layers.run(x, ctx) if self.native_layers is not None else None
-        if native is not None:
-            x, residual = native
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(x, residual, ctx)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
         return self.norm(x, ctx.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -426,28 +426,46 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             soft_cap_(logits, self.final_softcap)
         return logits
 
+    def forward_greedy(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(forward's hidden states, their greedy_tokens where the native call found them in the same call, else
+        None)."""
+        native = self.native_layers
+        if native is not None and self._greedy_fused():
+            packed = self.lm_head.panels_for(input_ids.shape[0])
+            if packed is not None:
+                got = native.run_greedy(input_ids, ctx, packed, self.lm_weight, REFINE_TOP + 1)
+                if got is not None:
+                    return got
+        return self(input_ids, ctx), None
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of compute_logits(hidden), int64 [rows], from the lm_head's REFINE_TOP + 1 largest
-        bf16 outputs (the logits never written whole): the top REFINE_TOP refined as compute_logits refines them,
-        the next the largest of the rest. None where that does not hold (the lm_head's call would not take the
-        bf16 panels, a scaling or cap applies, a row has a NaN) or where it was not measured faster (another CPU
-        kind: cpu_logits.MEASURED_KERNELS)."""
-        panels_for = getattr(self.lm_head, "panels_for", None)
-        weight = self.lm_weight
-        rows = hidden.shape[0]
-        if (panels_for is None or weight is None or self.logits_divisor is not None or self.final_softcap is not None
-                or hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
-                or self.lm_head.out_features <= REFINE_TOP or not cpu_kernels.available()
-                or not cpu_logits.greedy_measured()):
+        """Each row's argmax of compute_logits(hidden), int64, from the lm_head's REFINE_TOP + 1 largest bf16
+        outputs (the top REFINE_TOP refined as compute_logits refines them), the logits never written whole. None
+        where that does not hold (no bf16 panels, a scale or cap, a NaN) or was not measured (MEASURED_KERNELS)."""
+        if not self._greedy_fused():
             return None
-        packed = panels_for(rows)
+        if hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+                or not hidden.is_contiguous():
+            return None
+        packed = self.lm_head.panels_for(hidden.shape[0])
         if packed is None:
             return None
-        values, ids, nan = cpu_logits.linear_top(hidden, packed, self.lm_head.out_features, REFINE_TOP + 1)
-        values[:, :REFINE_TOP] = refined_logits(hidden, weight, ids[:, :REFINE_TOP])
         # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
         # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
-        return cpu_logits.top_argmax(values, ids, nan)
+        return cpu_logits.greedy_bf16(hidden, packed, self.lm_weight, REFINE_TOP + 1)
+
+    def _greedy_fused(self) -> bool:
+        """Whether greedy_tokens' path holds for this lm_head (asked once) and CPU; the row count decides the rest."""
+        head = self.lm_head
+        cached = self.__dict__.get("_greedy_fused_for")
+        if cached is None or cached[0] is not head:
+            weight = self.lm_weight
+            fits = (getattr(head, "panels_for", None) is not None and weight is not None
+                    and weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.device.type == "cpu"
+                    and self.logits_divisor is None and self.final_softcap is None
+                    and head.out_features == weight.shape[0] > REFINE_TOP and cpu_kernels.available())
+            cached = self.__dict__["_greedy_fused_for"] = (head, fits)
+        return cached[1] and cpu_logits.greedy_measured()
 
 
 def soft_cap_(logits: torch.Tensor, cap: float) -> None:

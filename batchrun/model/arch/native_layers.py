@@ -1,6 +1,6 @@
-"""A step's decoder layers in one native call (kernels/cpu/decoder.py) where it makes the Python loop's kernel calls
-with the same arguments, so the same bits: pre-norm layers of attention (per-head q/k norms or none) and a gated MLP,
-every linear on a C kernel at the step's row count, the C attention over a pool in the model's dtype or int8.
+"""A step's forward to the final norm in one native call (kernels/cpu/decoder.py), making the Python path's kernel
+calls with its arguments, so its bits: embeddings, pre-norm attention (per-head q/k norms or none) + gated MLP layers
+on C linears and C attention (pool in the model's dtype or int8), the final RMSNorm.
 BATCHRUN_NATIVE_LAYERS: auto (on where it was measured, MEASURED_KERNELS), 1 (on), 0 (off)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from batchrun.kernels.cpu import decoder
 from batchrun.kernels.cpu import linears as cpu_linears
 from batchrun.kernels.layouts.kv_rows import is_fp8, is_quantized
-from batchrun.model.arch.blocks import Attention, CausalLM, GatedMLP, PreNormLayer
+from batchrun.model.arch.blocks import Attention, CausalLM, GatedMLP, PreNormLayer, RMSNorm, SandwichLayer
 from batchrun.model.layers.attention import TorchBackend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
@@ -32,6 +32,22 @@ _ALIGN = 64  # bytes: each workspace section starts on a cache line
 # The CPU kinds (by their bf16 linear kernel, linears.bf16_kernel()) where the native call was measured faster than
 # the Python loop (docs/performance.md); elsewhere the loop stays the default until it is measured there.
 MEASURED_KERNELS = ("amx",)
+
+
+@dataclass
+class StepAddresses:
+    """A step's plan as the native call reads it: int64 ids, positions, slots; int32 block tables (bt_stride a row),
+    each row's table row and key count; the fp32 rotary tables."""
+
+    ids: int
+    positions: int
+    slots: int
+    block_tables: int
+    bt_stride: int
+    row_seq: int
+    row_len: int
+    cos_table: int
+    sin_table: int
 
 
 @dataclass
@@ -81,7 +97,47 @@ def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tens
         return "the C kernels are not built"
     if model.cos.dtype != torch.float32 or model.cos.shape[-1] % 2:
         return "the rotary tables"
+    embed = model.embed_tokens
+    if type(embed) is not torch.nn.Embedding or not embed.weight.is_contiguous():
+        return "the embeddings are not a plain table"
+    if any(name != "local" or cos.dtype != torch.float32 or cos.shape[-1] != model.cos.shape[-1]
+           for name, (cos, _) in model.rope_variants.items()):
+        return "the rotary tables"
+    if type(model.norm) is not RMSNorm or model.norm.weight.dtype != dtype or not model.norm.weight.is_contiguous():
+        return "the final norm"
     return None
+
+
+def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM, dtype: torch.dtype
+                ) -> tuple[decoder.DecoderLayer, int, list[torch.Tensor]] | str:
+    """The native description of one layer, the most rows its linears take the kernels at, and the tensors it points
+    into; or why the call cannot run it."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer) not in (PreNormLayer, SandwichLayer) or type(attn) is not Attention \
+            or attn.qk_norm not in (None, "head") or attn.rope not in decoder.ROPES or type(mlp) is not GatedMLP:
+        return f"a {type(layer).__name__} layer"
+    sandwich = type(layer) is SandwichLayer
+    block_norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                   *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if sandwich else ())]
+    norms = block_norms + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
+    if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act, attn.qk_norm) != \
+            (type(first), first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+             first.mlp.inter, first.mlp.act, first.self_attn.qk_norm) \
+            or any(norm.eps != model.norm.eps or norm.offset for norm in norms):
+        return "layers of different shapes"
+    linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    weights = [norm.weight for norm in norms]
+    if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
+        return "a linear or norm no C kernel takes"
+    pointer = {id(norm): norm.weight.data_ptr() for norm in norms}.get
+    spec = decoder.DecoderLayer(
+        *(lin.spec for lin in linears), pointer(id(layer.input_layernorm)), pointer(id(layer.post_attention_layernorm)),
+        pointer(id(attn.q_norm)), pointer(id(attn.k_norm)),
+        pointer(id(getattr(layer, "pre_feedforward_layernorm", None))),
+        pointer(id(getattr(layer, "post_feedforward_layernorm", None))),
+        decoder.LAYER_SANDWICH if sandwich else decoder.LAYER_PRE_NORM, attn.window, decoder.ROPES[attn.rope],
+        attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0))
+    return spec, min(lin.max_rows for lin in linears), weights
 
 
 class NativeLayers:
@@ -89,7 +145,7 @@ class NativeLayers:
 
     def __init__(self, shape: decoder.DecoderShape, layers: ctypes.Array, max_rows: int, dtype: torch.dtype,
                  residual_dtype: torch.dtype, widths: tuple[int, ...], keep: list[torch.Tensor],
-                 backend: object) -> None:
+                 backend: object, embed: torch.Tensor, final_norm: torch.Tensor) -> None:
         self.shape, self.layers, self.max_rows = shape, layers, max_rows
         self.dtype, self.residual_dtype = dtype, residual_dtype
         # the runner's backend it was described for (with its pool's format): another runner of the same model takes
@@ -97,7 +153,11 @@ class NativeLayers:
         self.backend = backend
         self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied k, v
         self._keep = keep  # the tensors the structures point into
+        self.embed, self.final_norm = embed, final_norm  # the embedding table, the final norm's weight
         self._work = torch.empty(0, dtype=dtype)
+        self._residual = torch.empty(0, dtype=residual_dtype)
+        self._tokens = torch.empty(max_rows, dtype=torch.int64)  # run_greedy's (a view of it, until the next step)
+        self.local_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the "local" layers' cos, sin (Gemma 3)
 
     @classmethod
     def build(cls, model: CausalLM, backend: object, ops: CpuKernelOps, kv_cache: torch.Tensor) -> NativeLayers | None:
@@ -107,30 +167,13 @@ class NativeLayers:
         first = model.layers[0] if len(model.layers) else None
         specs, keep, max_rows = [], [], MAX_ROWS
         for layer in model.layers if why is None else ():
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if type(layer) is not PreNormLayer or layer.residual_scale != 1.0 or type(attn) is not Attention \
-                    or attn.qk_norm not in (None, "head") or attn.rope != "global" or type(mlp) is not GatedMLP:
-                why = f"a {type(layer).__name__} layer"
+            spec = _layer_spec(layer, first, model, dtype)
+            if isinstance(spec, str):
+                why = spec
                 break
-            norms = [layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm)
-                                                                                if attn.qk_norm else ())]
-            if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act, attn.qk_norm) != \
-                    (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-                     first.mlp.inter, first.mlp.act, first.self_attn.qk_norm) \
-                    or any(norm.eps != first.input_layernorm.eps for norm in norms):
-                why = "layers of different shapes"
-                break
-            linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                          mlp.down_proj)]
-            weights = [norm.weight for norm in norms]
-            if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
-                why = "a linear or norm no C kernel takes"
-                break
-            max_rows = min([max_rows, *(lin.max_rows for lin in linears)])
-            keep += weights
-            input_norm, post_norm, q_norm, k_norm = [w.data_ptr() for w in weights] + [None] * (4 - len(weights))
-            specs.append(decoder.DecoderLayer(*(lin.spec for lin in linears), input_norm, post_norm, q_norm, k_norm,
-                                              attn.window, attn.scale, attn.softcap))
+            specs.append(spec[0])
+            max_rows = min(max_rows, spec[1])
+            keep += spec[2]
         if why is None and not specs:
             why = "no layers"
         if why is not None:
@@ -144,41 +187,81 @@ class NativeLayers:
             activation=decoder.ACTIVATIONS[mlp.act],
             kv_format=decoder.KV_INT8 if is_quantized(kv_cache) else decoder.KV_MODEL_DTYPE,
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
-            res_fp32=int(residual_dtype == torch.float32), eps=first.input_layernorm.eps)
+            res_fp32=int(residual_dtype == torch.float32), eps=model.norm.eps,
+            embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,
                   *((attn.q_size, attn.kv_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0, 0)))
-        log.info("decoder layers in one native call for steps of up to %d rows", max_rows)
-        return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
-                   backend)
+        log.info("the forward in one native call for steps of up to %d rows", max_rows)
+        native = cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths,
+                     keep, backend, model.embed_tokens.weight, model.norm.weight)
+        native.local_tables = model.rope_variants.get("local", (model.cos, model.sin))
+        return native
 
-    def _sections(self, rows: int) -> tuple[torch.Tensor, list[int]]:
-        """The workspace for `rows` rows (grown as needed): its first section as a tensor [rows, hidden] (the output
-        the step returns), and the address of each section [rows, width], each from a cache line."""
+    def _sections(self, rows: int) -> list[int]:
+        """The address of each workspace section for `rows` rows, [rows, width] each from a cache line (the
+        workspace grown as needed)."""
         per_line = _ALIGN // self._work.element_size()
         sizes = [-(-rows * width // per_line) * per_line for width in self.widths]
         if self._work.numel() < sum(sizes):
             self._work = torch.empty(sum(sizes), dtype=self.dtype)
         base, element = self._work.data_ptr(), self._work.element_size()
-        starts = [base + element * start for start in itertools.accumulate(sizes[:-1], initial=0)]
-        return self._work[: rows * self.widths[0]].view(rows, self.widths[0]), starts
+        return [base + element * start for start in itertools.accumulate(sizes[:-1], initial=0)]
 
-    def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the last layer's output, the residual stream) as the Python loop returns them, or None (the loop's)."""
-        rows = x.shape[0]
-        meta, pool = ctx.attn, ctx.kv_cache
-        if not 0 < rows <= self.max_rows or meta.has_padding or x.dim() != 2 or x.dtype != self.dtype \
-                or not x.is_contiguous() or ctx.backend is not self.backend:
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """The Python path's hidden states after the final norm (a workspace view, until the next step), or None."""
+        got = self._forward(input_ids, ctx, None)
+        return None if got is None else got[0]
+
+    def run_greedy(self, input_ids: torch.Tensor, ctx: ForwardContext, packed: torch.Tensor, weight: torch.Tensor,
+                   top: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """run's hidden states and their greedy tokens as cpu_logits.greedy_bf16 finds them (None on a NaN)."""
+        if self.dtype != torch.bfloat16:
             return None
-        residual = x.to(self.residual_dtype)  # as start_residual makes it (x itself where the dtypes agree)
-        out, sections = self._sections(rows)
+        return self._forward(input_ids, ctx, (packed, weight, top))
+
+    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                 lm: tuple[torch.Tensor, torch.Tensor, int] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        rows = input_ids.shape[0]
+        meta = ctx.attn
+        if not 0 < rows <= self.max_rows or meta.has_padding or input_ids.dim() != 1 \
+                or input_ids.dtype != torch.int64 or not input_ids.is_contiguous() or ctx.backend is not self.backend:
+            return None
         row_seq, row_len = meta.query_rows
         tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
         rotary = ctx.rotary
+        plan = StepAddresses(input_ids.data_ptr(), rotary.positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                             tables.data_ptr(), tables.stride(0), row_seq.data_ptr(), row_len.data_ptr(),
+                             rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr())
+        out = self.hidden_view(rows)  # (made before the call: no torch op after it)
+        if lm is None:
+            self.call(rows, plan, ctx.kv_cache, None)
+            return out, None
+        tokens = self._tokens[:rows]
+        found = self.call(rows, plan, ctx.kv_cache, (lm[0].data_ptr(), lm[1].data_ptr(), lm[1].shape[0], lm[2],
+                                                     tokens.data_ptr()))
+        return out, tokens if found else None
+
+    def hidden_view(self, rows: int) -> torch.Tensor:
+        """Where call() leaves the hidden states: the workspace's section h, [rows, hidden]."""
+        hidden, per_line = self.widths[0], _ALIGN // self._work.element_size()
+        self._sections(rows)  # (grown first: the view must be of the workspace the call writes)
+        start = -(-rows * hidden // per_line) * per_line
+        return self._work[start : start + rows * hidden].view(rows, hidden)
+
+    def call(self, rows: int, plan: StepAddresses, pool: torch.Tensor,
+             greedy: tuple[int, int, int, int, int] | None) -> bool:
+        """The call on `rows` rows planned at `plan`; with `greedy` (panels, weight, n, top, tokens) the tokens."""
+        hidden = self.widths[0]
+        sections = self._sections(rows)
+        if self._residual.numel() < rows * hidden:
+            self._residual = torch.empty(rows * hidden, dtype=self.residual_dtype)
         step = decoder.DecoderStep(
-            x.data_ptr(), residual.data_ptr(), *sections, rows, rotary.positions.data_ptr(),
-            meta.slot_mapping.data_ptr(), rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), tables.data_ptr(),
-            row_seq.data_ptr(), row_len.data_ptr(), tables.stride(0), pool.data_ptr(),
-            pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size())
-        decoder.decoder_layers(self.shape, self.layers, step)
-        return out, residual
+            plan.ids, self.embed.data_ptr(), self.embed.shape[0], self.final_norm.data_ptr(), self._residual.data_ptr(),
+            *sections, rows, plan.positions, plan.slots, plan.cos_table, plan.sin_table,
+            self.local_tables[0].data_ptr(), self.local_tables[1].data_ptr(), plan.block_tables,
+            plan.row_seq, plan.row_len, plan.bt_stride, pool.data_ptr(), pool.stride(0) * pool.element_size(),
+            pool.stride(1) * pool.element_size(), *(greedy or (None, None, 0, 0, None)))
+        return decoder.decoder_forward(self.shape, self.layers, step)
+
+

@@ -35,6 +35,18 @@ class BlockTableRows:
 
     def gather(self, seqs: list[ScheduledSeq], width: int) -> torch.Tensor:
         """int32 [len(seqs), width]: row i is seqs[i].block_table[:width], padded with 0 (a new tensor)."""
+        rows = self.rows_of(seqs)
+        if width > self._buf.shape[1]:
+            self._grow(len(self._written), width)
+        return self._buf[:, :width].index_select(0, int64_tensor(rows))
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The kept rows, int32 [rows, width] (contiguous): rows_of's rows index it until the next call."""
+        return self._buf
+
+    def rows_of(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """The kept row of each of seqs' block tables (rewritten where changed); other sequences' rows go back."""
         row_of, written = self._row_of, self._written
         if len(row_of) > len(seqs):  # some sequences of earlier steps are not in this one
             self._release_unscheduled(seqs)
@@ -48,9 +60,7 @@ class BlockTableRows:
             elif written[r] != table:  # grew by a block, or was replaced (copy-on-write, swap, recompute)
                 self._write(r, table)
             rows.append(r)
-        if width > self._buf.shape[1]:
-            self._grow(len(self._written), width)
-        return self._buf[:, :width].index_select(0, int64_tensor(rows))
+        return rows
 
     def _release_unscheduled(self, seqs: list[ScheduledSeq]) -> None:
         scheduled = {s.seq_id for s in seqs}

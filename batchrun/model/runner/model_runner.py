@@ -20,6 +20,7 @@ from batchrun.model.layers.backends import select_backend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import select_ops
 from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
+from batchrun.model.runner.host_decode import HostDecode
 from batchrun.model.runner.pooling import pool_rows
 from batchrun.model.sampling.prompt_logprobs import score_prompts
 from batchrun.model.sampling.step import argmax_output, plan_sampling, sample_step
@@ -92,12 +93,16 @@ class ModelRunner:
         self.grammar_mask = None  # made at the first constrained row (structured outputs import xgrammar)
         # the step's block tables, kept across steps (rows as wide as the longest sequence the model takes)
         self.block_rows = BlockTableRows(-(-model.cos.shape[0] // shape.block_size))
+        self._count = torch.arange(256, dtype=torch.int32)
+        self.host_decode: HostDecode | None = None  # greedy decode steps planned as host arrays (host_decode.py)
 
     def enable_native_layers(self) -> None:
         """On a CPU, once the linears are packed: the steps' decoder layers in one native call where the model's
         layers are what it runs (model/arch/native_layers.py), the Python loop elsewhere."""
         if self.device.type == "cpu":
-            self.model.native_layers = NativeLayers.build(self.model, self.backend, self.ops, self.kv_cache)
+            native = self.model.native_layers = NativeLayers.build(self.model, self.backend, self.ops, self.kv_cache)
+            if native is not None and native.dtype == torch.bfloat16:  # (the greedy tokens in the call: bf16)
+                self.host_decode = HostDecode(self.model, native, self.block_rows, self.block_size)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode graphs (CUDA with a graph-safe backend only); on failure stay eager."""
@@ -189,12 +194,12 @@ class ModelRunner:
         block_tables = self.block_rows.gather(seqs, (max_seq_len + bs - 1) // bs)
         start_t = int64_tensor(starts)
         seq_lens = int32_tensor(slens)
-        if decode_only:  # a token's slot: its block (one gather from its row) and the offset in it
+        if decode_only:  # a token's slot: its block and the offset in it (host ints: each torch op costs more)
             positions = start_t
-            qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-            slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long() * bs + positions % bs
+            slots = int64_tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+            qsl = self._counting(num_seqs + 1)
             # the CPU kernel's rows (AttentionMetadata.query_rows): one per sequence, over its whole context
-            row_seq, row_len = torch.arange(num_seqs, dtype=torch.int32), seq_lens
+            row_seq, row_len = qsl[:num_seqs], seq_lens
         else:
             qlen_t = int64_tensor(qlens)
             qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -221,11 +226,16 @@ class ModelRunner:
 
         dev = self.device
         nb = dev.type == "cuda"
+        if dev.type != "cpu":  # (on a CPU .to() would only return each tensor, an op each)
+            slots, block_tables, seq_lens, qsl, positions = (
+                t.to(dev, non_blocking=nb) for t in (slots, block_tables, seq_lens, qsl, positions))
+            if logits_idx is not None:
+                logits_idx = logits_idx.to(dev, non_blocking=nb)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=nb),
-            block_tables=block_tables.to(dev, non_blocking=nb),
-            seq_lens=seq_lens.to(dev, non_blocking=nb),
-            query_start_loc=qsl.to(dev, non_blocking=nb),
+            slot_mapping=slots,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
             num_decodes=out.num_decodes,
             max_query_len=1 if decode_only else max(qlens),
             max_seq_len=max_seq_len,
@@ -235,10 +245,17 @@ class ModelRunner:
             row_len=row_len,
             num_verifies=num_verifies,
         )
-        ids = int64_tensor(input_ids).to(dev, non_blocking=nb)
-        ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions.to(dev, non_blocking=nb)), self.backend,
-                             self.ops)
-        return ids, ctx, None if logits_idx is None else logits_idx.to(dev, non_blocking=nb)
+        ids = int64_tensor(input_ids)
+        if dev.type != "cpu":
+            ids = ids.to(dev, non_blocking=nb)
+        ctx = ForwardContext(meta, self.kv_cache, self.model.rotary(positions), self.backend, self.ops)
+        return ids, ctx, logits_idx
+
+    def _counting(self, n: int) -> torch.Tensor:
+        """int32 [0, 1, ..., n - 1], a view of one kept host tensor (read-only)."""
+        if self._count.shape[0] < n:
+            self._count = torch.arange(max(n, 2 * self._count.shape[0]), dtype=torch.int32)
+        return self._count[:n]
 
     def profile_forward(self, num_tokens: int) -> None:
         """One forward at the step-token budget, into a throw-away pool (CUDA memory profiling)."""
@@ -302,9 +319,9 @@ class ModelRunner:
         return self._forward(out)[0]
 
     def _forward(self, out: SchedulerOutput, argmax: bool = False
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """compute_logits' logits, the step's hidden states (None: no forward), and with `argmax` each logits row's
-        argmax where the model finds it without the logits (CausalLM.greedy_tokens; the logits None then)."""
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | list[int] | None]:
+        """compute_logits' logits, the step's hidden states (None: no forward), and with `argmax` each row's argmax
+        where found without the logits (greedy_tokens, or host_decode: a list, no hidden states; logits None)."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -313,17 +330,30 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return None, None, None
+        if argmax and self.host_decode is not None and out.num_decodes == len(out.seqs) \
+                and all(map(_samples, out.seqs)):
+            t0 = time.perf_counter()
+            tokens = self.host_decode.run(out.seqs, self.kv_cache)
+            if tokens is not None:
+                seconds = time.perf_counter() - t0
+                self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
+                self.model_time_s += seconds
+                return None, None, tokens
         ids, ctx, logits_idx = self.prepare(out)
         meta = ctx.attn
         t0 = time.perf_counter()
+        tokens = None
         if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.fits(
                 meta.num_seqs, meta.max_seq_len):
             hidden = self.graphs.run(ids, ctx.positions, meta)
+        elif argmax and logits_idx is None:  # every row's argmax: the model may find them in its forward
+            hidden, tokens = self.model.forward_greedy(ids, ctx)
         else:
             hidden = self.model(ids, ctx)
         t1 = time.perf_counter()
         rows = hidden if logits_idx is None else hidden[logits_idx]
-        tokens = self.model.greedy_tokens(rows) if argmax else None
+        if argmax and tokens is None:  # (a NaN the native call met is met here again: the logits' own path)
+            tokens = self.model.greedy_tokens(rows)
         logits = self.model.compute_logits(rows) if tokens is None else None
         t2 = time.perf_counter()
         # (on CUDA the forward is queued, not run, by t1: the logits' time then holds most of it)

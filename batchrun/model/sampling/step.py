@@ -51,10 +51,10 @@ class SamplingPlan:
                 and b.banned is None and not self.grammars and not self.beams and self.drafts is None)
 
 
-def argmax_output(tokens: torch.Tensor, num_sampling: int) -> StepOutput:
+def argmax_output(tokens: torch.Tensor | list[int], num_sampling: int) -> StepOutput:
     """The step's output when each logits row takes its argmax (SamplingPlan.argmax_only): the first num_sampling
-    tokens are the requests' draws, the rest their draft rows', in one host transfer."""
-    ids = tokens.tolist()
+    tokens are the requests' draws, the rest their draft rows', in one host transfer (none for a list)."""
+    ids = tokens if isinstance(tokens, list) else tokens.tolist()
     if len(ids) == num_sampling:
         return StepOutput(token_ids=ids)
     return StepOutput(token_ids=ids[:num_sampling], draft_token_ids=ids[num_sampling:])

@@ -1,8 +1,9 @@
-/* A step's pre-norm decoder layers in one call: each layer's RMSNorm, q|k|v, RoPE, the KV store, paged
- * attention, o_proj, the residual add with the second norm, gate|up, the gated activation and down, in that order,
- * through the same kernels and with the same arguments as the Python layer makes them, so every output has the
- * Python path's bits. The step's plan (positions, slots, block tables, rows) is set once for all layers; the
- * activations live in one workspace the caller keeps. */
+/* A step's forward up to the logits in one call: the token embeddings, then each layer's RMSNorm, q|k|v, RoPE, the
+ * KV store, paged attention, o_proj, the residual add with the second norm, gate|up, the gated activation and down
+ * (a sandwich layer also norms each block's output; a residual scale multiplies it), then the final norm, in that
+ * order, through the same kernels and with the same arguments as the Python path makes them, so every output has
+ * its bits. The step's plan (positions, slots, block tables, rows) is set once
+ * for all layers; the activations live in one workspace the caller keeps. */
 #include "common.h"
 
 /* linears.c, quant_linears.c, elementwise.c, attention.c */
@@ -29,10 +30,14 @@ extern int paged_attention_int8(const void *q, int64_t q_stride, const void *k, 
                                 int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                                 int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
                                 int64_t window, float softcap);
+extern int greedy_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
+                       int64_t top, int64_t *tokens);
 extern void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
                           int64_t hkv, int64_t d, void *kc, void *vc, int bf);
 
 enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
+enum { LAYER_PRE_NORM = 0, LAYER_SANDWICH = 1 };
+enum { ROPE_GLOBAL = 0, ROPE_LOCAL = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum { KV_MODEL_DTYPE = 0, KV_INT8 = 1 };
 
@@ -47,30 +52,42 @@ typedef struct {
 typedef struct {
     NativeLinear qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
-    const void *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3), or NULL */
-    int64_t window;
-    float scale, softcap;
+    const void *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3, Gemma 3), or NULL */
+    /* LAYER_SANDWICH (Gemma 2, 3): post_norm norms the attention's output, pre_ff_norm adds it and norms the MLP's
+     * input, post_ff_norm norms the MLP's output */
+    const void *pre_ff_norm, *post_ff_norm;
+    int64_t kind, window, rope;
+    float scale, softcap, residual_scale; /* residual_scale: each block's output times it (Granite; 1: none) */
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
     int64_t activation, kv_format, amx_lanes, bf, res_fp32;
-    float eps;
+    float eps, embed_scale; /* embed_scale: the embeddings times it, rounded to the model's dtype (0: none) */
 } DecoderShape;
 
 typedef struct {
-    const void *x_in; /* [rows, hidden]: layer 0's input (the embeddings) */
-    void *residual;   /* [rows, hidden]: x_in's values on entry, the stream before the last layer's output on return */
-    void *x;          /* [rows, hidden]: the last layer's output on return (the hidden state is residual + x) */
-    void *h, *qkv, *attn, *gate_up, *act; /* the workspace: [rows, hidden | q + 2 kv | q | 2 inter | inter] */
+    const int64_t *ids;  /* [rows]: the step's token ids */
+    const void *embed;   /* [vocab, hidden]: the embedding table, in the model's dtype */
+    int64_t vocab;
+    const void *final_norm; /* [hidden]: the final RMSNorm's weight */
+    void *residual;      /* [rows, hidden] in the residual dtype: the stream, hidden state before the final norm */
+    void *x;             /* [rows, hidden]: the embeddings, then each layer's output */
+    void *h;             /* [rows, hidden]: each norm's output; the final norm's on return */
+    void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter] */
     void *q_normed, *k_normed, *k_copy, *v_copy; /* with q/k norms: [rows, q | kv | kv | kv] */
     int64_t rows;
     const int64_t *positions, *slots;
-    const float *cos_t, *sin_t;
+    const float *cos_t, *sin_t, *cos_local, *sin_local; /* the global rotary tables, and the ROPE_LOCAL layers' */
     const int32_t *block_tables, *row_seq, *row_len;
     int64_t bt_stride;
     char *kv;                        /* the pool: layer l's K at kv + l * layer_bytes, its V half_bytes after */
     int64_t layer_bytes, half_bytes;
+    /* with lm_packed (bf16 models): each row's greedy token into tokens, as logits.c's greedy_bf16 finds it from
+     * the lm_head's panels and plain weight [lm_n, hidden] */
+    const void *lm_packed, *lm_weight;
+    int64_t lm_n, top;
+    int64_t *tokens;
 } DecoderStep;
 
 /* y [rows, n] = x [rows, k] W^T + b; nonzero where a kernel found no scratch memory. */
@@ -109,8 +126,10 @@ static int attention(const DecoderShape *s, const DecoderLayer *layer, const Dec
         copy_columns(v, q_stride, t->rows, kv_size, t->v_copy, elsize);
         q = t->q_normed, k = t->k_normed, v = t->v_copy, q_stride = q_size, kv_stride = kv_size;
     }
-    rope(q, q_stride, t->rows, s->heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
-    rope(k, kv_stride, t->rows, s->kv_heads, s->head_dim, s->rot, t->positions, t->cos_t, t->sin_t, bf);
+    const float *cos_t = layer->rope == ROPE_LOCAL ? t->cos_local : t->cos_t;
+    const float *sin_t = layer->rope == ROPE_LOCAL ? t->sin_local : t->sin_t;
+    rope(q, q_stride, t->rows, s->heads, s->head_dim, s->rot, t->positions, cos_t, sin_t, bf);
+    rope(k, kv_stride, t->rows, s->kv_heads, s->head_dim, s->rot, t->positions, cos_t, sin_t, bf);
     if (s->kv_format == KV_INT8) {
         store_kv_int8(k, v, kv_stride, t->slots, t->rows, s->kv_heads, s->head_dim, kc, vc, bf);
         return paged_attention_int8(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
@@ -123,25 +142,79 @@ static int attention(const DecoderShape *s, const DecoderLayer *layer, const Dec
                            s->amx_lanes, layer->window, layer->softcap);
 }
 
-/* Layers [0, num_layers) of the step: 0 when done, else 1 (a kernel found no scratch memory). */
-int decoder_layers(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, const DecoderStep *t) {
+/* row[i] *= scale for i < n, in the row's dtype (bf16: the fp32 product rounded). */
+static void scale_row(void *row, int64_t n, float scale, int bf) {
+    if (bf) {
+        bf16 *v = row;
+        for (int64_t i = 0; i < n; i++) v[i] = f_to_bf16(bf16_to_f(v[i]) * scale);
+    } else {
+        float *v = row;
+        for (int64_t i = 0; i < n; i++) v[i] *= scale;
+    }
+}
+
+/* Each row's embedding into x (times the embedding scale), and into the residual stream in its dtype (bf16 to fp32 is exact); 0, or 2 where
+ * an id is outside the table (nothing read). */
+static int embed_rows(const DecoderShape *s, const DecoderStep *t) {
+    const int64_t hidden = s->hidden, elsize = s->bf ? 2 : 4;
+    for (int64_t r = 0; r < t->rows; r++)
+        if (t->ids[r] < 0 || t->ids[r] >= t->vocab) return 2;
+#pragma omp parallel for if (t->rows * hidden > PAR_MIN_WORK)
+    for (int64_t r = 0; r < t->rows; r++) {
+        char *x = (char *)t->x + r * hidden * elsize;
+        memcpy(x, (const char *)t->embed + t->ids[r] * hidden * elsize, hidden * elsize);
+        if (s->embed_scale != 0.0f) scale_row(x, hidden, s->embed_scale, (int)s->bf);
+        if (s->bf && s->res_fp32) {
+            float *res = (float *)t->residual + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) res[i] = bf16_to_f(((const bf16 *)x)[i]);
+        } else {
+            memcpy((char *)t->residual + r * hidden * elsize, x, hidden * elsize);
+        }
+    }
+    return 0;
+}
+
+/* x[rows, n] *= scale in place, each value rounded to the dtype: torch's product of a tensor and a float. */
+static void scale_rows(void *x, int64_t rows, int64_t n, float scale, int bf) {
+#pragma omp parallel for if (rows * n > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) scale_row((char *)x + r * n * (bf ? 2 : 4), n, scale, bf);
+}
+
+/* The step's forward to the final norm's output (in h), and its greedy tokens where asked: 0 when done, 1 where a
+ * kernel found no scratch memory, 2 where a token id is outside the embedding table, 3 where the greedy tokens were
+ * asked and a row has a NaN (h is done, tokens unset). */
+int decoder_forward(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, const DecoderStep *t) {
     const int bf = (int)s->bf, res_fp32 = (int)s->res_fp32;
     const int64_t rows = t->rows;
+    if (embed_rows(s, t)) return 2;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *layer = layers + l;
         /* layer 0 norms the embeddings (the residual holds them already); later layers add their input first */
-        rms_norm(l ? t->x : t->x_in, l ? t->residual : NULL, layer->input_norm, t->h, rows, s->hidden, s->eps, l > 0,
-                 res_fp32, bf);
+        rms_norm(t->x, l ? t->residual : NULL, layer->input_norm, t->h, rows, s->hidden, s->eps, l > 0, res_fp32, bf);
         if (run_linear(&layer->qkv, t->h, rows, t->qkv, bf) || attention(s, layer, t, l) ||
             run_linear(&layer->o, t->attn, rows, t->x, bf))
             return 1;
-        rms_norm(t->x, t->residual, layer->post_norm, t->h, rows, s->hidden, s->eps, 1, res_fp32, bf);
-        if (run_linear(&layer->gate_up, t->h, rows, t->gate_up, bf)) return 1;
+        const int sandwich = layer->kind == LAYER_SANDWICH, scaled = layer->residual_scale != 1.0f;
+        if (scaled) scale_rows(t->x, rows, s->hidden, layer->residual_scale, bf);
+        void *mlp_in = t->h, *mlp_out = t->x; /* sandwich: the MLP between h and x the other way round */
+        if (sandwich) {
+            rms_norm(t->x, NULL, layer->post_norm, t->h, rows, s->hidden, s->eps, 0, 0, bf);
+            rms_norm(t->h, t->residual, layer->pre_ff_norm, t->x, rows, s->hidden, s->eps, 1, res_fp32, bf);
+            mlp_in = t->x, mlp_out = t->h;
+        } else {
+            rms_norm(t->x, t->residual, layer->post_norm, t->h, rows, s->hidden, s->eps, 1, res_fp32, bf);
+        }
+        if (run_linear(&layer->gate_up, mlp_in, rows, t->gate_up, bf)) return 1;
         if (s->activation == ACT_SILU)
             silu_mul(t->gate_up, t->act, rows, s->inter, bf);
         else
             gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
-        if (run_linear(&layer->down, t->act, rows, t->x, bf)) return 1;
+        if (run_linear(&layer->down, t->act, rows, mlp_out, bf)) return 1;
+        if (scaled) scale_rows(mlp_out, rows, s->hidden, layer->residual_scale, bf);
+        if (sandwich) rms_norm(t->h, NULL, layer->post_ff_norm, t->x, rows, s->hidden, s->eps, 0, 0, bf);
     }
-    return 0;
+    rms_norm(t->x, t->residual, t->final_norm, t->h, rows, s->hidden, s->eps, 1, res_fp32, bf);
+    if (t->lm_packed == NULL) return 0;
+    const int status = greedy_bf16(t->h, rows, t->lm_packed, t->lm_weight, t->lm_n, s->hidden, t->top, t->tokens);
+    return status < 0 ? 1 : status ? 3 : 0;
 }

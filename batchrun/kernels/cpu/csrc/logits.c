@@ -169,3 +169,24 @@ int top_argmax(const float *values, const int64_t *ids, const int64_t *nan, int6
     }
     return 0;
 }
+
+/* tokens[r]: row r's greedy token from bf16 x [rows, k] and the lm_head packed for linear_bf16 (n outputs, no bias)
+ * with its plain bf16 weight [n, k]: the `top` largest outputs of linear_bf16_top, the first top - 1 refined in fp32
+ * by refine_logits, then top_argmax; the three calls the Python path makes, in one. 0 when done, 1 where a row has a
+ * NaN (tokens unset: the caller takes the whole logits), -1 without memory. */
+int greedy_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
+                int64_t top, int64_t *tokens) {
+    if (rows <= 0) return 0;
+    const size_t bytes = (sizeof(float) + sizeof(int64_t)) * rows * top + sizeof(int64_t) * rows;
+    char *buf = malloc(bytes);
+    if (buf == NULL) return -1;
+    float *values = (float *)buf;
+    int64_t *ids = (int64_t *)(values + rows * top), *nan = ids + rows * top;
+    int status = linear_bf16_top(x, rows, packed, n, k, top, values, ids, nan) ? -1 : 0;
+    if (status == 0) {
+        refine_logits(x, rows, k, weight, ids, top, top - 1, values, top, 1);
+        status = top_argmax(values, ids, nan, rows, top, tokens);
+    }
+    free(buf);
+    return status;
+}

@@ -1,0 +1,51 @@
+"""Greedy decode steps of the native call planned as host arrays (prepare()'s values, the kept block-table rows in
+place): no torch call, each of which starts cold after the step's kernels have streamed the weights."""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from batchrun.engine.contract import ScheduledSeq
+from batchrun.model.arch.blocks import REFINE_TOP, CausalLM
+from batchrun.model.arch.native_layers import NativeLayers, StepAddresses
+from batchrun.model.runner.block_tables import BlockTableRows
+
+
+def _address(values: array) -> int:
+    return values.buffer_info()[0]
+
+
+class HostDecode:
+    """The runner's decode steps on its model's native call; built only where the call is the runner's own."""
+
+    def __init__(self, model: CausalLM, native: NativeLayers, block_rows: BlockTableRows, block_size: int) -> None:
+        self.model, self.native, self.block_rows, self.block_size = model, native, block_rows, block_size
+        self._tokens = array("q", bytes(8 * native.max_rows))
+
+    def run(self, seqs: list[ScheduledSeq], kv_cache: torch.Tensor) -> list[int] | None:
+        """Each sequence's greedy token after its one new token, or None (the runner's path then runs the step)."""
+        rows = len(seqs)
+        model = self.model
+        if rows > self.native.max_rows or not model._greedy_fused():
+            return None
+        packed = model.lm_head.panels_for(rows)
+        if packed is None:
+            return None
+        bs = self.block_size
+        starts = [s.start for s in seqs]
+        ids = array("q", [s.token_ids[0] for s in seqs])
+        positions = array("q", starts)
+        slots = array("q", [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+        row_seq = array("i", self.block_rows.rows_of(seqs))  # each row's sequence: its kept table row
+        row_len = array("i", [p + 1 for p in starts])
+        table = self.block_rows.table
+        plan = StepAddresses(_address(ids), _address(positions), _address(slots), table.data_ptr(), table.shape[1],
+                             _address(row_seq), _address(row_len), model.cos.data_ptr(), model.sin.data_ptr())
+        weight = model.lm_weight
+        tokens = self._tokens
+        if not self.native.call(rows, plan, kv_cache, (packed.data_ptr(), weight.data_ptr(), weight.shape[0],
+                                                       REFINE_TOP + 1, _address(tokens))):
+            return None
+        return tokens[:rows].tolist()
