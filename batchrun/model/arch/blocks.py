@@ -427,35 +427,30 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return logits
 
     def forward_greedy(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(forward's hidden states, their greedy_tokens where the native call found them in the same call, else
-        None)."""
-        native = self.native_layers
-        if native is not None and self._greedy_fused():
-            packed = self.lm_head.panels_for(input_ids.shape[0])
-            if packed is not None:
-                got = native.run_greedy(input_ids, ctx, packed, self.lm_weight, REFINE_TOP + 1)
-                if got is not None:
-                    return got
+        """(forward's hidden states, their greedy_tokens where the native call found them in the same call)."""
+        head = self.greedy_head(input_ids.shape[0]) if self.native_layers is not None else None
+        if head is not None:
+            got = self.native_layers.run_greedy(input_ids, ctx, *head, REFINE_TOP + 1)
+            if got is not None:
+                return got
         return self(input_ids, ctx), None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of compute_logits(hidden), int64, from the lm_head's REFINE_TOP + 1 largest bf16
         outputs (the top REFINE_TOP refined as compute_logits refines them), the logits never written whole. None
         where that does not hold (no bf16 panels, a scale or cap, a NaN) or was not measured (MEASURED_KERNELS)."""
-        if not self._greedy_fused():
-            return None
         if hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
                 or not hidden.is_contiguous():
             return None
-        packed = self.lm_head.panels_for(hidden.shape[0])
-        if packed is None:
+        head = self.greedy_head(hidden.shape[0])
+        if head is None:
             return None
         # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
         # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
-        return cpu_logits.greedy_bf16(hidden, packed, self.lm_weight, REFINE_TOP + 1)
+        return cpu_logits.greedy_bf16(hidden, *head, REFINE_TOP + 1)
 
-    def _greedy_fused(self) -> bool:
-        """Whether greedy_tokens' path holds for this lm_head (asked once) and CPU; the row count decides the rest."""
+    def greedy_head(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the lm_head's bf16 panels at `rows` rows, its plain weight) where greedy_tokens' path holds, else None."""
         head = self.lm_head
         cached = self.__dict__.get("_greedy_fused_for")
         if cached is None or cached[0] is not head:
@@ -465,7 +460,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
                     and self.logits_divisor is None and self.final_softcap is None
                     and head.out_features == weight.shape[0] > REFINE_TOP and cpu_kernels.available())
             cached = self.__dict__["_greedy_fused_for"] = (head, fits)
-        return cached[1] and cpu_logits.greedy_measured()
+        if not (cached[1] and cpu_logits.greedy_measured()):
+            return None
+        packed = head.panels_for(rows)
+        return None if packed is None else (packed, self.lm_weight)
 
 
 def soft_cap_(logits: torch.Tensor, cap: float) -> None:

@@ -145,7 +145,8 @@ class NativeLayers:
 
     def __init__(self, shape: decoder.DecoderShape, layers: ctypes.Array, max_rows: int, dtype: torch.dtype,
                  residual_dtype: torch.dtype, widths: tuple[int, ...], keep: list[torch.Tensor],
-                 backend: object, embed: torch.Tensor, final_norm: torch.Tensor) -> None:
+                 backend: object, embed: torch.Tensor, final_norm: torch.Tensor,
+                 local_tables: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.shape, self.layers, self.max_rows = shape, layers, max_rows
         self.dtype, self.residual_dtype = dtype, residual_dtype
         # the runner's backend it was described for (with its pool's format): another runner of the same model takes
@@ -157,7 +158,7 @@ class NativeLayers:
         self._work = torch.empty(0, dtype=dtype)
         self._residual = torch.empty(0, dtype=residual_dtype)
         self._tokens = torch.empty(max_rows, dtype=torch.int64)  # run_greedy's (a view of it, until the next step)
-        self.local_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the "local" layers' cos, sin (Gemma 3)
+        self.local_tables = local_tables  # the "local" layers' cos, sin (Gemma 3; else the global ones)
 
     @classmethod
     def build(cls, model: CausalLM, backend: object, ops: CpuKernelOps, kv_cache: torch.Tensor) -> NativeLayers | None:
@@ -193,10 +194,9 @@ class NativeLayers:
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,
                   *((attn.q_size, attn.kv_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0, 0)))
         log.info("the forward in one native call for steps of up to %d rows", max_rows)
-        native = cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths,
-                     keep, backend, model.embed_tokens.weight, model.norm.weight)
-        native.local_tables = model.rope_variants.get("local", (model.cos, model.sin))
-        return native
+        return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
+                   backend, model.embed_tokens.weight, model.norm.weight,
+                   model.rope_variants.get("local", (model.cos, model.sin)))
 
     def _sections(self, rows: int) -> list[int]:
         """The address of each workspace section for `rows` rows, [rows, width] each from a cache line (the

@@ -23,6 +23,11 @@ def int32_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("i", values), dtype=torch.int32)
 
 
+def decode_slots(seqs: list[ScheduledSeq], block_size: int) -> list[int]:
+    """The pool slot of each sequence's one new token (at its start position): its block, then the offset in it."""
+    return [s.block_table[s.start // block_size] * block_size + s.start % block_size for s in seqs]
+
+
 class BlockTableRows:
     """Persistent host rows of the scheduled sequences' block tables (padded with 0)."""
 

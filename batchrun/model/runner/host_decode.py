@@ -10,7 +10,7 @@ import torch
 from batchrun.engine.contract import ScheduledSeq
 from batchrun.model.arch.blocks import REFINE_TOP, CausalLM
 from batchrun.model.arch.native_layers import NativeLayers, StepAddresses
-from batchrun.model.runner.block_tables import BlockTableRows
+from batchrun.model.runner.block_tables import BlockTableRows, decode_slots
 
 
 def _address(values: array) -> int:
@@ -28,22 +28,19 @@ class HostDecode:
         """Each sequence's greedy token after its one new token, or None (the runner's path then runs the step)."""
         rows = len(seqs)
         model = self.model
-        if rows > self.native.max_rows or not model._greedy_fused():
+        head = model.greedy_head(rows) if rows <= self.native.max_rows else None
+        if head is None:
             return None
-        packed = model.lm_head.panels_for(rows)
-        if packed is None:
-            return None
-        bs = self.block_size
         starts = [s.start for s in seqs]
         ids = array("q", [s.token_ids[0] for s in seqs])
         positions = array("q", starts)
-        slots = array("q", [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+        slots = array("q", decode_slots(seqs, self.block_size))
         row_seq = array("i", self.block_rows.rows_of(seqs))  # each row's sequence: its kept table row
         row_len = array("i", [p + 1 for p in starts])
         table = self.block_rows.table
         plan = StepAddresses(_address(ids), _address(positions), _address(slots), table.data_ptr(), table.shape[1],
                              _address(row_seq), _address(row_len), model.cos.data_ptr(), model.sin.data_ptr())
-        weight = model.lm_weight
+        packed, weight = head
         tokens = self._tokens
         if not self.native.call(rows, plan, kv_cache, (packed.data_ptr(), weight.data_ptr(), weight.shape[0],
                                                        REFINE_TOP + 1, _address(tokens))):

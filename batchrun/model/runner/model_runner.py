@@ -19,7 +19,7 @@ from batchrun.model.layers.attention import AttentionMetadata
 from batchrun.model.layers.backends import select_backend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import select_ops
-from batchrun.model.runner.block_tables import BlockTableRows, int32_tensor, int64_tensor
+from batchrun.model.runner.block_tables import BlockTableRows, decode_slots, int32_tensor, int64_tensor
 from batchrun.model.runner.host_decode import HostDecode
 from batchrun.model.runner.pooling import pool_rows
 from batchrun.model.sampling.prompt_logprobs import score_prompts
@@ -196,7 +196,7 @@ class ModelRunner:
         seq_lens = int32_tensor(slens)
         if decode_only:  # a token's slot: its block and the offset in it (host ints: each torch op costs more)
             positions = start_t
-            slots = int64_tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+            slots = int64_tensor(decode_slots(seqs, bs))
             qsl = self._counting(num_seqs + 1)
             # the CPU kernel's rows (AttentionMetadata.query_rows): one per sequence, over its whole context
             row_seq, row_len = qsl[:num_seqs], seq_lens
