@@ -30,6 +30,7 @@ from batchrun.model.runner.memory import (
     checkpoint_weight_bytes,
     gib,
     held_weight_bytes,
+    keep_freed_host_memory,
     kv_bytes_per_token,
     plan_cpu_memory,
     profile_cuda_kv_bytes,
@@ -120,6 +121,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     room = few_rows_room(loaded.model, memory, device, batch_invariant)
     prepare_cpu_linears(loaded.model, device, dtype, batch_invariant, room)
     runner.enable_native_layers()
+    if device.type == "cpu":
+        keep_freed_host_memory()
     engine_config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                                  max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_bytes_per_token=shape.bytes_per_token, sliding_window=loaded.model.kv_window)
@@ -152,6 +155,8 @@ def _encoder_engine(args: EngineArgs, source: Any, device: torch.device, dtype: 
     loaded = load_model(source.load_spec, dtype=dtype, device=device, max_model_len=args.max_model_len,
                         tokenizer=source.tokenizer, trust_remote_code=args.trust_remote_code)
     prepare_encoder_linears(loaded.model, device, dtype)
+    if device.type == "cpu":
+        keep_freed_host_memory()
     max_len = loaded.max_model_len
     budget = max(args.max_num_batched_tokens, max_len)
     num_blocks = -(-budget // args.block_size) + args.max_num_seqs

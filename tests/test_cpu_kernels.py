@@ -106,14 +106,14 @@ def test_gelu_tanh_mul_and_its_rows_do_not_depend_on_the_row_count(inter):
 
 
 def test_tanh_cap_in_place_and_row_invariant():
-    """Gemma 2's final logit soft-capping: torch's cap * tanh(x / cap) to 1e-6 absolutely, and each row the bits
-    it gets alone."""
+    """Gemma 2's final logit soft-capping: cap * tanh(x / cap) to 1e-5 absolutely, and each row the bits it gets
+    alone. The reference is float64: torch's fp32 tanh is off by up to 2e-3 in some processes on an AMX Xeon."""
     x = torch.randn(7, 1003, generator=torch.Generator().manual_seed(3)) * 40
-    ref = torch.tanh(x / 30.0) * 30.0
+    ref = torch.tanh(x.double() / 30.0) * 30.0
     from batchrun.kernels.cpu import elementwise
 
     got = elementwise.tanh_cap_(x.clone(), 30.0)
-    assert (got - ref).abs().max() < 1e-5 and got.abs().max() < 30.0
+    assert (got.double() - ref).abs().max() < 1e-5 and got.abs().max() < 30.0
     assert all(torch.equal(elementwise.tanh_cap_(x[i : i + 1].clone(), 30.0)[0], got[i]) for i in range(7))
 
 

@@ -37,7 +37,7 @@ class DecoderShape(ctypes.Structure):
 class DecoderStep(ctypes.Structure):
     _fields_ = [("ids", _P), ("embed", _P), ("vocab", _I), ("final_norm", _P), ("residual", _P), ("x", _P), ("h", _P),
                 ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("q_normed", _P), ("k_normed", _P),
-                ("k_copy", _P), ("v_copy", _P), ("rows", _I),
+                ("v_copy", _P), ("rows", _I),
                 ("positions", _P), ("slots", _P), ("cos_t", _P), ("sin_t", _P), ("cos_local", _P), ("sin_local", _P),
                 ("block_tables", _P), ("row_seq", _P),
                 ("row_len", _P), ("bt_stride", _I), ("kv", _P), ("layer_bytes", _I), ("half_bytes", _I),

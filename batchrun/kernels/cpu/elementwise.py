@@ -13,6 +13,7 @@ from batchrun.kernels.cpu import dtype_flag
 _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _B, _B, _B]),
+    "rms_norm_heads": (None, [_P, _I, _P, _P, _I, _I, _I, _F, _B]),
     "silu_mul": (None, [_P, _P, _I, _I, _B]),
     "gelu_tanh_mul": (None, [_P, _P, _I, _I, _B]),
     "tanh_cap": (None, [_P, _I, _F]),
@@ -36,6 +37,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise TypeError(f"rms_norm: a {residual.dtype} residual for {x.dtype} activations")
     _library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
                         int(residual is not None), int(res_fp32), dtype_flag(x))
+    return out
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm of each row of x [N, D] or head of x [N, H, D] (rows read in place), contiguous."""
+    heads, dim = (x.shape[1], x.shape[2]) if x.dim() == 3 else (1, x.shape[1])
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _library().rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], heads, dim,
+                              eps, dtype_flag(x))
     return out
 
 

@@ -129,13 +129,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "proj":
-            q, k = self.q_norm(q.contiguous(), ctx.ops), self.k_norm(k.contiguous(), ctx.ops)
+        if self.qk_norm == "proj":  # (the ops read a slice of the rows in place where they can)
+            q, k = self.q_norm(q, ctx.ops), self.k_norm(k, ctx.ops)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q.contiguous(), ctx.ops), self.k_norm(k.contiguous(), ctx.ops)
+            q, k = self.q_norm(q, ctx.ops), self.k_norm(k, ctx.ops)
         q, k = ctx.ops.apply_rope(q, k, ctx.rotary.of(self.rope))
         o = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer], ctx.attn, self.scale, window=self.window,
                                 softcap=self.softcap)

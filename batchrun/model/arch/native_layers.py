@@ -1,7 +1,5 @@
-"""A step's forward to the final norm in one native call (kernels/cpu/decoder.py), making the Python path's kernel
-calls with its arguments, so its bits: embeddings, pre-norm attention (per-head q/k norms or none) + gated MLP layers
-on C linears and C attention (pool in the model's dtype or int8), the final RMSNorm.
-BATCHRUN_NATIVE_LAYERS: auto (on where it was measured, MEASURED_KERNELS), 1 (on), 0 (off)."""
+"""A step's forward to the final norm in one native call (kernels/cpu/decoder.py) making the Python path's kernel
+calls, so its bits. BATCHRUN_NATIVE_LAYERS: auto (on where measured: MEASURED_KERNELS), 1 (on), 0 (off)."""
 
 from __future__ import annotations
 
@@ -192,7 +190,7 @@ class NativeLayers:
             embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,
-                  *((attn.q_size, attn.kv_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0, 0)))
+                  *((attn.q_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0)))
         log.info("the forward in one native call for steps of up to %d rows", max_rows)
         return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
                    backend, model.embed_tokens.weight, model.norm.weight,

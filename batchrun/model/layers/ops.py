@@ -93,6 +93,8 @@ class CpuKernelOps(TorchOps):
         if x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = elementwise.rms_norm(x, weight, eps, residual)
             return out if residual is None else (out, residual)
+        if residual is None and _token_strided(x):
+            return elementwise.rms_norm_heads(x, weight, eps)
         return super().rms_norm(x, weight, eps, residual)
 
     def silu_mul(self, gate_up):
@@ -112,6 +114,13 @@ class CpuKernelOps(TorchOps):
                 elementwise.rope_(x, x.shape[1], x.shape[2], rot.positions, rot.cos_table, rot.sin_table)
             return q, k
         return super().apply_rope(q, k, rot)
+
+
+def _token_strided(x: torch.Tensor) -> bool:
+    """x [N, D] or [N, H, D] dense but for its token stride (a slice of a fused projection's rows)."""
+    if x.dim() == 2:
+        return x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:

@@ -3,6 +3,8 @@ fit, whether the bf16 few-row copy fits, and on CUDA a profiled share of the GPU
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import os
@@ -29,6 +31,26 @@ MIN_KV_TOKENS = 2048
 # Besides the weights and the pools: Python with torch and the tokenizer, a step's activations and logits, one
 # linear's packing at a time, oneDNN's scratch.
 WORKING_BYTES = GIB
+
+
+# glibc's mallopt parameters: blocks up to the threshold come from the heap, whose freed top is kept up to the trim
+# threshold. The threshold's ceiling is 32 MiB on 64-bit glibc (mallopt refuses more).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+STEP_HEAP_BYTES = 32 * 2**20
+KEEP_FREED_BYTES = GIB
+
+
+def keep_freed_host_memory() -> bool:
+    """A step's activations reuse the heap's pages, not fresh mappings that fault on first touch (after the weights
+    load; BATCHRUN_KEEP_FREED=0: glibc's defaults). False where the C library is not glibc."""
+    if os.environ.get("BATCHRUN_KEEP_FREED", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, STEP_HEAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
 
 
 def gib(n: int | float) -> str:

@@ -387,6 +387,7 @@ ALWAYS void group_pv(const float *p, int64_t cap, const void *vh, const int64_t 
 typedef struct {
     int64_t seq, first, rows, max_len, cost; /* cost: the tile's keys summed over its rows */
     int64_t start; /* the first key any row of the tile attends (sliding windows), rounded down to a KEY_CHUNK */
+    int64_t pack;  /* its sequence's K and V in AMX layouts (AmxPack), or -1 */
 } Tile;
 
 /* The first key a row of row_len n attends: n - window with a sliding window (window > 0), else 0. */
@@ -484,6 +485,15 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
     }
 }
 
+/* One sequence's K and V over keys [start, end) (start a multiple of 32) in the layouts the tiles read, made once a
+ * call for all its AMX tiles: K per kv head, groups of 16 keys [d / 32][16 pairs][16 keys][2]; V per kv head, pairs
+ * of keys interleaved [keys / 2][d][2]; zeros past end. Each is keys32 * d values a head (keys32: end - start
+ * rounded up to 32). */
+typedef struct {
+    int64_t seq, start, end, keys32;
+    bf16 *k, *v;
+} AmxPack;
+
 #if HAVE_AMX
 /* bf16 attention on AMX tiles (head_dim a multiple of 32): a (row, query head) lane of a kv head's GQA group is
  * a tile row. Scores: the lanes' queries times 16 keys' K, transposed into vdpbf16ps's pair layout; softmax in
@@ -493,9 +503,8 @@ ALWAYS void attend_tile(const Tile *tile, int64_t h0, int64_t h1, const void *q,
 #define AMX_ATTENTION(d, bf) ((bf) && (d) % 32 == 0 && (d) <= 512 && amx_allowed())
 
 typedef struct {
-    bf16 *qa, *kt, *pb, *vb; /* lanes' queries [lanes][d]; one key group's K [d / 2][16][2]; p's two terms
-                                [2][lanes][cap32]; V [cap32 / 2][d][2] */
-    float *ob;               /* one lane tile's p.V sums [16][d] */
+    bf16 *qa, *pb; /* lanes' queries [lanes][d]; p's two terms [2][lanes][cap32] */
+    float *ob;     /* one lane tile's p.V sums [16][d] */
 } AmxBuffers;
 
 /* 16 keys' K into the key-pair layout: row i holds key i's 32-bit pairs [16c, 16c + 16); out row j, pair 16c + j. */
@@ -525,33 +534,63 @@ static inline void transpose16x16(__m512i *r) {
     }
 }
 
-/* One kv head h of a tile, lane r * g + j for row r and query head j; `f` fetches ahead, `next` the next task. */
-static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t q_stride, const bf16 *k,
-                            const bf16 *v, const int32_t *row_len, bf16 *out, int64_t hq, int64_t g, int64_t cap,
-                            float scale, int64_t window, float softcap, const int64_t *off, float *sc, float *inv,
-                            AmxBuffers b, Fetch *f, Fetch *next, int64_t d) {
+/* Keys [t, t + 32) of a pack, every kv head (rows of hkv heads of d values in the pool, through block table bt). */
+static void amx_pack_keys(const AmxPack *p, int64_t t, const bf16 *k, const bf16 *v, const int32_t *bt, int64_t bs,
+                          int64_t hkv, int64_t d) {
+    const int64_t row = hkv * d;
+    int64_t off[32]; /* key t + i's row in the pool */
+    for (int64_t i = 0; i < 32; i++)
+        off[i] = t + i < p->end ? ((int64_t)bt[(t + i) / bs] * bs + (t + i) % bs) * row : -1;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t h = 0; h < hkv; h++) {
+        bf16 *kp = p->k + (h * p->keys32 + t - p->start) * d, *vp = p->v + (h * p->keys32 + t - p->start) * d;
+        for (int64_t g0 = 0; g0 < 32; g0 += 16) {
+            for (int64_t c = 0; c < d / 32; c++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = off[g0 + i] >= 0 ? _mm512_loadu_si512(k + off[g0 + i] + h * d + 32 * c)
+                                            : _mm512_setzero_si512();
+                transpose16x16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_si512(kp + g0 * d + (16 * c + i) * 32, r[i]);
+            }
+        }
+        for (int64_t i = 0; i < 32; i += 2) {
+            const bf16 *v0 = off[i] >= 0 ? v + off[i] + h * d : NULL;
+            const bf16 *v1 = off[i + 1] >= 0 ? v + off[i + 1] + h * d : NULL;
+            for (int64_t e = 0; e < d; e += 32) {
+                const __m512i a = v0 != NULL ? _mm512_loadu_si512(v0 + e) : _mm512_setzero_si512();
+                const __m512i c = v1 != NULL ? _mm512_loadu_si512(v1 + e) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + i * d + 2 * e, _mm512_permutex2var_epi16(a, lo, c));
+                _mm512_storeu_si512(vp + i * d + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, c));
+            }
+        }
+    }
+}
+
+/* One kv head h of a tile, lane r * g + j for row r and query head j, K and V read from the sequence's pack;
+ * `next` fetches the next task's first keys. Keys of the pack past a lane's length have p = 0 (finite values or
+ * zeros): they add exactly 0. */
+static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t q_stride, const AmxPack *pack,
+                            const int32_t *row_len, bf16 *out, int64_t hq, int64_t g, int64_t cap, float scale,
+                            int64_t window, float softcap, float *sc, float *inv, AmxBuffers b, Fetch *next,
+                            int64_t d) {
     const int64_t first = tile->first, rows = tile->rows, max_len = tile->max_len, lanes = rows * g;
     const int64_t lane_tiles = (lanes + 15) / 16, cap32 = (cap + 31) / 32 * 32, key_chunks = (max_len + 31) / 32;
     const int64_t start = tile->start, first_chunk = start / 32; /* a sliding window's first key chunk */
+    /* kv head h's packed K and V, from key pack->start */
+    const bf16 *kp = pack->k + h * pack->keys32 * d, *vp = pack->v + h * pack->keys32 * d;
     /* (the last lane tile's padding lanes are never read) */
     for (int64_t l = 0; l < lanes; l++) memcpy(b.qa + l * d, q + (first + l / g) * q_stride + (h * g + l % g) * d, 2 * d);
     /* scores */
     for (int64_t t0 = start; t0 < max_len; t0 += 16) {
-        const int64_t m = max_len - t0 < 16 ? max_len - t0 : 16; /* keys past the tile's are zeros */
-        for (int64_t c = 0; c < d / 32; c++) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) {
-                if (c == 0) fetch_lines(f, f->lines); /* a key's lines at a time: a burst stalls */
-                r[i] = i < m ? _mm512_loadu_si512(k + off[t0 + i] + h * d + 32 * c) : _mm512_setzero_si512();
-            }
-            transpose16x16(r);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(b.kt + (16 * c + i) * 32, r[i]);
-        }
+        fetch_lines(next, 2);
         for (int64_t mt = 0; mt < lane_tiles; mt++) {
             _tile_zero(0);
             for (int64_t c = 0; c < d / 32; c++) {
                 _tile_loadd(1, b.qa + mt * 16 * d + 32 * c, d * 2);
-                _tile_loadd(2, b.kt + c * 16 * 32, 64);
+                _tile_loadd(2, kp + (t0 - pack->start) * d + c * 16 * 32, 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
             _tile_stored(0, sc + mt * 16 * cap + t0, cap * 4);
@@ -576,21 +615,6 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
             vstore_bf16(b.pb + (lane_tiles * 16 + l) * cap32 + t, p - vload_bf16(b.pb + l * cap32 + t));
         }
     }
-    /* V with pairs of keys interleaved (zero past the tile's keys) */
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int64_t t = first_chunk * 32; t < key_chunks * 32; t += 2) {
-        fetch_lines(next, 1);
-        bf16 *dst = b.vb + t * d;
-        const bf16 *v0 = t < max_len ? v + off[t] + h * d : NULL, *v1 = t + 1 < max_len ? v + off[t + 1] + h * d : NULL;
-        for (int64_t e = 0; e < d; e += 32) {
-            const __m512i a = v0 != NULL ? _mm512_loadu_si512(v0 + e) : _mm512_setzero_si512();
-            const __m512i c = v1 != NULL ? _mm512_loadu_si512(v1 + e) : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(a, lo, c));
-            _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, c));
-        }
-    }
     /* p.V, 64 dims (four C tiles) at a time, and the outputs */
     for (int64_t mt = 0; mt < lane_tiles; mt++) {
         for (int64_t e0 = 0; e0 < d; e0 += 64) {
@@ -600,7 +624,7 @@ static void amx_attend_head(const Tile *tile, int64_t h, const bf16 *q, int64_t 
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kc = first_chunk; kc < key_chunks; kc++) {
-                const bf16 *vbc = b.vb + kc * 32 * d + 2 * e0; /* pair rows d * 4 bytes apart */
+                const bf16 *vbc = vp + (kc * 32 - pack->start) * d + 2 * e0; /* pair rows d * 4 bytes apart */
                 _tile_loadd(4, b.pb + mt * 16 * cap32 + 32 * kc, cap32 * 2);
                 _tile_loadd(6, b.pb + (lane_tiles + mt) * 16 * cap32 + 32 * kc, cap32 * 2);
                 _tile_loadd(5, vbc, d * 4);
@@ -651,17 +675,17 @@ typedef struct {
     float softcap;     /* scores soft-capped to softcap * tanh(s / softcap); 0: not */
     int64_t width;     /* pool elements of a (slot, kv head) row: d, or Q8_ROW(d) in an int8 pool */
     int kv;            /* the pool's format (KV_FLOAT, KV_INT8, KV_E4M3, KV_E5M2) */
+    const AmxPack *packs; /* of the sequences with AMX tiles (Tile.pack) */
 } AttentionCall;
 
 /* One task, the dtype a constant again (attend_task_fp32 / _bf16: the region is outlined before inlining). */
 ALWAYS void attend_task(const AttentionCall *c, const Tile *tile, int64_t h0, int64_t h1, Scratch s, Fetch own,
                         Fetch *next, const int bf) {
 #if HAVE_AMX
-    if (bf && c->amx_lanes > 0 && tile->rows * c->g >= c->amx_lanes) {
-        own.end = tile->max_len; /* fetched key group by key group, all of it */
+    if (bf && tile->pack >= 0) {
         for (int64_t h = h0; h < h1; h++)
-            amx_attend_head(tile, h, c->q, c->q_stride, c->k, c->v, c->row_len, c->out, c->hq, c->g, c->cap, c->scale,
-                            c->window, c->softcap, s.off, s.sc, s.inv, *(AmxBuffers *)s.amx, &own, next, c->d);
+            amx_attend_head(tile, h, c->q, c->q_stride, &c->packs[tile->pack], c->row_len, c->out, c->hq, c->g, c->cap,
+                            c->scale, c->window, c->softcap, s.sc, s.inv, *(AmxBuffers *)s.amx, next, c->d);
         return;
     }
 #endif
@@ -945,7 +969,7 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
     if (tiles == NULL) return 1;
     int64_t num_tiles = 0, cap = 0, work = 0;
     for (int64_t i = 0; i < num_rows;) {
-        Tile t = {row_seq[i], i, 0, 0, 0, row_len[i]};
+        Tile t = {row_seq[i], i, 0, 0, 0, row_len[i], -1};
         for (; i < num_rows && row_seq[i] == t.seq && t.rows < TILE_ROWS; i++, t.rows++) {
             const int64_t lo = first_key(row_len[i], window);
             t.max_len = row_len[i] > t.max_len ? row_len[i] : t.max_len;
@@ -957,17 +981,47 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
         cap = t.max_len > cap ? t.max_len : cap;
         work += t.cost;
     }
-    /* largest first, so that the dynamic schedule ends on small tasks (the order changes no result) */
-    qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
-    cap = (cap + VW - 1) / VW * VW;
 #if HAVE_AMX
     if (!AMX_ATTENTION(d, bf) || kv != KV_FLOAT) amx_lanes = 0;
 #else
     amx_lanes = 0;
 #endif
+    /* the sequences of the AMX tiles (a sequence's tiles are adjacent here), each packed once for all of them */
+    AmxPack *packs = malloc(sizeof(AmxPack) * (num_tiles > 0 ? num_tiles : 1));
+    int64_t *pack_units = malloc(sizeof(int64_t) * (num_tiles + 1)); /* the first 32-key unit of each pack */
+    int64_t num_packs = 0, pack_values = 0;
+    bf16 *pack_buffer = NULL;
+    if (packs == NULL || pack_units == NULL) goto no_memory;
+    for (int64_t i = 0; i < num_tiles && amx_lanes > 0; i++) {
+        Tile *t = &tiles[i];
+        if (t->rows * g < amx_lanes) continue;
+        if (num_packs == 0 || packs[num_packs - 1].seq != t->seq)
+            packs[num_packs++] = (AmxPack){t->seq, t->start, t->max_len, 0, NULL, NULL};
+        AmxPack *pk = &packs[num_packs - 1];
+        pk->start = t->start < pk->start ? t->start : pk->start;
+        pk->end = t->max_len > pk->end ? t->max_len : pk->end;
+        t->pack = num_packs - 1;
+    }
+    pack_units[0] = 0;
+    for (int64_t i = 0; i < num_packs; i++) {
+        packs[i].keys32 = (packs[i].end - packs[i].start + 31) / 32 * 32;
+        pack_units[i + 1] = pack_units[i] + packs[i].keys32 / 32;
+        pack_values += 2 * hkv * packs[i].keys32 * d;
+    }
+    if (num_packs > 0) {
+        if ((pack_buffer = malloc(sizeof(bf16) * pack_values)) == NULL) goto no_memory;
+        for (int64_t i = 0, used = 0; i < num_packs; used += 2 * hkv * packs[i].keys32 * d, i++) {
+            packs[i].k = pack_buffer + used;
+            packs[i].v = pack_buffer + used + hkv * packs[i].keys32 * d;
+        }
+    }
+    const int64_t num_units = pack_units[num_packs];
+    /* largest first, so that the dynamic schedule ends on small tasks (the order changes no result) */
+    qsort(tiles, num_tiles, sizeof(Tile), by_cost_descending);
+    cap = (cap + VW - 1) / VW * VW;
     const int64_t width = kv == KV_INT8 ? Q8_ROW(d) : d, elsize = kv != KV_FLOAT ? 1 : bf ? 2 : 4;
     const AttentionCall call = {q,         k,      v,       row_len, out,   q_stride, hq, g, cap, d, scale,
-                                amx_lanes, window, softcap, width,   kv};
+                                amx_lanes, window, softcap, width,   kv,  packs};
     /* a task takes all kv heads of a tile (whole rows, in address order), or one when tiles are too few */
     const int64_t heads_per_task = num_tiles >= 8 * omp_get_max_threads() ? hkv : 1;
     const int64_t tasks_per_tile = hkv / heads_per_task, num_tasks = num_tiles * tasks_per_tile;
@@ -988,18 +1042,28 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
         AmxBuffers amx_buffers = {0};
         if (amx_lanes > 0 && !failed) { /* lanes of one kv head: TILE_ROWS * g, a multiple of 16 */
             const int64_t cap32 = (cap + 31) / 32 * 32, head_lanes = TILE_ROWS * g;
-            bf16 *buf = malloc(sizeof(bf16) * (head_lanes * d + 16 * d + 2 * head_lanes * cap32 + cap32 * d));
+            bf16 *buf = malloc(sizeof(bf16) * (head_lanes * d + 2 * head_lanes * cap32));
             float *ob = malloc(sizeof(float) * 16 * d);
             if (buf == NULL || ob == NULL) {
                 free(buf);
                 free(ob);
                 failed = 1;
             } else {
-                amx_buffers = (AmxBuffers){buf, buf + head_lanes * d, buf + head_lanes * d + 16 * d,
-                                           buf + head_lanes * d + 16 * d + 2 * head_lanes * cap32, ob};
+                amx_buffers = (AmxBuffers){buf, buf + head_lanes * d, ob};
                 s.amx = &amx_buffers;
                 amx_configure();
             }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < num_units; u++) {
+            int64_t lo = 0, hi = num_packs - 1; /* the pack of unit u: pack_units[lo] <= u < pack_units[lo + 1] */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (pack_units[mid] <= u) lo = mid;
+                else hi = mid - 1;
+            }
+            const AmxPack *pk = &packs[lo];
+            amx_pack_keys(pk, pk->start + 32 * (u - pack_units[lo]), k, v, bt + pk->seq * bt_stride, bs, hkv, d);
         }
 #endif
         int64_t task = num_tasks;
@@ -1056,7 +1120,15 @@ static int attend_rows(const void *q, int64_t q_stride, const void *k, const voi
 #endif
     }
     free(tiles);
+    free(packs);
+    free(pack_units);
+    free(pack_buffer);
     return failed;
+no_memory:
+    free(tiles);
+    free(packs);
+    free(pack_units);
+    return 1;
 }
 
 int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,

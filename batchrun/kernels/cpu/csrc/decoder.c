@@ -18,6 +18,8 @@ extern void rms_norm(const void *x, void *residual, const void *weight, void *ou
                      float eps, int add, int res_fp32, int bf);
 extern void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
 extern void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
+extern void rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int64_t tokens,
+                           int64_t heads, int64_t dim, float eps, int bf);
 extern void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, int64_t rot,
                  const int64_t *positions, const float *cos_t, const float *sin_t, int bf);
 extern int paged_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
@@ -75,7 +77,7 @@ typedef struct {
     void *x;             /* [rows, hidden]: the embeddings, then each layer's output */
     void *h;             /* [rows, hidden]: each norm's output; the final norm's on return */
     void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter] */
-    void *q_normed, *k_normed, *k_copy, *v_copy; /* with q/k norms: [rows, q | kv | kv | kv] */
+    void *q_normed, *k_normed, *v_copy; /* with q/k norms: [rows, q | kv | kv] */
     int64_t rows;
     const int64_t *positions, *slots;
     const float *cos_t, *sin_t, *cos_local, *sin_local; /* the global rotary tables, and the ROPE_LOCAL layers' */
@@ -118,11 +120,9 @@ static int attention(const DecoderShape *s, const DecoderLayer *layer, const Dec
     int64_t q_stride = q_size + 2 * kv_size, kv_stride = q_stride;
     char *q = t->qkv, *k = q + q_size * elsize, *v = k + kv_size * elsize;
     char *kc = t->kv + l * t->layer_bytes, *vc = kc + t->half_bytes;
-    if (layer->q_norm != NULL) { /* per-head norms of contiguous copies, as the Python layer takes them */
-        copy_columns(q, q_stride, t->rows, q_size, t->attn, elsize);
-        rms_norm(t->attn, NULL, layer->q_norm, t->q_normed, t->rows * s->heads, s->head_dim, s->eps, 0, 0, bf);
-        copy_columns(k, q_stride, t->rows, kv_size, t->k_copy, elsize);
-        rms_norm(t->k_copy, NULL, layer->k_norm, t->k_normed, t->rows * s->kv_heads, s->head_dim, s->eps, 0, 0, bf);
+    if (layer->q_norm != NULL) { /* per-head norms into contiguous rows, as the Python layer takes them */
+        rms_norm_heads(q, q_stride, layer->q_norm, t->q_normed, t->rows, s->heads, s->head_dim, s->eps, bf);
+        rms_norm_heads(k, q_stride, layer->k_norm, t->k_normed, t->rows, s->kv_heads, s->head_dim, s->eps, bf);
         copy_columns(v, q_stride, t->rows, kv_size, t->v_copy, elsize);
         q = t->q_normed, k = t->k_normed, v = t->v_copy, q_stride = q_size, kv_stride = kv_size;
     }

@@ -63,6 +63,20 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     }
 }
 
+/* out [tokens, heads, dim] = weight * rmsnorm of each head's row, token t's heads read at x + t * stride (a q or k
+ * slice of a fused projection, in place); each row as rms_norm computes it. */
+void rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int64_t tokens, int64_t heads,
+                    int64_t dim, float eps, int bf) {
+#pragma omp parallel if (tokens * heads * dim > PAR_MIN_WORK)
+    {
+        int64_t t0, t1;
+        thread_rows(tokens, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++)
+            BY_DTYPE(bf, rms_norm_res, at(x, t * stride, bf), NULL, weight, (void *)at(out, t * heads * dim, bf), 0,
+                     heads, dim, eps, 0, 0);
+    }
+}
+
 /* out[r, i] = silu(gate) * up over [rows, 2 * inter] (gate | up); silu rounded to bf16 first, as torch's two ops. */
 ALWAYS void silu_mul_impl(const void *gu, void *out, int64_t r0, int64_t r1, int64_t inter, const int bf) {
     for (int64_t r = r0; r < r1; r++) {
