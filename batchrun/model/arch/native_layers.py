@@ -150,7 +150,7 @@ class NativeLayers:
         # the runner's backend it was described for (with its pool's format): another runner of the same model takes
         # the Python loop
         self.backend = backend
-        self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied k, v
+        self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied v
         self._keep = keep  # the tensors the structures point into
         self.embed, self.final_norm = embed, final_norm  # the embedding table, the final norm's weight
         self._work = torch.empty(0, dtype=dtype)
@@ -196,15 +196,19 @@ class NativeLayers:
                    backend, model.embed_tokens.weight, model.norm.weight,
                    model.rope_variants.get("local", (model.cos, model.sin)))
 
-    def _sections(self, rows: int) -> list[int]:
-        """The address of each workspace section for `rows` rows, [rows, width] each from a cache line (the
+    def _layout(self, rows: int) -> list[int]:
+        """Each workspace section's first element for `rows` rows, [rows, width] each from a cache line (the
         workspace grown as needed)."""
         per_line = _ALIGN // self._work.element_size()
         sizes = [-(-rows * width // per_line) * per_line for width in self.widths]
         if self._work.numel() < sum(sizes):
             self._work = torch.empty(sum(sizes), dtype=self.dtype)
+        return list(itertools.accumulate(sizes[:-1], initial=0))
+
+    def _sections(self, rows: int) -> list[int]:
+        starts = self._layout(rows)  # (first: it may grow the workspace)
         base, element = self._work.data_ptr(), self._work.element_size()
-        return [base + element * start for start in itertools.accumulate(sizes[:-1], initial=0)]
+        return [base + element * start for start in starts]
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """The Python path's hidden states after the final norm (a workspace view, until the next step), or None."""
@@ -242,9 +246,7 @@ class NativeLayers:
 
     def hidden_view(self, rows: int) -> torch.Tensor:
         """Where call() leaves the hidden states: the workspace's section h, [rows, hidden]."""
-        hidden, per_line = self.widths[0], _ALIGN // self._work.element_size()
-        self._sections(rows)  # (grown first: the view must be of the workspace the call writes)
-        start = -(-rows * hidden // per_line) * per_line
+        hidden, start = self.widths[0], self._layout(rows)[1]
         return self._work[start : start + rows * hidden].view(rows, hidden)
 
     def call(self, rows: int, plan: StepAddresses, pool: torch.Tensor,

@@ -415,6 +415,7 @@ typedef struct {
 /* The fetch cursor of a task's first chunk, its key offsets written to off (elements of elsize bytes). */
 static Fetch task_fetch(const Tile *tile, int64_t h0, int64_t h1, const void *k, const void *v, const int32_t *bt,
                         int64_t bt_stride, int64_t hkv, int64_t bs, int64_t width, int64_t elsize, int64_t *off) {
+    if (tile->pack >= 0) return (Fetch){0}; /* an AMX tile reads its sequence's pack: nothing to fetch */
     key_offsets(bt + tile->seq * bt_stride, tile->max_len, bs, hkv * width, off);
     const int64_t bytes = (h1 - h0) * width * elsize; /* of a key's K (or V) row the task reads */
     const int64_t end = tile->start + KEY_CHUNK < tile->max_len ? tile->start + KEY_CHUNK : tile->max_len;

@@ -153,8 +153,8 @@ static void scale_row(void *row, int64_t n, float scale, int bf) {
     }
 }
 
-/* Each row's embedding into x (times the embedding scale), and into the residual stream in its dtype (bf16 to fp32 is exact); 0, or 2 where
- * an id is outside the table (nothing read). */
+/* Each row's embedding into x (times the embedding scale), and into the residual stream in its dtype (bf16 to
+ * fp32 is exact); 0, or 2 where an id is outside the table (nothing read). */
 static int embed_rows(const DecoderShape *s, const DecoderStep *t) {
     const int64_t hidden = s->hidden, elsize = s->bf ? 2 : 4;
     for (int64_t r = 0; r < t->rows; r++)
