@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from batchrun.engine.engine import Engine, EngineConfig
+from batchrun.engine.pooling import prompt_only_kv_tokens
 from batchrun.engine.scheduler import SchedulerConfig
 from batchrun.engine_args import EngineArgs, EngineArgsError
 from batchrun.kernels.cpu.threads import configure_threads
 from batchrun.kernels.layouts.kv_rows import KV_CACHE_DTYPES
+from batchrun.model.arch.blocks import pooling_architecture
 from batchrun.model.arch.registry import model_class
 from batchrun.model.errors import InsufficientMemoryError
 from batchrun.model.layers.backends import resolve_batch_invariant
@@ -28,6 +30,7 @@ from batchrun.model.runner.memory import (
     MemoryPlan,
     available_memory,
     checkpoint_weight_bytes,
+    cpu_default_bytes,
     gib,
     held_weight_bytes,
     keep_freed_host_memory,
@@ -180,6 +183,13 @@ def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, b
     if args.num_kv_blocks is not None:
         kv_bytes = args.num_kv_blocks * args.block_size * per_token
     max_len = args.max_model_len or model_max_len(config)
+    kv_tokens, why = args.kv_cache_tokens, f"the job's rows need {args.kv_cache_tokens} tokens"
+    available = available_memory()
+    if kv_tokens is None and kv_bytes is None and pooling_architecture(config):
+        # a checkpoint that only pools holds only its prompts in flight: the default, or less
+        need = prompt_only_kv_tokens(args.max_num_batched_tokens, max_len, args.max_num_seqs, args.block_size)
+        kv_tokens = min(need, cpu_default_bytes(available.total) // per_token)
+        why = f"pooling: one step's prompts and a whole {max_len}-token prompt need {need} tokens"
     # a tied lm_head's packed copy (none when it goes to int8: the int8 copy instead, quant.linear.LM_HEAD_SPEC)
     packs_tied = (dtype == torch.bfloat16 or batch_invariant) and not args.quantize_lm_head
     held = checkpoint_weight_bytes(path, element_size, QuantSpec.parse(args.quantization),
@@ -188,8 +198,8 @@ def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, b
     if args.quantize_lm_head:
         weights += LM_HEAD_SPEC.held_bytes(config.vocab_size, config.hidden_size)
     memory = plan_cpu_memory(weights=weights, bytes_per_token=per_token, block_size=args.block_size,
-                             max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=args.kv_cache_tokens,
-                             swap=args.swap_space_bytes, available=available_memory(), model=args.model)
+                             max_model_len=max_len, kv_bytes=kv_bytes, kv_tokens=kv_tokens,
+                             swap=args.swap_space_bytes, available=available, model=args.model)
     if args.calibration != "none":  # GPTQ holds the checkpoint whole in the dtype first (model/quant/calibration.py)
         full = checkpoint_weight_bytes(path, element_size)
         if full + WORKING_BYTES > memory.available.free:
@@ -198,7 +208,7 @@ def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, b
                 f"and {gib(WORKING_BYTES)} to work in), and this machine has {memory.available.detail}: use "
                 "calibration: none (round to nearest) for this model")
     if kv_bytes is None:
-        why = f"the job's rows need {args.kv_cache_tokens} tokens" if args.kv_cache_tokens else "the default"
+        why = why if kv_tokens else "the default"
         log.info("KV cache sized for %s: %.2f GiB, beside %.2f GiB of weights (%s)", why, memory.kv / 2**30,
                  weights / 2**30, memory.available.detail)
     return memory

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.config import POOLED_TASKS, EngineSettings, JobConfig, JobError
+from batchrun.engine.pooling import prompt_only_kv_tokens
 from batchrun.engine_args import EngineArgs, EngineArgsError, field_of, job_key
 from batchrun.io.slicing import RowSlice
 from batchrun.io.sources import Source, open_source
@@ -356,7 +357,13 @@ def job_kv_tokens(plan: JobPlan) -> int | None:
         per_seq = None
     if max_len is not None:
         per_seq = max_len if per_seq is None else min(per_seq, max_len)
-    return None if per_seq is None else seqs * per_seq
+    if per_seq is None:
+        return None
+    if cfg.task in POOLED_TASKS:  # its requests end with their prompts
+        engine = cfg.engine
+        return min(seqs * per_seq, prompt_only_kv_tokens(engine["max_num_batched_tokens"], per_seq,
+                                                         engine["max_num_seqs"], engine["block_size"]))
+    return seqs * per_seq
 
 
 def _output_spec(cfg: JobConfig, source: Source, id_column: str | None, model: ModelSource) -> OutputSpec:

@@ -241,6 +241,7 @@ def run_embed(plan: Plan, runner: Runner, llm_kwargs: dict[str, Any], repeat: in
     defaults in the plan's dtype; the first texts' vectors are compared with sentence-transformers' in the report."""
     from transformers import AutoTokenizer
 
+    from batchrun.model.arch.registry import model_class
     from benchmarks.harness.embed_models import embed_checkpoint
 
     texts = embed_texts(num_texts or plan.num_requests, plan.seed, plan.prompt)
@@ -257,6 +258,8 @@ def run_embed(plan: Plan, runner: Runner, llm_kwargs: dict[str, Any], repeat: in
     vllm_kv = (VLLM_EMBED_KV_TOKENS + max_len) * kv_per_token
     base = {"model_path": str(path), "embed": texts.to_json(), "repeat": repeat}
     br_kwargs = {**plan.batchrun_kwargs, **llm_kwargs}
+    if not getattr(model_class(shape["architecture"]), "is_encoder", False):  # a decoder: vLLM's KV bytes
+        br_kwargs = {"kv_cache_memory_bytes": vllm_kv, **br_kwargs}
     s = texts.summary()
     runner.log(f"[{plan.key}] {plan.checkpoint}: {len(texts)} texts, {s['tokens']} BERT tokens ({s['tokens_min']}.."
                f"{s['tokens_max']}), {sum(model_tokens)} of the model's tokens (up to {max_len})")

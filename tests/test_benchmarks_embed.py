@@ -211,17 +211,22 @@ def test_embed_plans_build_their_rows(monkeypatch, tmp_path):
     (br, br_spec), (st, st_row), (vl, vl_row) = cap.rows
     assert (br, st, vl) == ("batchrun", "st", "vllm")
     assert br_spec["module"] == "benchmarks.harness.embed_worker" and br_spec["dtype"] == "bfloat16"
-    assert br_spec["llm_kwargs"] == {"max_num_batched_tokens": 2048} and len(br_spec["embed"]["texts"]) == 12
+    assert len(br_spec["embed"]["texts"]) == 12
     assert st_row["dtype"] == "bfloat16" and st_row["args"] == (32,) and st_row["base"]["embed"] == br_spec["embed"]
     kv_bytes, max_len, vllm_kwargs = vl_row["args"]
     assert vl_row["base"]["task"] == "embed" and vl_row["dtype"] == "bfloat16" and vllm_kwargs == {}
     assert max_len == m["workload"]["model_tokens_max"] > m["workload"]["tokens_max"]  # the BPE's tokens, not BERT's
     assert kv_bytes == (run.VLLM_EMBED_KV_TOKENS + max_len) * 2 * 2 * 1 * 64 * 2  # K and V, layers, KV heads, dim, bf16
+    assert br_spec["llm_kwargs"] == {"kv_cache_memory_bytes": kv_bytes, "max_num_batched_tokens": 2048}  # the same KV
     assert m["kind"] == "embed" and m["workload"]["texts"] == 12 and m["shape"]["architecture"] == "Qwen3ForCausalLM"
     assert set(m["runs"]) == {"batchrun", "sentence_transformers", "vllm"}
     cap.rows.clear()  # without peers: batchrun's row alone
     run.run_embed(plan, cap, {}, num_texts=12)
     assert [k for k, _ in cap.rows] == ["batchrun"]
+    cap.rows.clear()  # an encoder keeps no KV cache: no KV setting
+    path = embed_models.make_embed_checkpoint(tmp_path / "bert", embed_models.EMBED_SHAPES["bert-tiny-st"])
+    run.run_embed(PLANS["embed-bert-bf16"], cap, {}, num_texts=12)
+    assert cap.rows[0][1]["llm_kwargs"] == {}
 
 
 # ---- the report ----------------------------------------------------------------------------------------------

@@ -183,6 +183,33 @@ def test_a_jobs_kv_pool_is_sized_for_its_rows(tmp_path, bf16_ckpt):
     assert llm.metrics()["kv_blocks_total"] == -(-4 * per_seq // 16)
 
 
+def test_a_pooling_run_holds_only_the_prompts_in_flight(tmp_path, classifier_path, tiny_llama_path):
+    """A pooled request ends with its prompt: a checkpoint that only pools, and a pooled job, size the pool for one
+    step's chunks and one whole prompt, not max_num_seqs whole prompts; a prompt many steps long still runs in it."""
+    from batchrun.config import load_job
+    from batchrun.engine.pooling import prompt_only_kv_tokens
+    from batchrun.plan import job_kv_tokens, plan_job
+
+    small = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+    context = AutoConfig.from_pretrained(classifier_path).max_position_embeddings
+    need = prompt_only_kv_tokens(64, context, 8, 16)
+    pooled = LLM(str(classifier_path), **small)
+    assert pooled.metrics()["kv_blocks_total"] == -(-need // 16)
+    assert LLM(str(tiny_llama_path), **small).metrics()["kv_blocks_total"] > 4 * need // 16  # it may generate
+    texts = ["word " * (context - 24)] + [f"text {i} " * (i % 9 + 1) for i in range(30)]
+    roomy = LLM(str(classifier_path), dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    for a, b in zip(pooled.classify(texts, use_tqdm=False), roomy.classify(texts, use_tqdm=False), strict=True):
+        assert a.outputs.probs == pytest.approx(b.outputs.probs, abs=1e-6)
+
+    pq.write_table(pa.table({"prompt": ["x" * 300] + ["short"] * 29}), tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", task="embed", model={"path": str(tiny_llama_path)}, sampling=None,
+                    input={"path": str(tmp_path / "in.parquet")},
+                    output={"path": str(tmp_path / "out")}, engine={"max_num_seqs": 16, "max_num_batched_tokens": 64})
+    plan = plan_job(load_job(job))
+    per_seq = 300 + 2 * 16 + 8
+    assert job_kv_tokens(plan) == prompt_only_kv_tokens(64, per_seq, 16, 16) < 16 * per_seq
+
+
 @pytest.mark.skipif(not (ONEDNN_BF16 and cpu_linears.has_panel_linears()),
                     reason="the few-row copy exists beside oneDNN's bf16 kernels only")
 def test_the_few_row_copy_of_bf16_weights_is_made_only_where_it_fits(bf16_ckpt, monkeypatch):

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 
 # The KV pool of LLM(...) without a job, when neither num_kv_blocks nor kv_cache_memory is given: 2 GiB, or an
-# eighth of the machine's memory if that is less (a job sizes it for its rows instead: kv_cache_tokens).
+# eighth of the machine's memory if that is less (a job sizes it for its rows instead: kv_cache_tokens; a checkpoint
+# that only pools, for the prompts in flight: build.py, engine/pooling.py: prompt_only_kv_tokens).
 CPU_DEFAULT_KV_BYTES = 2 * GIB
 # A default-sized pool shrinks to what is free beside the weights, down to one sequence of this many tokens (or
 # of max_model_len, or the job's whole need, if less); below that the model is refused.
