@@ -1,7 +1,7 @@
 """A step's forward in one native call (model/arch/native_layers.py) against the Python path it replaces: every
 step the call serves is run both ways on the same inputs, and the hidden states after the final norm and the KV
 pool must be equal bit for bit, in fp32 and bf16, batch invariant or not, with q/k/v biases, windows, partial
-rotary dims, per-head q/k norms, an int8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
+rotary dims, per-head and whole-projection q/k norms, norms after the blocks, an int8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
 prompts and prefix hits included. Layers the call does not run keep the Python loop."""
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[l
     ("gemma2", {}),  # sandwich norms, GeGLU, scores soft-capped, sliding and global layers, scaled embeddings
     ("gemma3", {}),  # and per-head q/k norms, the sliding layers' own rotary table
     ("granite", {}),  # residual and embedding multipliers
+    ("olmo2", {}),  # norms after each block, q/k norms over the whole projection
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_layers_equal_the_python_loop(make_ckpt, arch, overrides, dtype):
@@ -180,7 +181,7 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
     assert served and on == off
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_other_layers_keep_the_python_loop(make_ckpt, arch):
     llm = LLM(str(make_ckpt(arch)), device="cpu", kv_cache_memory="16MiB", dtype="float32")
     assert llm.engine.runner.model.native_layers is None

@@ -10,7 +10,7 @@ from batchrun.kernels import cpu as cpu_kernels
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 LINEAR_F32, LINEAR_BF16, LINEAR_QUANT = 0, 1, 2
-LAYER_PRE_NORM, LAYER_SANDWICH = 0, 1
+LAYER_PRE_NORM, LAYER_SANDWICH, LAYER_POST_NORM = 0, 1, 2
 ROPES = {"global": 0, "local": 1}
 ACTIVATIONS = {"silu_mul": 0, "gelu_tanh_mul": 1}
 KV_MODEL_DTYPE, KV_INT8 = 0, 1
@@ -31,7 +31,7 @@ class DecoderLayer(ctypes.Structure):
 class DecoderShape(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I), ("rot", _I),
                 ("block_size", _I), ("activation", _I), ("kv_format", _I), ("amx_lanes", _I), ("bf", _I),
-                ("res_fp32", _I), ("eps", _F), ("embed_scale", _F)]
+                ("res_fp32", _I), ("qk_proj", _I), ("eps", _F), ("embed_scale", _F)]
 
 
 class DecoderStep(ctypes.Structure):

@@ -14,7 +14,15 @@ import torch
 from batchrun.kernels.cpu import decoder
 from batchrun.kernels.cpu import linears as cpu_linears
 from batchrun.kernels.layouts.kv_rows import is_fp8, is_quantized
-from batchrun.model.arch.blocks import Attention, CausalLM, GatedMLP, PreNormLayer, RMSNorm, SandwichLayer
+from batchrun.model.arch.blocks import (
+    Attention,
+    CausalLM,
+    GatedMLP,
+    PostNormLayer,
+    PreNormLayer,
+    RMSNorm,
+    SandwichLayer,
+)
 from batchrun.model.layers.attention import TorchBackend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
@@ -30,6 +38,17 @@ _ALIGN = 64  # bytes: each workspace section starts on a cache line
 # The CPU kinds (by their bf16 linear kernel, linears.bf16_kernel()) where the native call was measured faster than
 # the Python loop (docs/performance.md); elsewhere the loop stays the default until it is measured there.
 MEASURED_KERNELS = ("amx",)
+
+
+# The layers the call runs, and the norms of each (in the order of DecoderLayer's fields; None: not in this kind).
+_LAYER_KINDS = {PreNormLayer: decoder.LAYER_PRE_NORM, SandwichLayer: decoder.LAYER_SANDWICH,
+                PostNormLayer: decoder.LAYER_POST_NORM}
+_BLOCK_NORMS = {
+    decoder.LAYER_PRE_NORM: ("input_layernorm", "post_attention_layernorm", None, None),
+    decoder.LAYER_SANDWICH: ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                             "post_feedforward_layernorm"),
+    decoder.LAYER_POST_NORM: (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
 
 
 @dataclass
@@ -111,13 +130,13 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
     """The native description of one layer, the most rows its linears take the kernels at, and the tensors it points
     into; or why the call cannot run it."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(layer) not in (PreNormLayer, SandwichLayer) or type(attn) is not Attention \
-            or attn.qk_norm not in (None, "head") or attn.rope not in decoder.ROPES or type(mlp) is not GatedMLP:
+    kind = _LAYER_KINDS.get(type(layer))
+    if kind is None or type(attn) is not Attention or attn.rope not in decoder.ROPES or type(mlp) is not GatedMLP:
         return f"a {type(layer).__name__} layer"
-    sandwich = type(layer) is SandwichLayer
-    block_norms = [layer.input_layernorm, layer.post_attention_layernorm,
-                   *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if sandwich else ())]
-    norms = block_norms + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
+    input_norm, post_norm, pre_ff_norm, post_ff_norm = (getattr(layer, name) if name else None
+                                                         for name in _BLOCK_NORMS[kind])
+    norms = [n for n in (input_norm, post_norm, pre_ff_norm, post_ff_norm) if n is not None] \
+        + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
     if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act, attn.qk_norm) != \
             (type(first), first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
              first.mlp.inter, first.mlp.act, first.self_attn.qk_norm) \
@@ -127,13 +146,12 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
     weights = [norm.weight for norm in norms]
     if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
         return "a linear or norm no C kernel takes"
-    pointer = {id(norm): norm.weight.data_ptr() for norm in norms}.get
+    def pointer(norm: RMSNorm | None) -> int | None:
+        return None if norm is None else norm.weight.data_ptr()
+
     spec = decoder.DecoderLayer(
-        *(lin.spec for lin in linears), pointer(id(layer.input_layernorm)), pointer(id(layer.post_attention_layernorm)),
-        pointer(id(attn.q_norm)), pointer(id(attn.k_norm)),
-        pointer(id(getattr(layer, "pre_feedforward_layernorm", None))),
-        pointer(id(getattr(layer, "post_feedforward_layernorm", None))),
-        decoder.LAYER_SANDWICH if sandwich else decoder.LAYER_PRE_NORM, attn.window, decoder.ROPES[attn.rope],
+        *(lin.spec for lin in linears), pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
+        pointer(attn.k_norm), pointer(pre_ff_norm), pointer(post_ff_norm), kind, attn.window, decoder.ROPES[attn.rope],
         attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0))
     return spec, min(lin.max_rows for lin in linears), weights
 
@@ -186,7 +204,7 @@ class NativeLayers:
             activation=decoder.ACTIVATIONS[mlp.act],
             kv_format=decoder.KV_INT8 if is_quantized(kv_cache) else decoder.KV_MODEL_DTYPE,
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
-            res_fp32=int(residual_dtype == torch.float32), eps=model.norm.eps,
+            res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), eps=model.norm.eps,
             embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,

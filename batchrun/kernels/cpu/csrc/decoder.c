@@ -18,6 +18,7 @@ extern void rms_norm(const void *x, void *residual, const void *weight, void *ou
                      float eps, int add, int res_fp32, int bf);
 extern void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
 extern void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf);
+extern void add_residual(const void *x, void *residual, void *out, int64_t rows, int64_t dim, int res_fp32, int bf);
 extern void rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int64_t tokens,
                            int64_t heads, int64_t dim, float eps, int bf);
 extern void rope(void *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, int64_t rot,
@@ -38,7 +39,7 @@ extern void store_kv_int8(const void *k, const void *v, int64_t stride, const in
                           int64_t hkv, int64_t d, void *kc, void *vc, int bf);
 
 enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
-enum { LAYER_PRE_NORM = 0, LAYER_SANDWICH = 1 };
+enum { LAYER_PRE_NORM = 0, LAYER_SANDWICH = 1, LAYER_POST_NORM = 2 };
 enum { ROPE_GLOBAL = 0, ROPE_LOCAL = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum { KV_MODEL_DTYPE = 0, KV_INT8 = 1 };
@@ -54,9 +55,12 @@ typedef struct {
 typedef struct {
     NativeLinear qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
-    const void *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3, Gemma 3), or NULL */
+    /* q and k RMSNorm weights, or NULL: per head [head_dim] (Qwen3, Gemma 3), or with DecoderShape.qk_proj over the
+     * whole projection [q | kv] (OLMo 2) */
+    const void *q_norm, *k_norm;
     /* LAYER_SANDWICH (Gemma 2, 3): post_norm norms the attention's output, pre_ff_norm adds it and norms the MLP's
-     * input, post_ff_norm norms the MLP's output */
+     * input, post_ff_norm norms the MLP's output. LAYER_POST_NORM (OLMo 2): no input_norm; post_norm norms the
+     * attention's output and post_ff_norm the MLP's, each added to the stream by the next block */
     const void *pre_ff_norm, *post_ff_norm;
     int64_t kind, window, rope;
     float scale, softcap, residual_scale; /* residual_scale: each block's output times it (Granite; 1: none) */
@@ -64,7 +68,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
-    int64_t activation, kv_format, amx_lanes, bf, res_fp32;
+    int64_t activation, kv_format, amx_lanes, bf, res_fp32, qk_proj;
     float eps, embed_scale; /* embed_scale: the embeddings times it, rounded to the model's dtype (0: none) */
 } DecoderShape;
 
@@ -120,9 +124,10 @@ static int attention(const DecoderShape *s, const DecoderLayer *layer, const Dec
     int64_t q_stride = q_size + 2 * kv_size, kv_stride = q_stride;
     char *q = t->qkv, *k = q + q_size * elsize, *v = k + kv_size * elsize;
     char *kc = t->kv + l * t->layer_bytes, *vc = kc + t->half_bytes;
-    if (layer->q_norm != NULL) { /* per-head norms into contiguous rows, as the Python layer takes them */
-        rms_norm_heads(q, q_stride, layer->q_norm, t->q_normed, t->rows, s->heads, s->head_dim, s->eps, bf);
-        rms_norm_heads(k, q_stride, layer->k_norm, t->k_normed, t->rows, s->kv_heads, s->head_dim, s->eps, bf);
+    if (layer->q_norm != NULL) { /* q/k norms into contiguous rows, as the Python layer takes them */
+        const int64_t q_heads = s->qk_proj ? 1 : s->heads, kv_heads = s->qk_proj ? 1 : s->kv_heads;
+        rms_norm_heads(q, q_stride, layer->q_norm, t->q_normed, t->rows, q_heads, q_size / q_heads, s->eps, bf);
+        rms_norm_heads(k, q_stride, layer->k_norm, t->k_normed, t->rows, kv_heads, kv_size / kv_heads, s->eps, bf);
         copy_columns(v, q_stride, t->rows, kv_size, t->v_copy, elsize);
         q = t->q_normed, k = t->k_normed, v = t->v_copy, q_stride = q_size, kv_stride = kv_size;
     }
@@ -180,6 +185,32 @@ static void scale_rows(void *x, int64_t rows, int64_t n, float scale, int bf) {
     for (int64_t r = 0; r < rows; r++) scale_row((char *)x + r * n * (bf ? 2 : 4), n, scale, bf);
 }
 
+/* LAYER_POST_NORM: h = stream + x (layer 0: the embeddings, which the stream holds); stream = h + norm(attention(h));
+ * x = norm(mlp(stream)), the layer's output, which the next layer adds. Each block's input is the stream rounded to
+ * the model's dtype, as the Python layer's `.to(x.dtype)`. */
+static int post_norm_layer(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, int64_t l) {
+    const int bf = (int)s->bf, res_fp32 = (int)s->res_fp32;
+    const int64_t rows = t->rows, hidden = s->hidden;
+    void *in = t->x;
+    if (l) {
+        add_residual(t->x, t->residual, t->h, rows, hidden, res_fp32, bf);
+        in = t->h;
+    }
+    if (run_linear(&layer->qkv, in, rows, t->qkv, bf) || attention(s, layer, t, l) ||
+        run_linear(&layer->o, t->attn, rows, t->x, bf))
+        return 1;
+    rms_norm(t->x, NULL, layer->post_norm, t->h, rows, hidden, s->eps, 0, 0, bf);
+    add_residual(t->h, t->residual, t->x, rows, hidden, res_fp32, bf);
+    if (run_linear(&layer->gate_up, t->x, rows, t->gate_up, bf)) return 1;
+    if (s->activation == ACT_SILU)
+        silu_mul(t->gate_up, t->act, rows, s->inter, bf);
+    else
+        gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
+    if (run_linear(&layer->down, t->act, rows, t->h, bf)) return 1;
+    rms_norm(t->h, NULL, layer->post_ff_norm, t->x, rows, hidden, s->eps, 0, 0, bf);
+    return 0;
+}
+
 /* The step's forward to the final norm's output (in h), and its greedy tokens where asked: 0 when done, 1 where a
  * kernel found no scratch memory, 2 where a token id is outside the embedding table, 3 where the greedy tokens were
  * asked and a row has a NaN (h is done, tokens unset). */
@@ -189,6 +220,10 @@ int decoder_forward(const DecoderShape *s, const DecoderLayer *layers, int64_t n
     if (embed_rows(s, t)) return 2;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *layer = layers + l;
+        if (layer->kind == LAYER_POST_NORM) {
+            if (post_norm_layer(s, layer, t, l)) return 1;
+            continue;
+        }
         /* layer 0 norms the embeddings (the residual holds them already); later layers add their input first */
         rms_norm(t->x, l ? t->residual : NULL, layer->input_norm, t->h, rows, s->hidden, s->eps, l > 0, res_fp32, bf);
         if (run_linear(&layer->qkv, t->h, rows, t->qkv, bf) || attention(s, layer, t, l) ||

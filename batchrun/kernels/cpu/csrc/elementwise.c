@@ -63,6 +63,44 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     }
 }
 
+/* residual += x, and out = the sum rounded to x's dtype: torch's `h = residual + x` then `h.to(x.dtype)` (res_fp32:
+ * an fp32 residual beside bf16 activations). */
+ALWAYS void add_residual_impl(const void *x, void *residual, void *out, int64_t r0, int64_t r1, int64_t dim,
+                              const int res_fp32, const int bf) {
+    const int hb = bf && !res_fp32;
+    for (int64_t r = r0; r < r1; r++) {
+        const void *xr = at(x, r * dim, bf);
+        void *hr = (void *)at(residual, r * dim, hb), *orow = (void *)at(out, r * dim, bf);
+        int64_t i = 0;
+        for (; i + VW <= dim; i += VW) {
+            const vf h = rnd(ldv(hr, i, hb) + ldv(xr, i, bf), hb);
+            stv(hr, i, h, hb);
+            stv(orow, i, h, bf);
+        }
+        for (; i < dim; i++) {
+            const float h = rnd1(ld1(hr, i, hb) + ld1(xr, i, bf), hb);
+            st1(hr, i, h, hb);
+            st1(orow, i, h, bf);
+        }
+    }
+}
+ALWAYS void add_residual_res(const void *x, void *residual, void *out, int64_t r0, int64_t r1, int64_t dim,
+                             int res_fp32, const int bf) {
+    if (res_fp32)
+        add_residual_impl(x, residual, out, r0, r1, dim, 1, bf);
+    else
+        add_residual_impl(x, residual, out, r0, r1, dim, 0, bf);
+}
+
+void add_residual(const void *x, void *residual, void *out, int64_t rows, int64_t dim, int res_fp32, int bf) {
+#pragma omp parallel if (rows * dim > PAR_MIN_WORK)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        BY_DTYPE(bf, add_residual_res, x, residual, out, r0, r1, dim, res_fp32);
+    }
+}
+
 /* out [tokens, heads, dim] = weight * rmsnorm of each head's row, token t's heads read at x + t * stride (a q or k
  * slice of a fused projection, in place); each row as rms_norm computes it. */
 void rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int64_t tokens, int64_t heads,
