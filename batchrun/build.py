@@ -121,8 +121,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     runner = _runner(loaded.model, shape, num_blocks, num_host_blocks, device, args.attention_backend,
                      batch_invariant)
     n_params = sum(p.numel() for p in loaded.model.parameters()) + quantized_params(loaded.model)
-    room = few_rows_room(loaded.model, memory, device, batch_invariant)
-    prepare_cpu_linears(loaded.model, device, dtype, batch_invariant, room)
+    generates = args.runner != "pooling" and not loaded.model.pooling_only
+    room = few_rows_room(loaded.model, memory, device, batch_invariant, generates)
+    prepare_cpu_linears(loaded.model, device, dtype, batch_invariant, room, generates)
     runner.enable_native_layers()
     if device.type == "cpu":
         keep_freed_host_memory()
@@ -134,10 +135,11 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     engine = Engine(runner, loaded.tokenizer, loaded.eos_token_ids, engine_config,
                     scheduler_config(args, n_params, shape, device))
     return BuiltEngine(engine, loaded.tokenizer, loaded.config, loaded.path, loaded.eos_token_ids, max_len, device,
-                       dtype, batch_invariant, pooling_model(loaded))
+                       dtype, batch_invariant, pooling_model(loaded, generates))
 
 
-def pooling_model(loaded: LoadedModel) -> PoolingModel:
+def pooling_model(loaded: LoadedModel, generates: bool = True) -> PoolingModel:
+    """What the model pools with; `generates`: the engine may also generate (not runner="pooling")."""
     model = loaded.model
     encoder = bool(getattr(model, "is_encoder", False))
     if encoder:
@@ -146,7 +148,7 @@ def pooling_model(loaded: LoadedModel) -> PoolingModel:
         labels = model.score.out_features if model.score is not None else None
     default = model.default_pooling if encoder else "last"
     return PoolingModel(read_pooling_config(loaded.path, default), labels, encoder,
-                        generates=not encoder and not model.pooling_only)
+                        generates=generates and not encoder and not model.pooling_only)
 
 
 def _encoder_engine(args: EngineArgs, source: Any, device: torch.device, dtype: torch.dtype,
@@ -185,13 +187,14 @@ def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, b
     max_len = args.max_model_len or model_max_len(config)
     kv_tokens, why = args.kv_cache_tokens, f"the job's rows need {args.kv_cache_tokens} tokens"
     available = available_memory()
-    if kv_tokens is None and kv_bytes is None and pooling_architecture(config):
-        # a checkpoint that only pools holds only its prompts in flight: the default, or less
+    pools_only = args.runner == "pooling" or pooling_architecture(config) is not None
+    if kv_tokens is None and kv_bytes is None and pools_only:
+        # an engine that only pools holds only its prompts in flight: the default, or less
         need = prompt_only_kv_tokens(args.max_num_batched_tokens, max_len, args.max_num_seqs, args.block_size)
         kv_tokens = min(need, cpu_default_bytes(available.total) // per_token)
         why = f"pooling: one step's prompts and a whole {max_len}-token prompt need {need} tokens"
     # a tied lm_head's packed copy (none when it goes to int8: the int8 copy instead, quant.linear.LM_HEAD_SPEC)
-    packs_tied = (dtype == torch.bfloat16 or batch_invariant) and not args.quantize_lm_head
+    packs_tied = (dtype == torch.bfloat16 or batch_invariant) and not args.quantize_lm_head and not pools_only
     held = checkpoint_weight_bytes(path, element_size, QuantSpec.parse(args.quantization),
                                    gguf_as_stored=args.quantization == "gguf")
     weights = held_weight_bytes(held, element_size, config, packs_tied)
@@ -258,10 +261,10 @@ def _runner(model: torch.nn.Module, shape: CacheShape, num_blocks: int, num_host
 
 
 def few_rows_room(model: torch.nn.Module, memory: MemoryPlan | None, device: torch.device,
-                  batch_invariant: bool) -> bool:
+                  batch_invariant: bool, generates: bool = True) -> bool:
     """Whether bf16 linears on oneDNN may keep a second copy of their weights for few-row steps: only where it fits
     beside the weights, the pools and the working set; else every linear is packed once, for the panel kernels."""
-    extra = few_rows_copy_bytes(model, batch_invariant) if device.type == "cpu" else 0
+    extra = few_rows_copy_bytes(model, batch_invariant, generates) if device.type == "cpu" else 0
     if extra == 0 or memory is None:
         return True
     room = memory.spare >= extra

@@ -10,6 +10,7 @@ TOP_KEYS. A mistake raises JobError with one line naming the key path, e.g.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import json
@@ -186,8 +187,10 @@ class JobConfig:
         return PoolingParams(dimensions=p["dimensions"], use_activation=p["normalize"], pooling_type=p["pooling_type"])
 
     def engine_args(self) -> EngineArgs:
-        """The model and engine sections as the EngineArgs LLM takes; the engine's base seed is sampling.seed."""
-        return _engine_args(self.model, self.engine, self.sampling.get("seed"))
+        """The model and engine sections as the EngineArgs LLM takes; the engine's base seed is sampling.seed, and a
+        pooled task's engine only pools."""
+        args = _engine_args(self.model, self.engine, self.sampling.get("seed"))
+        return dataclasses.replace(args, runner="pooling") if self.task in POOLED_TASKS else args
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for LLM(model, **kwargs)."""

@@ -203,6 +203,9 @@ class EngineArgs:
             "float32 scale per token and KV head, so the same memory holds about 1.9x the tokens of bf16 (3.8x of "
             "float32) at a small cost in accuracy. fp8_e4m3 / fp8_e5m2: one byte per value, cast on its own with no scale "
             "(coarser than int8) (docs/kv-cache.md).")
+    # what the engine is for (vLLM's `runner`; a job's task sets it): build.py reads it for the KV pool's default,
+    # the linears' few-row copy and the tied lm_head's, llm.py for what it refuses
+    runner: str = _setting("auto", "str", None, choices=("auto", "generate", "pooling"))
     # tokens the CPU KV pool is sized for when neither of the two above is set (a job's: batchrun.plan:
     # job_kv_tokens); None: 2 GiB, or an eighth of the memory if less; either within what is free (runner/memory.py)
     kv_cache_tokens: int | None = _setting(None, "int", None, nullable=True, min=1)

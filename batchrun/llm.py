@@ -202,8 +202,9 @@ class LLM:
 
     def _check_generates(self) -> None:
         if not self.pooling.generates:
-            raise ValueError(f"this model pools only (it has no language-model head): it runs "
-                             f"{', '.join(self.pooling.tasks())}")
+            why = "it was made with runner='pooling'" if self.args.runner == "pooling" \
+                else "it has no language-model head"
+            raise ValueError(f"this model pools only ({why}): it runs {', '.join(self.pooling.tasks())}")
 
     # ---- stepping: what the job layer drives (batchrun.pipeline.engine_api.JobEngine) -------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

@@ -35,13 +35,18 @@ SHARED: dict[str, str] = {
     "block_size": "tokens per KV block; None: the default",
     "enable_prefix_caching": "prompts sharing a prefix compute it once; None: on",
     "enforce_eager": "CUDA: no CUDA graphs",
+    "runner": "`pooling`: the LLM pools only (generation refused), with a KV pool for the prompts in flight and no "
+              "copies of weights that only generation reads; `auto`, `generate`: it generates and pools (as `task`, "
+              "vLLM's `embed`, `classify`, `score`, `reward` are `pooling`)",
 }
 
 # vLLM's names of EngineArgs fields that batchrun names otherwise.
-RENAMED: dict[str, str] = {"kv_cache_memory_bytes": "kv_cache_memory"}
+RENAMED: dict[str, str] = {"kv_cache_memory_bytes": "kv_cache_memory", "task": "runner"}
 
 # vLLM's spellings of a value.
-VALUE_ALIASES: dict[str, dict[Any, Any]] = {"kv_cache_dtype": {"fp8": "fp8_e4m3"}}
+VALUE_ALIASES: dict[str, dict[Any, Any]] = {"kv_cache_dtype": {"fp8": "fp8_e4m3"},
+                                            "runner": {task: "pooling" for task in ("embed", "classify", "score",
+                                                                                     "reward")}}
 
 GIB = 2**30
 # swap_space numbers below this are GiB (vLLM's unit); no byte count this small holds a KV block
@@ -110,9 +115,6 @@ INERT: dict[str, Inert] = {
     "max_logprobs": Inert(ANY, "a request gets as many log-probabilities as it asks"),
     "disable_async_output_proc": Inert(ANY, "outputs are made within the engine's step"),
     "speculative_config": Inert((None,), "speculative decoding here is prompt lookup: num_speculative_tokens"),
-    "task": Inert((None, "auto", "generate", "embed", "classify", "score", "reward"),
-                  "one LLM generates and pools: its method names the task"),
-    "runner": Inert((None, "auto", "generate", "pooling"), "one LLM generates and pools: its method names the task"),
     "limit_mm_per_prompt": Inert((None, {}), _TEXT_ONLY),
     "mm_processor_kwargs": Inert((None, {}), _TEXT_ONLY),
     "hf_overrides": Inert((None, {}), "the checkpoint's config is used as it is"),

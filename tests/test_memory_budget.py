@@ -208,6 +208,7 @@ def test_a_pooling_run_holds_only_the_prompts_in_flight(tmp_path, classifier_pat
     plan = plan_job(load_job(job))
     per_seq = 300 + 2 * 16 + 8
     assert job_kv_tokens(plan) == prompt_only_kv_tokens(64, per_seq, 16, 16) < 16 * per_seq
+    assert plan.cfg.engine_args().runner == "pooling"  # a pooled job's engine only pools
 
 
 @pytest.mark.skipif(not (ONEDNN_BF16 and cpu_linears.has_panel_linears()),

@@ -49,6 +49,27 @@ def test_embeddings_equal_transformers_last_mean_and_first_token(llm, tiny_llama
         assert torch.allclose(torch.tensor(f.outputs.data), hidden[0], atol=1e-5)
 
 
+def test_a_pooling_runner_pools_only_without_the_weights_generation_reads(tiny_llama_path):
+    """runner="pooling" (vLLM's task="embed" too): generate refused, the same embeddings, a KV pool for the prompts
+    in flight, and no bf16 few-row copy or packed tied lm_head beside oneDNN's weights."""
+    from batchrun.model.layers.linear import OneDNNLinear
+
+    kw = dict(dtype="bfloat16", device="cpu", max_num_batched_tokens=32, max_num_seqs=8)
+    pooled, both = LLM(str(tiny_llama_path), task="embed", **kw), LLM(str(tiny_llama_path), **kw)
+    assert pooled.args.runner == "pooling" and both.args.runner == "auto"
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        pooled.generate(["hello"], use_tqdm=False)
+    for a, b in zip(pooled.embed(TEXTS, use_tqdm=False), both.embed(TEXTS, use_tqdm=False), strict=True):
+        assert _cos(a.outputs.embedding, b.outputs.embedding) >= 0.999  # (bf16: few-row calls on other kernels)
+    assert pooled.metrics()["kv_blocks_total"] < both.metrics()["kv_blocks_total"]
+    model, ref = pooled.engine.runner.model, both.engine.runner.model
+    assert not any(getattr(m, "small", None) is not None for m in model.modules())
+    if any(isinstance(m, OneDNNLinear) for m in ref.modules()):  # where oneDNN runs bf16 beside the panels
+        assert any(isinstance(m, OneDNNLinear) for m in model.modules())
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight
+
+
 def test_dimensions_keep_the_first_values_then_normalise(llm):
     full = llm.encode(TEXTS[:1], PoolingParams(use_activation=False), use_tqdm=False)[0].outputs.data
     cut = llm.embed(TEXTS[:1], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding

@@ -195,27 +195,28 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     return works
 
 
-def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False) -> int:
-    """Bytes of the bf16 few-row copies, the tied lm_head's too, kept only where they fit the free memory."""
-    if own_kernel(model, batch_invariant):
+def few_rows_copy_bytes(model: nn.Module, batch_invariant: bool = False, generates: bool = True) -> int:
+    """Bytes of the bf16 few-row copies, the tied lm_head's too, kept where they fit and the engine generates."""
+    if not generates or own_kernel(model, batch_invariant):
         return 0
     linears = _linears(model, with_tied=_packs_tied(model, batch_invariant))
     return _weight_bytes([m for _, _, m in linears if _takes_small(m)])
 
 
-def _packs_tied(model: nn.Module, batch_invariant: bool) -> bool:
-    """Whether a tied lm_head gets a packed copy: in bf16 and batch-invariant; an fp32 one stays on F.linear."""
+def _packs_tied(model: nn.Module, batch_invariant: bool, generates: bool = True) -> bool:
+    """Whether a tied lm_head gets a packed copy: in bf16 and batch-invariant where the engine generates."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    return weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
+    return generates and weight is not None and (batch_invariant or weight.dtype == torch.bfloat16)
 
 
-def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> int:
+def reorder_linears(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True,
+                    generates: bool = True) -> int:
     """Pack every unshared nn.Linear, one at a time so the model is never held twice; returns how many. A tied
-    lm_head gets a packed copy in bf16 and batch-invariant; an fp32 one stays on F.linear (transformers' logits)."""
+    lm_head gets a packed copy (_packs_tied); an engine that only pools (not `generates`) no few-row copy."""
     own = own_kernel(model, batch_invariant, few_rows_room)
-    return _replace_linears(_linears(model, with_tied=_packs_tied(model, batch_invariant)),
+    return _replace_linears(_linears(model, with_tied=_packs_tied(model, batch_invariant, generates)),
                             lambda linear: PackedLinear(linear) if own
-                            else OneDNNLinear(linear, invariant=batch_invariant))
+                            else OneDNNLinear(linear, invariant=batch_invariant, few_rows_copy=generates))
 
 
 def _replace_linears(linears: list[tuple[nn.Module, str, nn.Linear]], pack: Callable[[nn.Linear], nn.Module]) -> int:
@@ -229,12 +230,12 @@ def _replace_linears(linears: list[tuple[nn.Module, str, nn.Linear]], pack: Call
 
 
 def prepare_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool,
-                        few_rows_room: bool) -> None:
+                        few_rows_room: bool, generates: bool = True) -> None:
     """Pack every linear once for the kernel chosen for it on this CPU (use_onednn, own_kernel), and say which."""
     if not use_onednn(model, device, dtype, batch_invariant, few_rows_room):
         return
-    kinds = linear_kernels(model, batch_invariant, few_rows_room)
-    count = reorder_linears(model, batch_invariant, few_rows_room)
+    kinds = linear_kernels(model, batch_invariant, few_rows_room, generates)
+    count = reorder_linears(model, batch_invariant, few_rows_room, generates)
     log.info("%d linear layers reordered%s; on this CPU: %s (docs/performance.md: linear kernels on a CPU)", count,
              ", batch invariant" if batch_invariant else "",
              "; ".join(f"{', '.join(names)}: {kernel}" for kernel, names in kinds.items()))
@@ -273,14 +274,15 @@ def linear_add(module: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch
     return module(x) + other
 
 
-def linear_kernels(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True) -> dict[str, list[str]]:
+def linear_kernels(model: nn.Module, batch_invariant: bool = False, few_rows_room: bool = True,
+                   generates: bool = True) -> dict[str, list[str]]:
     """The kernel each class of linear (its attribute name: q_proj, down_proj, lm_head, ...) takes here."""
     own = own_kernel(model, batch_invariant, few_rows_room)
     kinds: dict[str, list[str]] = {}
-    for _, name, linear in _linears(model, with_tied=_packs_tied(model, batch_invariant)):
+    for _, name, linear in _linears(model, with_tied=_packs_tied(model, batch_invariant, generates)):
         if not own:
-            kernel = "oneDNN" + (", few rows on batchrun's panels" if not batch_invariant and _takes_small(linear)
-                                 else "")
+            few = generates and not batch_invariant and _takes_small(linear)
+            kernel = "oneDNN" + (", few rows on batchrun's panels" if few else "")
         elif linear.weight.dtype != torch.bfloat16:
             kernel = "batchrun's fp32 panels"
         else:
