@@ -14,6 +14,7 @@ _P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _B, _B, _B]),
     "rms_norm_heads": (None, [_P, _I, _P, _P, _I, _I, _I, _F, _B]),
+    "add_residual": (None, [_P, _P, _P, _I, _I, _B, _B]),  # (the native call's: decoder.c)
     "silu_mul": (None, [_P, _P, _I, _I, _B]),
     "gelu_tanh_mul": (None, [_P, _P, _I, _I, _B]),
     "tanh_cap": (None, [_P, _I, _F]),
