@@ -71,6 +71,30 @@ def test_the_c_store_writes_the_torch_stores_bytes(dtype):
     assert ours.view(2, 32, 2, 52)[:, [3, 17, 0, 8, 9, 30, 31, 12]].abs().sum(-1).gt(0).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_the_c_fp8_store_writes_the_torch_stores_bytes(kv):
+    """Every bf16 value (normals, subnormals, zeros, infinities, NaNs, past the format's range) and fp32 values
+    between two fp8 values (the ties included) cast to the bytes torch's clamp-and-cast gives."""
+    from batchrun.kernels.cpu import attention as cpu_attention
+
+    pool_dtype = POOLS[kv]
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(BF)
+    grid = torch.arange(256, dtype=torch.uint8).view(pool_dtype).float()
+    grid = grid[grid.isfinite()].unique()
+    between = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, grid[1:] * 0.75 + grid[:-1] * 0.25,
+                         grid.nextafter(torch.tensor(float("inf"))), grid.nextafter(torch.tensor(float("-inf")))])
+    for values in (every_bf16, between):
+        rows = -(-values.numel() // 64)
+        x = torch.cat([values, values.new_zeros(rows * 64 - values.numel())]).view(rows, 1, 64)
+        slots = torch.arange(rows)
+        ours = torch.zeros(2, rows, 1, 1, 64, dtype=pool_dtype)
+        ref = torch.zeros_like(ours)
+        cpu_attention.store_kv_fp8(x, x.flip(0), ours, slots)
+        store_kv_torch(x, x.flip(0), ref, slots)
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+
+
 # ---- the kernels ------------------------------------------------------------------------------------------------
 
 

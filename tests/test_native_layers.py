@@ -1,7 +1,7 @@
 """A step's forward in one native call (model/arch/native_layers.py) against the Python path it replaces: every
 step the call serves is run both ways on the same inputs, and the hidden states after the final norm and the KV
 pool must be equal bit for bit, in fp32 and bf16, batch invariant or not, with q/k/v biases, windows, partial
-rotary dims, per-head and whole-projection q/k norms, norms after the blocks, an int8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
+rotary dims, per-head and whole-projection q/k norms, norms after the blocks, an int8 or fp8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
 prompts and prefix hits included. Layers the call does not run keep the Python loop."""
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def test_greedy_tokens_in_the_native_call(make_ckpt, arch):
 
 
 @pytest.mark.parametrize("engine", [dict(batch_invariant=True), dict(kv_cache_dtype="int8"),
+                                    dict(kv_cache_dtype="fp8_e4m3"), dict(kv_cache_dtype="fp8_e5m2"),
                                     dict(quantization="int8"), dict(quantization="int4-g32")])
 def test_native_layers_in_each_mode(tiny_llama_path, engine):
     _, served = _generate(tiny_llama_path, dtype="bfloat16", **engine)

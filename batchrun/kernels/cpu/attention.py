@@ -16,6 +16,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "store_kv": (None, [_P, _P, _I, _P, _I, _I, _P, _P, _I]),  # the last: the element size
     "paged_attention_int8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F]),
     "store_kv_int8": (None, [_P, _P, _I, _P, _I, _I, _I, _P, _P, _B]),
+    "store_kv_fp8": (None, [_P, _P, _I, _P, _I, _I, _P, _P, _B, _B]),
     "paged_attention_fp8": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _B, _I, _F, _B]),
 }
 
@@ -96,6 +97,16 @@ def store_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
     k_ptr = kv_cache.data_ptr()
     _library().store_kv_int8(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv, d,
                              k_ptr, k_ptr + kv_cache.stride(0), dtype_flag(k))
+
+
+def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """store_kv into an fp8 pool, cast as kv_rows.to_fp8 does (the same bytes)."""
+    n, hkv, d = k.shape
+    if k.stride() != v.stride() or k.stride(1) != d or k.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    k_ptr = kv_cache.data_ptr()
+    _library().store_kv_fp8(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), n, hkv * d,
+                            k_ptr, k_ptr + kv_cache.stride(0), dtype_flag(k), int(kv_cache.dtype == torch.float8_e5m2))
 
 
 def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,

@@ -13,7 +13,7 @@ LINEAR_F32, LINEAR_BF16, LINEAR_QUANT = 0, 1, 2
 LAYER_PRE_NORM, LAYER_SANDWICH, LAYER_POST_NORM = 0, 1, 2
 ROPES = {"global": 0, "local": 1}
 ACTIVATIONS = {"silu_mul": 0, "gelu_tanh_mul": 1}
-KV_MODEL_DTYPE, KV_INT8 = 0, 1
+KV_MODEL_DTYPE, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2, 3
 
 
 class NativeLinear(ctypes.Structure):

@@ -94,6 +94,14 @@ def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> _Linear | Non
     return None
 
 
+def _kv_format(kv_cache: torch.Tensor) -> int:
+    if is_quantized(kv_cache):
+        return decoder.KV_INT8
+    if is_fp8(kv_cache):
+        return decoder.KV_FP8_E5M2 if kv_cache.dtype == torch.float8_e5m2 else decoder.KV_FP8_E4M3
+    return decoder.KV_MODEL_DTYPE
+
+
 def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tensor) -> str | None:
     """Why the model's layers cannot take the native call (None: they can, layer by layer checked in build)."""
     dtype = model.embed_tokens.weight.dtype
@@ -108,7 +116,7 @@ def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tens
         return "the element-wise ops are not the C kernels"
     if not isinstance(backend, TorchBackend) or not backend.cpu_kernels or backend.sdpa_prefill:
         return "the attention is not the C kernels'"
-    if is_fp8(kv_cache) or not (is_quantized(kv_cache) or kv_cache.dtype == dtype):
+    if not (is_quantized(kv_cache) or is_fp8(kv_cache) or kv_cache.dtype == dtype):
         return f"a {kv_cache.dtype} KV pool"
     if not decoder.available():
         return "the C kernels are not built"
@@ -202,7 +210,7 @@ class NativeLayers:
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             inter=mlp.inter, rot=model.cos.shape[-1], block_size=kv_cache.shape[3],
             activation=decoder.ACTIVATIONS[mlp.act],
-            kv_format=decoder.KV_INT8 if is_quantized(kv_cache) else decoder.KV_MODEL_DTYPE,
+            kv_format=_kv_format(kv_cache),
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
             res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), eps=model.norm.eps,
             embed_scale=model._embed_multiplier or 0.0)

@@ -113,8 +113,8 @@ class TorchBackend(AttentionBackend):
         if self.cpu_kernels and (is_quantized(kv_cache) or is_fp8(kv_cache)):
             # every row on the 8-bit pool's kernel (sdpa_prefill would need the pool dequantized first)
             row_seq, row_len = meta.query_rows
-            if is_fp8(kv_cache):  # no C store for fp8: torch casts the bytes in
-                store_kv_torch(k, v, kv_cache, meta.slot_mapping, meta.has_padding)
+            if is_fp8(kv_cache):
+                cpu_attention.store_kv_fp8(k, v, kv_cache, meta.slot_mapping)
                 return cpu_attention.paged_attention_fp8(q, kv_cache, meta.block_tables, row_seq, row_len, scale,
                                                          window=window, softcap=softcap)
             cpu_attention.store_kv_int8(k, v, kv_cache, meta.slot_mapping)

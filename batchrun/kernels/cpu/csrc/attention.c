@@ -1196,6 +1196,38 @@ int paged_attention_int8(const void *q, int64_t q_stride, const void *k, const v
                        window, softcap, KV_INT8);
 }
 
+/* x as an fp8 byte (e5m2: 0 e4m3fn, 1 e5m2): clamped to the format's finite range, then rounded to the nearest
+ * value, ties to even; NaN stays NaN. The bytes of kv_rows.py's to_fp8 (a clamp, then torch's cast). */
+static uint8_t fp8_byte(float x, const int e5m2) {
+    const int m = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, shift = 23 - m;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (x != x) return sign | 0x7fu;
+    float a = fabsf(x);
+    const float top = e5m2 ? 57344.0f : 448.0f;
+    if (a > top) a = top;
+    if (a < ldexpf(1.0f, 1 - bias)) /* a subnormal (or zero): a multiple of 2^(1 - bias - m) */
+        return sign | (uint8_t)nearbyintf(a * ldexpf(1.0f, bias - 1 + m));
+    memcpy(&u, &a, sizeof u);
+    u += (1u << (shift - 1)) - 1u + ((u >> shift) & 1u); /* round the mantissa to m bits, ties to even */
+    return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << m));
+}
+
+/* Each token's K and V rows (width values, `stride` apart) as fp8 bytes into slot slots[i]; < 0 skipped. */
+void store_kv_fp8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
+                  int64_t width, void *kc, void *vc, int bf, int e5m2) {
+#pragma omp parallel for if (num_tokens * width > PAR_MIN_WORK)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0) continue;
+        uint8_t *kd = (uint8_t *)kc + slots[i] * width, *vd = (uint8_t *)vc + slots[i] * width;
+        for (int64_t j = 0; j < width; j++) {
+            kd[j] = fp8_byte(ld1(k, i * stride + j, bf), e5m2);
+            vd[j] = fp8_byte(ld1(v, i * stride + j, bf), e5m2);
+        }
+    }
+}
+
 /* The same over an fp8 pool (e5m2: 0 e4m3fn, 1 e5m2), rows of d bytes. */
 int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
                         int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,

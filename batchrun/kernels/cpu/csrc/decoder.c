@@ -35,6 +35,12 @@ extern int paged_attention_int8(const void *q, int64_t q_stride, const void *k, 
                                 int64_t window, float softcap);
 extern int greedy_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
                        int64_t top, int64_t *tokens);
+extern void store_kv_fp8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
+                         int64_t width, void *kc, void *vc, int bf, int e5m2);
+extern int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *bt,
+                               int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
+                               int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
+                               int64_t window, float softcap, int e5m2);
 extern void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
                           int64_t hkv, int64_t d, void *kc, void *vc, int bf);
 
@@ -42,7 +48,7 @@ enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
 enum { LAYER_PRE_NORM = 0, LAYER_SANDWICH = 1, LAYER_POST_NORM = 2 };
 enum { ROPE_GLOBAL = 0, ROPE_LOCAL = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-enum { KV_MODEL_DTYPE = 0, KV_INT8 = 1 };
+enum { KV_MODEL_DTYPE = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
 
 /* One linear as its module holds it: panels (fp32 or bf16) or a quantized weight's packed panels. */
 typedef struct {
@@ -140,6 +146,13 @@ static int attention(const DecoderShape *s, const DecoderLayer *layer, const Dec
         return paged_attention_int8(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
                                     t->attn, t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size,
                                     layer->scale, bf, layer->window, layer->softcap);
+    }
+    if (s->kv_format == KV_FP8_E4M3 || s->kv_format == KV_FP8_E5M2) {
+        const int e5m2 = s->kv_format == KV_FP8_E5M2;
+        store_kv_fp8(k, v, kv_stride, t->slots, t->rows, kv_size, kc, vc, bf, e5m2);
+        return paged_attention_fp8(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len,
+                                   t->attn, t->rows, s->heads, s->kv_heads, s->head_dim, s->block_size, layer->scale,
+                                   bf, layer->window, layer->softcap, e5m2);
     }
     store_kv(k, v, kv_stride, t->slots, t->rows, kv_size, kc, vc, elsize);
     return paged_attention(q, q_stride, kc, vc, t->block_tables, t->bt_stride, t->row_seq, t->row_len, t->attn,
