@@ -84,30 +84,40 @@ def perturb_norms(model) -> None:
                 module.weight.add_((0.2 * torch.randn(module.weight.shape, generator=gen)).to(module.weight.dtype))
 
 
-def checked_host(runner, served: list[int]) -> None:
-    """The runner's greedy decode steps planned as host arrays (host_decode.py), each run again through prepare()
-    and the Python path: the hidden states, the pool and the tokens must be equal."""
+def checked_host(runner, served: list[int], sampled: list[int]) -> None:
+    """The runner's decode steps planned as host arrays (host_decode.py), each run again through prepare() and the
+    Python path: the hidden states, the pool and (greedy steps) the tokens must be equal."""
     from batchrun.engine.contract import SchedulerOutput
 
     host = runner.host_decode
     assert host is not None
-    run = host.run
+    run, hidden_of = host.run, host.hidden
+
+    def again(seqs, kv_cache, hidden):
+        hidden, pool = hidden.clone(), kv_cache.clone()
+        ids, ctx, logits_idx = runner.prepare(SchedulerOutput(seqs=seqs, num_decodes=len(seqs)))
+        assert logits_idx is None
+        want = python_forward(runner.model, ids, ctx)
+        assert torch.equal(hidden, want)
+        assert torch.equal(pool.view(torch.uint8), kv_cache.view(torch.uint8))
+        return want
+
+    def hidden_both(seqs, kv_cache):
+        got = hidden_of(seqs, kv_cache)
+        if got is not None:
+            again(seqs, kv_cache, got)
+            sampled.append(len(seqs))
+        return got
 
     def both(seqs, kv_cache):
         got = run(seqs, kv_cache)
         if got is not None:
-            hidden = host.native.hidden_view(len(seqs)).clone()
-            pool = kv_cache.clone()
-            ids, ctx, logits_idx = runner.prepare(SchedulerOutput(seqs=seqs, num_decodes=len(seqs)))
-            assert logits_idx is None
-            want = python_forward(runner.model, ids, ctx)
-            assert torch.equal(hidden, want)
-            assert torch.equal(pool.view(torch.uint8), kv_cache.view(torch.uint8))
+            want = again(seqs, kv_cache, host.native.hidden_view(len(seqs)))
             assert got == runner.model.greedy_tokens(want).tolist()
             served.append(len(seqs))
         return got
 
-    host.run = both
+    host.run, host.hidden = both, hidden_both
 
 
 def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[list[list[int]], list[int]]:
@@ -120,11 +130,13 @@ def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[l
     assert native is not None, "the model's layers should take the native call"
     served: list[int] = []
     native.run = checked(native, model, served, greedy_served)
-    if greedy_served is not None:
-        checked_host(llm.engine.runner, greedy_served)
+    host_sampled: list[int] = []
+    checked_host(llm.engine.runner, greedy_served if greedy_served is not None else [], host_sampled)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)]
     outs = llm.generate(PROMPTS, [params[i % 2] for i in range(len(PROMPTS))])
+    assert host_sampled, "the decode steps with sampled rows should take the host plan"
+    served += host_sampled  # (checked steps, either way)
     if greedy_served is not None:
         llm.generate(PROMPTS[::-1], params[0])
     return [list(o.outputs[0].token_ids) for o in outs], served

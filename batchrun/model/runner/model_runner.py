@@ -94,14 +94,14 @@ class ModelRunner:
         # the step's block tables, kept across steps (rows as wide as the longest sequence the model takes)
         self.block_rows = BlockTableRows(-(-model.cos.shape[0] // shape.block_size))
         self._count = torch.arange(256, dtype=torch.int32)
-        self.host_decode: HostDecode | None = None  # greedy decode steps planned as host arrays (host_decode.py)
+        self.host_decode: HostDecode | None = None  # decode steps planned as host arrays (host_decode.py)
 
     def enable_native_layers(self) -> None:
         """On a CPU, once the linears are packed: the steps' decoder layers in one native call where the model's
         layers are what it runs (model/arch/native_layers.py), the Python loop elsewhere."""
         if self.device.type == "cpu":
             native = self.model.native_layers = NativeLayers.build(self.model, self.backend, self.ops, self.kv_cache)
-            if native is not None and native.dtype == torch.bfloat16:  # (the greedy tokens in the call: bf16)
+            if native is not None:
                 self.host_decode = HostDecode(self.model, native, self.block_rows, self.block_size)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
@@ -330,15 +330,26 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return None, None, None
-        if argmax and self.host_decode is not None and out.num_decodes == len(out.seqs) \
-                and all(map(_samples, out.seqs)):
+        if self.host_decode is not None and out.num_decodes == len(out.seqs) and all(map(_samples, out.seqs)) \
+                and not out.prompt_logprobs and not out.pooling:
             t0 = time.perf_counter()
-            tokens = self.host_decode.run(out.seqs, self.kv_cache)
-            if tokens is not None:
-                seconds = time.perf_counter() - t0
-                self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
-                self.model_time_s += seconds
-                return None, None, tokens
+            if argmax:
+                tokens = self.host_decode.run(out.seqs, self.kv_cache)
+                if tokens is not None:
+                    seconds = time.perf_counter() - t0
+                    self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
+                    self.model_time_s += seconds
+                    return None, None, tokens
+            else:
+                hidden = self.host_decode.hidden(out.seqs, self.kv_cache)
+                if hidden is not None:
+                    t1 = time.perf_counter()
+                    logits = self.model.compute_logits(hidden)
+                    t2 = time.perf_counter()
+                    self.timers.forward_s += t1 - t0
+                    self.timers.logits_s += t2 - t1
+                    self.model_time_s += t2 - t0
+                    return logits, hidden, None
         ids, ctx, logits_idx = self.prepare(out)
         meta = ctx.attn
         t0 = time.perf_counter()
