@@ -124,8 +124,15 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(wide_model, alone, dtype, name
     settings = {"num_kv_blocks": 256, **SETTINGS[name]}
     llm = LLM(str(wide_model), dtype=dtype, device="cpu", batch_invariant=True, **settings)
     llm.engine.scheduler.step_costs = FreeRows()  # the policy checks every draft, whatever this machine's timings
-    step_rows = []  # rows (tokens) of each forward
-    llm.engine.runner.model.register_forward_pre_hook(lambda _, args: step_rows.append(args[0].numel()))
+    step_rows = []  # rows (tokens) of each step's forward (decode steps planned on the host call no module)
+    execute = llm.engine.runner.execute
+
+    def counted(out):
+        if out.seqs:
+            step_rows.append(sum(len(s.token_ids) for s in out.seqs))
+        return execute(out)
+
+    llm.engine.runner.execute = counted
     rng = random.Random(name)
     others, other_params = _others(rng, prompts, llm.config.vocab_size)
     everything, all_params = prompts + others, params + other_params
