@@ -117,6 +117,24 @@ def test_greedy_tokens_are_the_argmax_of_compute_logits(smollm2_bf16):
     assert model.greedy_tokens(hidden[2:4]) is None
 
 
+def test_compute_logits_in_one_call_has_the_unfused_bits(smollm2_bf16, monkeypatch):
+    """Where greedy_tokens' path holds, compute_logits' lm_head, widening and refinement run as one C call
+    (logits_bf16): the same bits as the three calls (NaN rows included), at row counts on the few-row copy."""
+    model = smollm2_bf16.engine.runner.model
+    hidden = torch.randn(cpu_linears.SMALL_ROWS, 576, generator=torch.Generator().manual_seed(1)).to(BF) * 2
+    hidden[1, 3] = float("nan")
+    calls = []
+    fused = cpu_logits.logits_bf16
+    monkeypatch.setattr(cpu_logits, "logits_bf16", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    got = {rows: model.compute_logits(hidden[:rows]) for rows in (1, 2, 9, cpu_linears.SMALL_ROWS)}
+    assert calls == [1, 2, 9, cpu_linears.SMALL_ROWS] or model.lm_head.panels_for(1) is None
+    monkeypatch.setattr(CausalLM, "greedy_head", lambda self, rows: None)
+    for rows, logits in got.items():
+        want = model.compute_logits(hidden[:rows])
+        assert logits.dtype == want.dtype == torch.float32
+        assert torch.equal(logits.view(torch.int32), want.view(torch.int32))
+
+
 def test_greedy_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monkeypatch):
     """Greedy chat answers with the fused path and with it off (CausalLM.greedy_tokens declining): token for
     token the same; the fused path served the decode steps."""

@@ -17,6 +17,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "refine_logits": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _B]),
     "top_argmax": (ctypes.c_int, [_P, _P, _P, _I, _I, _P]),
     "greedy_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
+    "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P]),
 }
 
 
@@ -88,3 +89,15 @@ def greedy_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top
     if status < 0:
         raise MemoryError("greedy_bf16: no memory for its scratch")
     return None if status else tokens
+
+
+def logits_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top: int) -> torch.Tensor:
+    """The lm_head's bf16 outputs widened to fp32 with each row's `top` largest refined (logits_top, refine_logits),
+    in one call: fp32 [rows, n] from bf16 x [rows, k] (contiguous), the lm_head's panels and plain weight [n, k]."""
+    rows, n = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if _library().logits_bf16(x.data_ptr(), rows, packed.data_ptr(), weight.data_ptr(), n, weight.shape[1], top,
+                              y.data_ptr(), out.data_ptr()) < 0:
+        raise MemoryError("logits_bf16: no memory for its scratch")
+    return out

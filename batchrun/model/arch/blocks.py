@@ -409,6 +409,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, bf16 or int8 ones with their top candidates refined; then the family's scaling and capping."""
+        head = self.greedy_head(hidden.shape[0]) if hidden.dim() == 2 and hidden.dtype == torch.bfloat16 \
+            and hidden.device.type == "cpu" and hidden.is_contiguous() else None
+        if head is not None:  # greedy_tokens' conditions: the same three calls in one (no scaling or capping)
+            return cpu_logits.logits_bf16(hidden, *head, REFINE_TOP)
         logits = self.lm_head(hidden)
         weight = self.lm_weight
         if weight is None or (logits.dtype != torch.bfloat16 and not isinstance(self.lm_head, QuantLinear)):

@@ -7,6 +7,7 @@
 extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
                        bf16 *y);
 extern int f32_linear_panel(void);
+extern void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top);
 
 #define TOP_SCRATCH_BYTES (1024 * 1024) /* one chunk's outputs, all rows: within a core's L2 */
 
@@ -186,6 +187,28 @@ int greedy_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *wei
     if (status == 0) {
         refine_logits(x, rows, k, weight, ids, top, top - 1, values, top, 1);
         status = top_argmax(values, ids, nan, rows, top, tokens);
+    }
+    free(buf);
+    return status;
+}
+
+/* out [rows, n]: compute_logits' fp32 logits from bf16 x [rows, k], the lm_head packed for linear_bf16 (no bias) and
+ * its plain bf16 weight [n, k]: linear_bf16 into y (bf16 [rows, n]), widened by logits_top, which finds each row's
+ * `top` largest, those refined in fp32 by refine_logits and written back; the calls the Python path makes, in one.
+ * 0 when done, -1 without memory. */
+int logits_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
+                int64_t top, bf16 *y, float *out) {
+    if (rows <= 0) return 0;
+    char *buf = malloc((sizeof(float) + sizeof(int64_t)) * rows * top);
+    if (buf == NULL) return -1;
+    float *refined = (float *)buf;
+    int64_t *ids = (int64_t *)(refined + rows * top);
+    const int status = linear_bf16(x, rows, packed, n, k, NULL, y) ? -1 : 0;
+    if (status == 0) {
+        logits_top(y, out, rows, n, top, ids);
+        refine_logits(x, rows, k, weight, ids, top, top, refined, top, 1);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < top; j++) out[r * n + ids[r * top + j]] = refined[r * top + j];
     }
     free(buf);
     return status;
