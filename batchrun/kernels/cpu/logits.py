@@ -92,8 +92,7 @@ def greedy_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top
 
 
 def logits_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top: int) -> torch.Tensor:
-    """The lm_head's bf16 outputs widened to fp32 with each row's `top` largest refined (logits_top, refine_logits),
-    in one call: fp32 [rows, n] from bf16 x [rows, k] (contiguous), the lm_head's panels and plain weight [n, k]."""
+    """compute_logits' three calls in one: fp32 logits [rows, n] from bf16 x, the lm_head's panels and weight."""
     rows, n = x.shape[0], weight.shape[0]
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     out = torch.empty(rows, n, dtype=torch.float32)
