@@ -185,14 +185,14 @@ def plan_memory(args: EngineArgs, path: Path, config: Any, dtype: torch.dtype, b
     if args.num_kv_blocks is not None:
         kv_bytes = args.num_kv_blocks * args.block_size * per_token
     max_len = args.max_model_len or model_max_len(config)
-    kv_tokens, why = args.kv_cache_tokens, f"the job's rows need {args.kv_cache_tokens} tokens"
+    kv_tokens, why = args.kv_cache_tokens, f"the job's rows ({args.kv_cache_tokens} tokens)"
     available = available_memory()
     pools_only = args.runner == "pooling" or pooling_architecture(config) is not None
     if kv_tokens is None and kv_bytes is None and pools_only:
         # an engine that only pools holds only its prompts in flight: the default, or less
         need = prompt_only_kv_tokens(args.max_num_batched_tokens, max_len, args.max_num_seqs, args.block_size)
         kv_tokens = min(need, cpu_default_bytes(available.total) // per_token)
-        why = f"pooling: one step's prompts and a whole {max_len}-token prompt need {need} tokens"
+        why = f"pooling (one step's prompts and a whole {max_len}-token prompt: {need} tokens)"
     # a tied lm_head's packed copy (none when it goes to int8: the int8 copy instead, quant.linear.LM_HEAD_SPEC)
     packs_tied = (dtype == torch.bfloat16 or batch_invariant) and not args.quantize_lm_head and not pools_only
     held = checkpoint_weight_bytes(path, element_size, QuantSpec.parse(args.quantization),
