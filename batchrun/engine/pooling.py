@@ -54,7 +54,6 @@ class PoolingState:
 
 
 def prompt_only_kv_tokens(max_num_batched_tokens: int, longest: int, max_num_seqs: int, block_size: int) -> int:
-    """Tokens a run of prompt-only requests (pooled rows) holds at once. Each frees its blocks in the step its prompt
-    ends, so the pool holds one step's chunks, a partly filled block for each of its sequences, and the one prompt
-    carried unfinished into the next step."""
+    """Tokens prompt-only requests (pooled rows, freed in the step their prompt ends) hold at once: one step's
+    chunks, a partly filled block for each of its sequences, and the one prompt a step leaves unfinished."""
     return max_num_batched_tokens + longest + min(max_num_seqs, max_num_batched_tokens) * block_size

@@ -409,9 +409,8 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, bf16 or int8 ones with their top candidates refined; then the family's scaling and capping."""
-        head = self.greedy_head(hidden.shape[0]) if hidden.dim() == 2 and hidden.dtype == torch.bfloat16 \
-            and hidden.device.type == "cpu" and hidden.is_contiguous() else None
-        if head is not None:  # greedy_tokens' conditions: the same three calls in one (no scaling or capping)
+        head = self._fused_head(hidden)
+        if head is not None:  # the same three calls in one (no scaling or capping there)
             return cpu_logits.logits_bf16(hidden, *head, REFINE_TOP)
         logits = self.lm_head(hidden)
         weight = self.lm_weight
@@ -443,15 +442,19 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """Each row's argmax of compute_logits(hidden), int64, from the lm_head's REFINE_TOP + 1 largest bf16
         outputs (the top REFINE_TOP refined as compute_logits refines them), the logits never written whole. None
         where that does not hold (no bf16 panels, a scale or cap, a NaN) or was not measured (MEASURED_KERNELS)."""
-        if hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
-                or not hidden.is_contiguous():
-            return None
-        head = self.greedy_head(hidden.shape[0])
+        head = self._fused_head(hidden)
         if head is None:
             return None
         # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
         # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
         return cpu_logits.greedy_bf16(hidden, *head, REFINE_TOP + 1)
+
+    def _fused_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """greedy_head for contiguous bf16 hidden states [rows, hidden] on a CPU, else None."""
+        if hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+                or not hidden.is_contiguous():
+            return None
+        return self.greedy_head(hidden.shape[0])
 
     def greedy_head(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the lm_head's bf16 panels at `rows` rows, its plain weight) where greedy_tokens' path holds, else None."""

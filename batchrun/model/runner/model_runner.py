@@ -330,37 +330,32 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return None, None, None
-        if self.host_decode is not None and out.num_decodes == len(out.seqs) and all(map(_samples, out.seqs)) \
-                and not out.prompt_logprobs and not out.pooling:
-            t0 = time.perf_counter()
-            if argmax:
-                tokens = self.host_decode.run(out.seqs, self.kv_cache)
-                if tokens is not None:
-                    seconds = time.perf_counter() - t0
-                    self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
-                    self.model_time_s += seconds
-                    return None, None, tokens
-            else:
-                hidden = self.host_decode.hidden(out.seqs, self.kv_cache)
-                if hidden is not None:
-                    t1 = time.perf_counter()
-                    logits = self.model.compute_logits(hidden)
-                    t2 = time.perf_counter()
-                    self.timers.forward_s += t1 - t0
-                    self.timers.logits_s += t2 - t1
-                    self.model_time_s += t2 - t0
-                    return logits, hidden, None
-        ids, ctx, logits_idx = self.prepare(out)
-        meta = ctx.attn
+        hidden = tokens = logits_idx = None
+        host = self.host_decode  # a decode-only step is planned on the host
+        if host is not None and not (out.num_decodes == len(out.seqs) and all(map(_samples, out.seqs))
+                                     and not out.prompt_logprobs and not out.pooling):
+            host = None
         t0 = time.perf_counter()
-        tokens = None
-        if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.fits(
-                meta.num_seqs, meta.max_seq_len):
-            hidden = self.graphs.run(ids, ctx.positions, meta)
-        elif argmax and logits_idx is None:  # every row's argmax: the model may find them in its forward
-            hidden, tokens = self.model.forward_greedy(ids, ctx)
-        else:
-            hidden = self.model(ids, ctx)
+        if host is not None and argmax:
+            tokens = host.run(out.seqs, self.kv_cache)
+            if tokens is not None:
+                seconds = time.perf_counter() - t0
+                self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
+                self.model_time_s += seconds
+                return None, None, tokens
+        elif host is not None:
+            hidden = host.hidden(out.seqs, self.kv_cache)
+        if hidden is None:
+            ids, ctx, logits_idx = self.prepare(out)
+            meta = ctx.attn
+            t0 = time.perf_counter()
+            if self.graphs is not None and meta.num_decodes == meta.num_seqs and self.graphs.fits(
+                    meta.num_seqs, meta.max_seq_len):
+                hidden = self.graphs.run(ids, ctx.positions, meta)
+            elif argmax and logits_idx is None:  # every row's argmax: the model may find them in its forward
+                hidden, tokens = self.model.forward_greedy(ids, ctx)
+            else:
+                hidden = self.model(ids, ctx)
         t1 = time.perf_counter()
         rows = hidden if logits_idx is None else hidden[logits_idx]
         if argmax and tokens is None:  # (a NaN the native call met is met here again: the logits' own path)

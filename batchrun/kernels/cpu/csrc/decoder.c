@@ -198,6 +198,25 @@ static void scale_rows(void *x, int64_t rows, int64_t n, float scale, int bf) {
     for (int64_t r = 0; r < rows; r++) scale_row((char *)x + r * n * (bf ? 2 : 4), n, scale, bf);
 }
 
+/* x = o_proj(attention(qkv_proj(in))) of layer l; nonzero where a kernel found no scratch memory. */
+static int attention_block(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, int64_t l,
+                           const void *in) {
+    const int bf = (int)s->bf;
+    return run_linear(&layer->qkv, in, t->rows, t->qkv, bf) || attention(s, layer, t, l) ||
+           run_linear(&layer->o, t->attn, t->rows, t->x, bf);
+}
+
+/* out = down(act(gate_up(in))): the gated MLP; nonzero where a linear found no scratch memory. */
+static int mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
+    const int bf = (int)s->bf;
+    if (run_linear(&layer->gate_up, in, t->rows, t->gate_up, bf)) return 1;
+    if (s->activation == ACT_SILU)
+        silu_mul(t->gate_up, t->act, t->rows, s->inter, bf);
+    else
+        gelu_tanh_mul(t->gate_up, t->act, t->rows, s->inter, bf);
+    return run_linear(&layer->down, t->act, t->rows, out, bf);
+}
+
 /* LAYER_POST_NORM: h = stream + x (layer 0: the embeddings, which the stream holds); stream = h + norm(attention(h));
  * x = norm(mlp(stream)), the layer's output, which the next layer adds. Each block's input is the stream rounded to
  * the model's dtype, as the Python layer's `.to(x.dtype)`. */
@@ -209,17 +228,10 @@ static int post_norm_layer(const DecoderShape *s, const DecoderLayer *layer, con
         add_residual(t->x, t->residual, t->h, rows, hidden, res_fp32, bf);
         in = t->h;
     }
-    if (run_linear(&layer->qkv, in, rows, t->qkv, bf) || attention(s, layer, t, l) ||
-        run_linear(&layer->o, t->attn, rows, t->x, bf))
-        return 1;
+    if (attention_block(s, layer, t, l, in)) return 1;
     rms_norm(t->x, NULL, layer->post_norm, t->h, rows, hidden, s->eps, 0, 0, bf);
     add_residual(t->h, t->residual, t->x, rows, hidden, res_fp32, bf);
-    if (run_linear(&layer->gate_up, t->x, rows, t->gate_up, bf)) return 1;
-    if (s->activation == ACT_SILU)
-        silu_mul(t->gate_up, t->act, rows, s->inter, bf);
-    else
-        gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
-    if (run_linear(&layer->down, t->act, rows, t->h, bf)) return 1;
+    if (mlp(s, layer, t, t->x, t->h)) return 1;
     rms_norm(t->h, NULL, layer->post_ff_norm, t->x, rows, hidden, s->eps, 0, 0, bf);
     return 0;
 }
@@ -239,9 +251,7 @@ int decoder_forward(const DecoderShape *s, const DecoderLayer *layers, int64_t n
         }
         /* layer 0 norms the embeddings (the residual holds them already); later layers add their input first */
         rms_norm(t->x, l ? t->residual : NULL, layer->input_norm, t->h, rows, s->hidden, s->eps, l > 0, res_fp32, bf);
-        if (run_linear(&layer->qkv, t->h, rows, t->qkv, bf) || attention(s, layer, t, l) ||
-            run_linear(&layer->o, t->attn, rows, t->x, bf))
-            return 1;
+        if (attention_block(s, layer, t, l, t->h)) return 1;
         const int sandwich = layer->kind == LAYER_SANDWICH, scaled = layer->residual_scale != 1.0f;
         if (scaled) scale_rows(t->x, rows, s->hidden, layer->residual_scale, bf);
         void *mlp_in = t->h, *mlp_out = t->x; /* sandwich: the MLP between h and x the other way round */
@@ -252,12 +262,7 @@ int decoder_forward(const DecoderShape *s, const DecoderLayer *layers, int64_t n
         } else {
             rms_norm(t->x, t->residual, layer->post_norm, t->h, rows, s->hidden, s->eps, 1, res_fp32, bf);
         }
-        if (run_linear(&layer->gate_up, mlp_in, rows, t->gate_up, bf)) return 1;
-        if (s->activation == ACT_SILU)
-            silu_mul(t->gate_up, t->act, rows, s->inter, bf);
-        else
-            gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
-        if (run_linear(&layer->down, t->act, rows, mlp_out, bf)) return 1;
+        if (mlp(s, layer, t, mlp_in, mlp_out)) return 1;
         if (scaled) scale_rows(mlp_out, rows, s->hidden, layer->residual_scale, bf);
         if (sandwich) rms_norm(t->h, NULL, layer->post_ff_norm, t->x, rows, s->hidden, s->eps, 0, 0, bf);
     }
