@@ -142,7 +142,8 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
                    tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", model=MODEL, input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
                     sampling={"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "logprobs": 0}, executor=RAY,
-                    output={"path": str(tmp_path / "out"), "rows_per_part": 4})
+                    output={"path": str(tmp_path / "out"), "rows_per_part": 4, "commit_interval_s": 3600})
+    # (parts of 4 rows only: on a loaded machine the first row can take longer than the default commit interval)
     # A subprocess joining the module's Ray by address; each finished request waits 0.4 s (the BATCHRUN_*
     # variables travel to the replicas), so the run is cut half way.
     env = cli_env(fake=False, BATCHRUN_LLM_FACTORY="test_job_fakes:PacedLLM", BATCHRUN_FAKE_DELAY="0.4")

@@ -11,6 +11,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.kernels.cpu import decoder, linears
+from batchrun.kernels.cpu import logits as cpu_logits
 from batchrun.model.arch.native_layers import NativeLayers
 
 pytestmark = pytest.mark.skipif(not (decoder.available() and linears.has_panel_linears()),
@@ -18,8 +19,10 @@ pytestmark = pytest.mark.skipif(not (decoder.available() and linears.has_panel_l
 
 @pytest.fixture(autouse=True)
 def native_on(monkeypatch):
-    """On whatever the CPU (by default only where it was measured: native_layers.MEASURED_KERNELS)."""
+    """On whatever the CPU, the fused greedy path too (by default each only where it was measured: the
+    MEASURED_KERNELS of native_layers and of kernels/cpu/logits)."""
     monkeypatch.setenv("BATCHRUN_NATIVE_LAYERS", "1")
+    monkeypatch.setattr(cpu_logits, "MEASURED_KERNELS", (linears.bf16_kernel(),))
 
 
 PROMPTS = ["the cat sat on the mat and then " * 3, "hello there", "the cat sat on the mat and then " * 3 + "a dog",
