@@ -37,7 +37,7 @@ MAX_ROWS = 256
 _ALIGN = 64  # bytes: each workspace section starts on a cache line
 # The CPU kinds (by their bf16 linear kernel, linears.bf16_kernel()) where the native call was measured faster than
 # the Python loop (docs/performance.md); elsewhere the loop stays the default until it is measured there.
-MEASURED_KERNELS = ("amx",)
+MEASURED_KERNELS = ("amx", "dot")
 
 
 # The layers the call runs, and the norms of each (in the order of DecoderLayer's fields; None: not in this kind).
