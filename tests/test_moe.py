@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from batchrun import LLM
+from batchrun.kernels.cpu import moe as cpu_moe
 from batchrun.kernels.triton import grouped_gemm, grouped_gemm_ref, moe_align, tiles_bound
-from batchrun.model.arch.moe import GROUPED_BLOCK_M, SparseMoE, combine
+from batchrun.model.arch.moe import GROUPED_BLOCK_M, SparseMoE
+from batchrun.model.layers.ops import CpuKernelOps, TorchOps, uses_cpu_kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -50,13 +52,49 @@ def test_grouped_gemm_matches_its_reference(dtype, k, n):
     torch.testing.assert_close(got[used], ref[used], atol=tol, rtol=tol)
 
 
-def test_combine_adds_in_ascending_expert_order():
+needs_c = pytest.mark.skipif(not uses_cpu_kernels(torch.device("cpu"), torch.float32), reason="needs the C kernels")
+
+
+@pytest.mark.parametrize("ops", [TorchOps(), pytest.param(CpuKernelOps(), marks=needs_c)])
+def test_combine_adds_in_ascending_expert_order(ops):
     """transformers adds each expert's rows into zeros, expert by expert: (0 + a) + b with a the lower expert's."""
     outputs = torch.tensor([[[1e8], [1.0]], [[1.0], [1e8]]])
     weights = torch.ones(2, 2)
     experts = torch.tensor([[3, 1], [1, 3]])
-    got = combine(outputs, weights, experts, torch.float32)
+    got = ops.moe_combine(outputs, weights, experts)
     assert torch.equal(got, torch.tensor([[1.0 + 1e8], [1.0 + 1e8]]))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("experts", "top_k", "normalize"), [(5, 2, True), (8, 1, False), (33, 3, False),
+                                                             (128, 8, True)])
+def test_the_c_router_chooses_torchs_experts(dtype, experts, top_k, normalize):
+    """The C router (both CPU paths') against transformers' torch ops: the same experts, weights within a few ulp
+    (its own exp); with exact ties (bf16 logits) the lower expert first."""
+    logits = (torch.randn(70, experts, generator=torch.Generator().manual_seed(experts)) * 3).to(dtype)
+    weights, chosen = cpu_moe.route(logits, top_k, normalize)
+    want_weights, want = TorchOps().moe_route(logits, top_k, normalize)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, chosen), probs.gather(1, want))  # (ties may differ in id only)
+    for row, value in zip(chosen, probs.gather(1, chosen)):
+        for j in range(1, top_k):  # descending, and of equal probabilities the lower expert first
+            assert value[j - 1] > value[j] or (value[j - 1] == value[j] and row[j - 1] < row[j])
+    alone_weights, alone = cpu_moe.route(logits[3:9].clone(), top_k, normalize)  # rows in another batch
+    assert torch.equal(alone, chosen[3:9]) and torch.equal(alone_weights, weights[3:9])
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [37, 64])
+def test_the_c_sum_has_torchs_bits(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    outputs = (torch.randn(45, 4, hidden, generator=g) * 10).to(dtype)
+    weights = torch.rand(45, 4, generator=g)
+    experts = torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(45)])
+    got = cpu_moe.combine(outputs, weights, experts)
+    assert got.dtype == dtype and torch.equal(got, TorchOps().moe_combine(outputs, weights, experts))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -1,8 +1,9 @@
 """A step's forward in one native call (model/arch/native_layers.py) against the Python path it replaces: every
 step the call serves is run both ways on the same inputs, and the hidden states after the final norm and the KV
 pool must be equal bit for bit, in fp32 and bf16, batch invariant or not, with q/k/v biases, windows, partial
-rotary dims, per-head and whole-projection q/k norms, norms after the blocks, an int8 or fp8 KV pool and int8 / int4 weights; mixed prefill and decode steps, chunked
-prompts and prefix hits included. Layers the call does not run keep the Python loop."""
+rotary dims, per-head and whole-projection q/k norms, norms after the blocks, sparse MoE blocks, an int8 or fp8 KV
+pool and int8 / int4 weights; mixed prefill and decode steps, chunked prompts and prefix hits included. Layers the
+call does not run keep the Python loop."""
 
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[l
     ("gemma3", {}),  # and per-head q/k norms, the sliding layers' own rotary table
     ("granite", {}),  # residual and embedding multipliers
     ("olmo2", {}),  # norms after each block, q/k norms over the whole projection
+    ("qwen3_moe", {}),  # sparse MoE blocks: top 2 of 8 renormalised
+    ("mixtral", {}),  # top 2 of 5 renormalised, a sliding window
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_layers_equal_the_python_loop(make_ckpt, arch, overrides, dtype):
@@ -197,9 +200,9 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
     assert served and on == off
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_other_layers_keep_the_python_loop(make_ckpt, arch):
-    llm = LLM(str(make_ckpt(arch)), device="cpu", kv_cache_memory="16MiB", dtype="float32")
+def test_other_layers_keep_the_python_loop(make_ckpt):
+    """Qwen2-MoE: a shared expert beside the experts, and a dense layer between the sparse ones."""
+    llm = LLM(str(make_ckpt("qwen2_moe")), device="cpu", kv_cache_memory="16MiB", dtype="float32")
     assert llm.engine.runner.model.native_layers is None
     assert llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
 

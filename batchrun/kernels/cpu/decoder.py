@@ -25,13 +25,14 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
                 ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("pre_ff_norm", _P),
                 ("post_ff_norm", _P), ("kind", _I), ("window", _I), ("rope", _I), ("scale", _F), ("softcap", _F),
-                ("residual_scale", _F)]
+                ("residual_scale", _F), ("router", NativeLinear), ("experts", _P)]
 
 
 class DecoderShape(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I), ("rot", _I),
                 ("block_size", _I), ("activation", _I), ("kv_format", _I), ("amx_lanes", _I), ("bf", _I),
-                ("res_fp32", _I), ("qk_proj", _I), ("eps", _F), ("embed_scale", _F)]
+                ("res_fp32", _I), ("qk_proj", _I), ("experts", _I), ("top_k", _I), ("normalize", _I), ("eps", _F),
+                ("embed_scale", _F)]
 
 
 class DecoderStep(ctypes.Structure):
@@ -41,7 +42,9 @@ class DecoderStep(ctypes.Structure):
                 ("positions", _P), ("slots", _P), ("cos_t", _P), ("sin_t", _P), ("cos_local", _P), ("sin_local", _P),
                 ("block_tables", _P), ("row_seq", _P),
                 ("row_len", _P), ("bt_stride", _I), ("kv", _P), ("layer_bytes", _I), ("half_bytes", _I),
-                ("lm_packed", _P), ("lm_weight", _P), ("lm_n", _I), ("top", _I), ("tokens", _P)]
+                ("lm_packed", _P), ("lm_weight", _P), ("lm_n", _I), ("top", _I), ("tokens", _P),
+                ("router_logits", _P), ("expert_in", _P), ("expert_out", _P), ("route_weights", _P),
+                ("route_experts", _P), ("pair_row", _P), ("row_pair", _P), ("expert_start", _P)]
 
 
 SIGNATURES: dict[str, cpu_kernels.Signature] = {

@@ -1,6 +1,7 @@
 """The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): transformers' router, gated-MLP experts, and
 Qwen2-MoE's gated shared expert. Each expert runs once over its rows (on CUDA all in the grouped GEMM), and expert
-outputs are summed in ascending expert order, as transformers does: a row's result depends on that row only."""
+outputs are summed in ascending expert order, as transformers does: a row's result depends on that row only. The
+router and the sum are the ops' (on a CPU the C kernels the native call makes too)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,10 @@ class SparseMoE(nn.Module):
         self.w13: nn.Parameter | None = None  # [E, 2I, H] and [E, H, I] once grouped (group_experts)
         self.w2: nn.Parameter | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [N, top_k], experts int64 [N, top_k]) of each row: transformers' router."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
-
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts = ops.moe_route(self.gate(x), self.top_k, self.normalize)
         outputs = self._grouped(x, experts, ops) if self.w13 is not None else self._per_expert(x, experts, ops)
-        out = combine(outputs, weights, experts, x.dtype)
+        out = ops.moe_combine(outputs, weights, experts)
         if self.shared_expert is not None:
             # the gate's sigmoid in float64, rounded once: torch's fp32 sigmoid gives a value other bits by where it
             # falls in the tensor (its vector and scalar exp differ), which would make a row depend on its batch
@@ -100,17 +93,6 @@ class SparseMoE(nn.Module):
             w2 = torch.stack([e.down_proj.weight for e in self.experts])
         self.experts = None
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
-
-
-def combine(outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j weights[:, j] * outputs[:, j] in `dtype`, added in ascending expert order, as transformers does."""
-    terms = (outputs * weights.unsqueeze(-1)).to(dtype)
-    if terms.shape[1] > 1:
-        terms = terms.gather(1, experts.argsort(dim=1).unsqueeze(-1).expand_as(terms))
-    out = terms[:, 0].clone()
-    for j in range(1, terms.shape[1]):
-        out += terms[:, j]
-    return out
 
 
 _STACKED = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)")

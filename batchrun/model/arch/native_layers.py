@@ -23,6 +23,7 @@ from batchrun.model.arch.blocks import (
     RMSNorm,
     SandwichLayer,
 )
+from batchrun.model.arch.moe import SparseMoE
 from batchrun.model.layers.attention import TorchBackend
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.linear import OneDNNLinear, PackedLinear
@@ -133,42 +134,69 @@ def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tens
     return None
 
 
+def _mlp_shape(mlp: torch.nn.Module) -> tuple | None:
+    """(experts, top_k, normalize, intermediate size, activation) of an MLP the call runs, else None."""
+    if type(mlp) is GatedMLP:
+        return 0, 0, False, mlp.inter, mlp.act
+    if type(mlp) is SparseMoE and mlp.shared_expert is None and mlp.experts is not None \
+            and len({(e.inter, e.act) for e in mlp.experts}) == 1:
+        return mlp.num_experts, mlp.top_k, mlp.normalize, mlp.experts[0].inter, mlp.act
+    return None
+
+
+def _mlp_linears(mlp: torch.nn.Module) -> list[torch.nn.Module]:
+    """gate|up and down of a gated MLP; an MoE block's router, then each expert's gate|up and down."""
+    if type(mlp) is GatedMLP:
+        return [mlp.gate_up_proj, mlp.down_proj]
+    return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj))]
+
+
 def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM, dtype: torch.dtype
-                ) -> tuple[decoder.DecoderLayer, int, list[torch.Tensor]] | str:
-    """The native description of one layer, the most rows its linears take the kernels at, and the tensors it points
+                ) -> tuple[decoder.DecoderLayer, int, list[object]] | str:
+    """The native description of one layer, the most rows its linears take the kernels at, and what it points
     into; or why the call cannot run it."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     kind = _LAYER_KINDS.get(type(layer))
-    if kind is None or type(attn) is not Attention or attn.rope not in decoder.ROPES or type(mlp) is not GatedMLP:
-        return f"a {type(layer).__name__} layer"
+    if kind is None or type(attn) is not Attention or attn.rope not in decoder.ROPES or _mlp_shape(mlp) is None:
+        return f"a {type(layer).__name__} layer with a {type(mlp).__name__}"
     input_norm, post_norm, pre_ff_norm, post_ff_norm = (getattr(layer, name) if name else None
                                                          for name in _BLOCK_NORMS[kind])
     norms = [n for n in (input_norm, post_norm, pre_ff_norm, post_ff_norm) if n is not None] \
         + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
-    if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter, mlp.act, attn.qk_norm) != \
+    if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, _mlp_shape(mlp), attn.qk_norm) != \
             (type(first), first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-             first.mlp.inter, first.mlp.act, first.self_attn.qk_norm) \
+             _mlp_shape(first.mlp), first.self_attn.qk_norm) \
             or any(norm.eps != model.norm.eps or norm.offset for norm in norms):
         return "layers of different shapes"
-    linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, *_mlp_linears(mlp))]
     weights = [norm.weight for norm in norms]
     if any(lin is None for lin in linears) or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
         return "a linear or norm no C kernel takes"
     def pointer(norm: RMSNorm | None) -> int | None:
         return None if norm is None else norm.weight.data_ptr()
 
+    qkv, o, *mlp_linears = (lin.spec for lin in linears)
+    keep: list[object] = list(weights)
+    if type(mlp) is GatedMLP:
+        gate_up, down, router, experts = *mlp_linears, decoder.NativeLinear(), None
+    else:
+        router, *expert_linears = mlp_linears
+        experts = (decoder.NativeLinear * len(expert_linears))(*expert_linears)
+        gate_up, down = decoder.NativeLinear(), decoder.NativeLinear()
+        keep.append(experts)
     spec = decoder.DecoderLayer(
-        *(lin.spec for lin in linears), pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
+        qkv, o, gate_up, down, pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
         pointer(attn.k_norm), pointer(pre_ff_norm), pointer(post_ff_norm), kind, attn.window, decoder.ROPES[attn.rope],
-        attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0))
-    return spec, min(lin.max_rows for lin in linears), weights
+        attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0), router,
+        None if experts is None else ctypes.addressof(experts))
+    return spec, min(lin.max_rows for lin in linears), keep
 
 
 class NativeLayers:
     """The model's layers as the native call's structures, built once after the linears are packed."""
 
     def __init__(self, shape: decoder.DecoderShape, layers: ctypes.Array, max_rows: int, dtype: torch.dtype,
-                 residual_dtype: torch.dtype, widths: tuple[int, ...], keep: list[torch.Tensor],
+                 residual_dtype: torch.dtype, widths: tuple[int, ...], keep: list[object],
                  backend: object, embed: torch.Tensor, final_norm: torch.Tensor,
                  local_tables: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.shape, self.layers, self.max_rows = shape, layers, max_rows
@@ -176,13 +204,20 @@ class NativeLayers:
         # the runner's backend it was described for (with its pool's format): another runner of the same model takes
         # the Python loop
         self.backend = backend
-        self.widths = widths  # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied v
+        # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied v; MoE: router logits, an
+        # expert's input, the pairs' outputs
+        self.widths = widths
         self._keep = keep  # the tensors the structures point into
         self.embed, self.final_norm = embed, final_norm  # the embedding table, the final norm's weight
         self._work = torch.empty(0, dtype=dtype)
         self._residual = torch.empty(0, dtype=residual_dtype)
         self._tokens = torch.empty(max_rows, dtype=torch.int64)  # run_greedy's (a view of it, until the next step)
         self.local_tables = local_tables  # the "local" layers' cos, sin (Gemma 3; else the global ones)
+        # MoE layers' routes (decoder.DecoderStep): each pair's weight; its expert, output row and the inverse; each
+        # expert's first row and a cursor
+        pairs, experts = max_rows * shape.top_k, shape.experts
+        self._route_weights = torch.empty(pairs, dtype=torch.float32)
+        self._route_index = torch.empty(3 * pairs + 2 * (experts + 1), dtype=torch.int64)
 
     @classmethod
     def build(cls, model: CausalLM, backend: object, ops: CpuKernelOps, kv_cache: torch.Tensor) -> NativeLayers | None:
@@ -204,19 +239,20 @@ class NativeLayers:
         if why is not None:
             log.info("decoder layers in Python: %s", why)
             return None
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.self_attn
+        experts, top_k, normalize, inter, act = _mlp_shape(first.mlp)
         residual_dtype = ops.residual_dtype(dtype)
         shape = decoder.DecoderShape(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            inter=mlp.inter, rot=model.cos.shape[-1], block_size=kv_cache.shape[3],
-            activation=decoder.ACTIVATIONS[mlp.act],
+            inter=inter, rot=model.cos.shape[-1], block_size=kv_cache.shape[3], activation=decoder.ACTIVATIONS[act],
             kv_format=_kv_format(kv_cache),
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
-            res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), eps=model.norm.eps,
-            embed_scale=model._embed_multiplier or 0.0)
+            res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), experts=experts,
+            top_k=top_k, normalize=int(normalize), eps=model.norm.eps, embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
-        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * mlp.inter, mlp.inter,
-                  *((attn.q_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0)))
+        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * inter, inter,
+                  *((attn.q_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0)),
+                  experts, hidden if experts else 0, top_k * hidden)
         log.info("the forward in one native call for steps of up to %d rows", max_rows)
         return cls(shape, (decoder.DecoderLayer * len(specs))(*specs), max_rows, dtype, residual_dtype, widths, keep,
                    backend, model.embed_tokens.weight, model.norm.weight,
@@ -282,12 +318,14 @@ class NativeLayers:
         sections = self._sections(rows)
         if self._residual.numel() < rows * hidden:
             self._residual = torch.empty(rows * hidden, dtype=self.residual_dtype)
+        pairs, index = rows * self.shape.top_k, self._route_index.data_ptr()
         step = decoder.DecoderStep(
             plan.ids, self.embed.data_ptr(), self.embed.shape[0], self.final_norm.data_ptr(), self._residual.data_ptr(),
-            *sections, rows, plan.positions, plan.slots, plan.cos_table, plan.sin_table,
+            *sections[:9], rows, plan.positions, plan.slots, plan.cos_table, plan.sin_table,
             self.local_tables[0].data_ptr(), self.local_tables[1].data_ptr(), plan.block_tables,
             plan.row_seq, plan.row_len, plan.bt_stride, pool.data_ptr(), pool.stride(0) * pool.element_size(),
-            pool.stride(1) * pool.element_size(), *(greedy or (None, None, 0, 0, None)))
+            pool.stride(1) * pool.element_size(), *(greedy or (None, None, 0, 0, None)), *sections[9:],
+            self._route_weights.data_ptr(), *(index + 8 * pairs * part for part in range(4)))
         return decoder.decoder_forward(self.shape, self.layers, step)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from batchrun.kernels import cpu as cpu_kernels
 from batchrun.kernels.cpu import elementwise
+from batchrun.kernels.cpu import moe as cpu_moe
 
 
 @dataclass
@@ -80,6 +81,25 @@ class TorchOps:
                 torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., dim:]), dim=-1))
 
 
+    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [N, top_k], experts int64 [N, top_k]) from router logits [N, E]: transformers' router."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+        if normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def moe_combine(self, outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[:, j] * outputs[:, j] of [N, top_k, H], in its dtype, by ascending expert (transformers')."""
+        terms = (outputs * weights.unsqueeze(-1)).to(outputs.dtype)
+        if terms.shape[1] > 1:
+            terms = terms.gather(1, experts.argsort(dim=1).unsqueeze(-1).expand_as(terms))
+        out = terms[:, 0].clone()
+        for j in range(1, terms.shape[1]):
+            out += terms[:, j]
+        return out
+
+
 class CpuKernelOps(TorchOps):
     """The C kernels, for fp32 and bf16 models on a CPU; a layout a kernel does not take goes to the torch op."""
 
@@ -106,6 +126,16 @@ class CpuKernelOps(TorchOps):
         if gate_up.is_contiguous():
             return elementwise.gelu_tanh_mul(gate_up)
         return super().gelu_tanh_mul(gate_up)
+
+    def moe_route(self, logits, top_k, normalize):
+        if logits.dim() == 2 and logits.is_contiguous():
+            return cpu_moe.route(logits, top_k, normalize)
+        return super().moe_route(logits, top_k, normalize)
+
+    def moe_combine(self, outputs, weights, experts):
+        if outputs.is_contiguous() and weights.is_contiguous() and experts.is_contiguous():
+            return cpu_moe.combine(outputs, weights, experts)
+        return super().moe_combine(outputs, weights, experts)
 
     def apply_rope(self, q, k, rot):
         if rot.rotary_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \

@@ -6,7 +6,7 @@
  * for all layers; the activations live in one workspace the caller keeps. */
 #include "common.h"
 
-/* linears.c, quant_linears.c, elementwise.c, attention.c */
+/* linears.c, quant_linears.c, elementwise.c, attention.c, logits.c, moe.c */
 extern void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                        const float *bias, float *y);
 extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
@@ -41,6 +41,10 @@ extern int paged_attention_fp8(const void *q, int64_t q_stride, const void *k, c
                                int64_t bt_stride, const int32_t *row_seq, const int32_t *row_len, void *out,
                                int64_t num_rows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int bf,
                                int64_t window, float softcap, int e5m2);
+extern void moe_route(const void *logits, int64_t rows, int64_t experts, int64_t top_k, int normalize, int bf,
+                      float *weights, int64_t *chosen);
+extern void moe_combine(const void *outputs, const int64_t *where, const float *weights, const int64_t *chosen,
+                        int64_t rows, int64_t top_k, int64_t hidden, void *out, int bf);
 extern void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
                           int64_t hkv, int64_t d, void *kc, void *vc, int bf);
 
@@ -70,11 +74,18 @@ typedef struct {
     const void *pre_ff_norm, *post_ff_norm;
     int64_t kind, window, rope;
     float scale, softcap, residual_scale; /* residual_scale: each block's output times it (Granite; 1: none) */
+    /* a sparse MoE block instead of the gated MLP (DecoderShape.experts > 0): the router's linear, and each expert's
+     * gate|up and down at experts[2 e] and experts[2 e + 1] */
+    NativeLinear router;
+    const NativeLinear *experts;
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
     int64_t activation, kv_format, amx_lanes, bf, res_fp32, qk_proj;
+    /* MoE layers: their experts (0: gated MLPs), each row's top_k of them, renormalised or not; inter is an
+     * expert's intermediate size */
+    int64_t experts, top_k, normalize;
     float eps, embed_scale; /* embed_scale: the embeddings times it, rounded to the model's dtype (0: none) */
 } DecoderShape;
 
@@ -100,6 +111,13 @@ typedef struct {
     const void *lm_packed, *lm_weight;
     int64_t lm_n, top;
     int64_t *tokens;
+    /* MoE layers' workspace: router logits [rows, experts], one expert's input rows [rows, hidden], each pair's
+     * expert output [rows * top_k, hidden] (by expert); each pair's weight and expert [rows * top_k], where its
+     * output lies and which pair each output row is [rows * top_k]; each expert's first output row and a cursor
+     * [2 (experts + 1)] */
+    void *router_logits, *expert_in, *expert_out;
+    float *route_weights;
+    int64_t *route_experts, *pair_row, *row_pair, *expert_start;
 } DecoderStep;
 
 /* y [rows, n] = x [rows, k] W^T + b; nonzero where a kernel found no scratch memory. */
@@ -206,15 +224,55 @@ static int attention_block(const DecoderShape *s, const DecoderLayer *layer, con
            run_linear(&layer->o, t->attn, t->rows, t->x, bf);
 }
 
-/* out = down(act(gate_up(in))): the gated MLP; nonzero where a linear found no scratch memory. */
-static int mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
+/* out [rows] = down(act(gate_up(in))); nonzero where a linear found no scratch memory. */
+static int gated_mlp(const DecoderShape *s, const DecoderStep *t, const NativeLinear *gate_up, const NativeLinear *down,
+                     const void *in, int64_t rows, void *out) {
     const int bf = (int)s->bf;
-    if (run_linear(&layer->gate_up, in, t->rows, t->gate_up, bf)) return 1;
+    if (run_linear(gate_up, in, rows, t->gate_up, bf)) return 1;
     if (s->activation == ACT_SILU)
-        silu_mul(t->gate_up, t->act, t->rows, s->inter, bf);
+        silu_mul(t->gate_up, t->act, rows, s->inter, bf);
     else
-        gelu_tanh_mul(t->gate_up, t->act, t->rows, s->inter, bf);
-    return run_linear(&layer->down, t->act, t->rows, out, bf);
+        gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
+    return run_linear(down, t->act, rows, out, bf);
+}
+
+/* out = the sparse MoE block of `in` (arch/moe.py's calls): the router's linear and moe_route; the pairs (row, its
+ * j-th expert) sorted by expert, stable, and each expert's rows gathered and run through its gated MLP, experts in
+ * ascending order; moe_combine. Nonzero where a linear found no scratch memory. */
+static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
+    const int bf = (int)s->bf;
+    const int64_t rows = t->rows, top_k = s->top_k, experts = s->experts, pairs = rows * top_k;
+    const int64_t row_bytes = s->hidden * (bf ? 2 : 4);
+    if (run_linear(&layer->router, in, rows, t->router_logits, bf)) return 1;
+    moe_route(t->router_logits, rows, experts, top_k, (int)s->normalize, bf, t->route_weights, t->route_experts);
+    int64_t *start = t->expert_start, *cursor = start + experts + 1;
+    memset(start, 0, (experts + 1) * sizeof *start);
+    for (int64_t p = 0; p < pairs; p++) start[t->route_experts[p] + 1]++;
+    for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
+    memcpy(cursor, start, (experts + 1) * sizeof *start);
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t row = cursor[t->route_experts[p]]++;
+        t->pair_row[p] = row;
+        t->row_pair[row] = p;
+    }
+    for (int64_t e = 0; e < experts; e++) {
+        const int64_t first = start[e], count = start[e + 1] - first;
+        if (!count) continue;
+        for (int64_t i = 0; i < count; i++)
+            memcpy((char *)t->expert_in + i * row_bytes, (const char *)in + t->row_pair[first + i] / top_k * row_bytes,
+                   row_bytes);
+        const NativeLinear *gate_up = layer->experts + 2 * e;
+        if (gated_mlp(s, t, gate_up, gate_up + 1, t->expert_in, count, (char *)t->expert_out + first * row_bytes))
+            return 1;
+    }
+    moe_combine(t->expert_out, t->pair_row, t->route_weights, t->route_experts, rows, top_k, s->hidden, out, bf);
+    return 0;
+}
+
+/* The layer's gated MLP, or its MoE block: nonzero where a linear found no scratch memory. */
+static int mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
+    if (s->experts) return moe_mlp(s, layer, t, in, out);
+    return gated_mlp(s, t, &layer->gate_up, &layer->down, in, t->rows, out);
 }
 
 /* LAYER_POST_NORM: h = stream + x (layer 0: the embeddings, which the stream holds); stream = h + norm(attention(h));
