@@ -8,10 +8,10 @@ import shutil
 import pytest
 
 from batchrun.kernels import cpu as cpu_kernels
-from batchrun.kernels.cpu import attention, decoder, elementwise, gptq, linears, logits, quant, sampling
+from batchrun.kernels.cpu import attention, decoder, elementwise, gptq, linears, logits, moe, quant, sampling
 
 FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": sampling, "linears": linears,
-            "quant_linears": quant, "gptq": gptq, "logits": logits, "decoder": decoder}
+            "quant_linears": quant, "gptq": gptq, "logits": logits, "decoder": decoder, "moe": moe}
 
 
 def _exported(c_source: str) -> set[str]:
