@@ -207,7 +207,7 @@ class NativeLayers:
         # per row: x, h, q|k|v, attention, gate|up, activation; normed q, k, copied v; MoE: router logits, an
         # expert's input, the pairs' outputs
         self.widths = widths
-        self._keep = keep  # the tensors the structures point into
+        self._keep = keep  # what the structures point into (tensors, the experts' linears)
         self.embed, self.final_norm = embed, final_norm  # the embedding table, the final norm's weight
         self._work = torch.empty(0, dtype=dtype)
         self._residual = torch.empty(0, dtype=residual_dtype)
