@@ -80,7 +80,6 @@ class TorchOps:
         return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., dim:]), dim=-1),
                 torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., dim:]), dim=-1))
 
-
     def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [N, top_k], experts int64 [N, top_k]) from router logits [N, E]: transformers' router."""
         probs = torch.softmax(logits.float(), dim=-1)
