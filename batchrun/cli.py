@@ -1,11 +1,8 @@
 """The `batchrun` command: parse, call, map outcomes to exit codes. The work is in batchrun.job (run,
 validate) and batchrun.distributed (the Ray executor, merge).
 
-Exit codes: 0 done; 1 a failure during the run (a write failure included: what is committed stays, a rerun
-resumes), or damage found by `verify`; 2 a bad job or unreadable input, or an output folder another run holds,
-one line on stderr, before any model is loaded; 130 / 143 after SIGINT / SIGTERM, with every finished row
-committed first (docs/durability.md).
-"""
+Exit codes: 0 done; 1 a failure during the run, or damage found by `verify`; 2 a bad job, unreadable input or
+a held output folder (one line, before any model loads); 130 / 143 after SIGINT / SIGTERM, rows committed first."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Every key is declared once: the `model:` and `engine:` sections are EngineArgs' 
 rules live in batchrun.engine_args), the `sampling:` section is SamplingParams' own fields, checked by
 SamplingParams itself, the other sections are declared in SCHEMA, and the keys beside the sections (`task`) in
 TOP_KEYS. A mistake raises JobError with one line naming the key path, e.g.
-``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``.
-"""
+``job.yaml: sampling.max_tokens: must be an integer >= 1, got -5``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 plan_job() (batchrun.plan) does every check that needs no model and raises JobError (exit 2) on the first problem.
 run_job() picks the executor (local, or Ray for `executor.kind: ray`) and hands it to the output's run
-(batchrun.output.run), which pushes the finished rows, in any order, into ordered parts of atomic files.
-"""
+(batchrun.output.run), which pushes the finished rows, in any order, into ordered parts of atomic files."""
 
 from __future__ import annotations
 

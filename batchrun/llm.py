@@ -47,8 +47,7 @@ class LLM:
     `LLM(model, **kwargs)` takes EngineArgs' fields as keyword arguments (see batchrun.engine_args for each
     one's default and rule) and vLLM's constructor arguments (batchrun.llm_args: each honoured, accepted where it
     changes nothing here, or refused), or `LLM(EngineArgs(...))` / `LLM.from_engine_args(args)` the settings whole.
-    Every setting and the model path are checked before anything loads (ValueError naming the argument).
-    """
+    Every setting and the model path are checked before anything loads (ValueError naming the argument)."""
 
     def __init__(self, model: str | EngineArgs, **kwargs: Any) -> None:
         args = engine_args(model, kwargs)

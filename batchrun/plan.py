@@ -3,8 +3,7 @@
 Checks the model and engine settings against this machine and where the model path points (the same checks
 LLM makes, batchrun.model.weights.locate), opens the input (readable, the columns exist), picks this shard's slice of
 rows, checks the output folder is writable and whether it holds committed rows of this same job (resume) or of
-another one (refused, exit 2). Nothing is loaded, nothing is written.
-"""
+another one (refused, exit 2). Nothing is loaded, nothing is written."""
 
 from __future__ import annotations
 

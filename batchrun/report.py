@@ -3,8 +3,7 @@
 Three panels over time: throughput (generated tokens/s and rows/s between points), concurrency (running,
 waiting, swapped sequences) and the KV cache (blocks in use of the total, preemptions so far). A folder of
 job-array shards gets one line per shard. matplotlib is an optional extra (`pip install 'batchrun[plot]'`),
-imported only here; the figure is drawn on an Agg canvas, touching no global backend.
-"""
+imported only here; the figure is drawn on an Agg canvas, touching no global backend."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """`batchrun show OUTPUT`: the first rows of an output folder as a table a person reads in a terminal.
 
-OUTPUT is a job's Parquet output folder, a folder of job-array shards (shard-I-of-N/, shown in shard
-order with a `shard` column), or an OpenAI batch output folder (output.jsonl: custom_id, completion, error). Only
-the rows shown are read. By default the columns are the id, the question (a chat `messages` column as its last user
-message, else the prompt), the completion (a loglikelihood job's `logprob`, `is_greedy` and `num_tokens`), and the
-error when a shown row has one. Long cells are wrapped to the terminal's width.
-"""
+OUTPUT: a job's Parquet folder, a folder of job-array shards (a `shard` column), or an OpenAI batch output folder.
+Only the rows shown are read. Default columns: id, question (a chat's last user message, else the prompt), the
+completion (a loglikelihood job's `logprob`, `is_greedy`, `num_tokens`), and a shown row's error."""
 
 from __future__ import annotations
 

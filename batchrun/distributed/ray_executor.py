@@ -2,8 +2,7 @@
 
 Ray Data reads the input -> the ordered Indexer (row indices, this run's slice) -> `map_batches(EngineReplica)`
 on `replicas` actors -> the driver takes the results in input order (`preserve_order`) and puts them to the
-job's OrderedWriter: the same parts and resume as locally (why not `write_parquet`: docs/cluster.md).
-"""
+job's OrderedWriter: the same parts and resume as locally (why not `write_parquet`: docs/cluster.md)."""
 
 from __future__ import annotations
 

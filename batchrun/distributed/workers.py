@@ -1,9 +1,7 @@
 """The Ray Data stages: the Indexer and the engine replicas.
 
-Ray Data has no row index, yet seeds (`seed + i`), ids and resume need one: a single sequential Indexer actor
-sees the blocks in input order and stamps each row's index and position. EngineReplica builds requests with the
-local executor's RequestBuilder and returns the pickled (RowTask, outputs) of each row, for the same writer.
-"""
+Seeds, ids and resume need a row index Ray Data lacks: one sequential Indexer actor stamps it in input order.
+EngineReplica builds requests as the local executor does and returns each row's pickled (RowTask, outputs)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Paged KV accounting: which device and host blocks each sequence owns. Pure Python; `check` holds the invariants.
 
-A block's ref count is the number of tables holding it; a block is free (in an LRU queue) when its count is 0. A
-sequence about to write into a shared block gets a private copy first (copy-on-write: a (src, dst) pair the runner
-copies). Prefix cache: a full block is keyed by a hash chained over (parent key, its tokens), and a hit is checked
-against the stored tokens, so a collision is a miss. A freed block keeps its key until it is taken for other work.
-`publish_ahead` keys the blocks a step fills before it runs, so requests admitted later in the step map them: sound
-because every backend stores a step's K/V before it attends, and nothing of the step moves before the forward.
-`commit` confirms them; `free_seq` unpublishes the ones never computed. With a sliding window on every layer,
-blocks wholly before a sequence's window go back (`release_outside_window`)."""
+A block's ref count is the number of tables holding it (0: free, in an LRU queue); writing into a shared block
+copies it first (a (src, dst) pair the runner copies). A full block is keyed by a hash chained over (parent key,
+its tokens), a hit checked against the stored tokens; a freed block keeps its key until reused. `publish_ahead`
+keys the blocks a step fills before it runs (every backend stores a step's K/V before it attends), `commit`
+confirms them, `free_seq` unpublishes the rest. `release_outside_window` frees blocks before a sliding window."""
 
 from __future__ import annotations
 

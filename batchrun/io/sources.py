@@ -1,8 +1,7 @@
 """Input readers, as streams: Parquet, JSONL, OpenAI batch files (Hugging Face datasets: hf_datasets.py).
 
 `open_source` reads no more than footers, metadata or the first line. A row that cannot be parsed (a bad JSON
-line) comes through as ``{ROW_ERROR: "why"}``: a row error, not a failed job.
-"""
+line) comes through as ``{ROW_ERROR: "why"}``: a row error, not a failed job."""
 
 from __future__ import annotations
 

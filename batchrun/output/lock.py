@@ -1,11 +1,8 @@
 """One writer per output folder: an exclusive flock on OUTPUT/_lock while a run (or a merge) writes.
 
-The file holds a JSON record of the holder (host, pid, start, command), emptied on release, so a second run can
-name it. The kernel drops a flock when its holder dies, so a killed run never blocks the next. The file is never
-removed (two runs could then lock two different files of one name). Where flock fails (ENOLCK, ENOSYS,
-EOPNOTSUPP) the record decides: a live process on this host refuses the run, any other record is overwritten
-with a warning. NFS, Lustre and other shared filesystems: docs/durability.md.
-"""
+The file holds the holder's record (host, pid, start, command), emptied on release; the kernel drops a dead
+holder's flock; the file is never removed (two runs could lock two files of one name). Where flock fails, the
+record decides: a live process on this host refuses the run, any other record is overwritten with a warning."""
 
 from __future__ import annotations
 

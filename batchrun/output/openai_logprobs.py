@@ -3,8 +3,7 @@ and, for a completion's `echo`, RequestOutput.prompt_logprobs.
 
 A token's text is what it decodes to alone (part of a multi-byte character: U+FFFD, as other OpenAI-compatible
 servers). The writer has no engine: it loads the tokenizer itself, once per process, when a row asks for logprobs
-or echoes a prompt given as token ids.
-"""
+or echoes a prompt given as token ids."""
 
 from __future__ import annotations
 

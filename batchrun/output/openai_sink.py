@@ -1,6 +1,5 @@
 """OpenAI batch output: `output.jsonl`, one line per request. A commit appends lines (fsynced), then replaces
-`_progress.json` (input position, byte length) atomically; a rerun cuts `output.jsonl` back to that length.
-"""
+`_progress.json` (input position, byte length) atomically; a rerun cuts `output.jsonl` back to that length."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """ParquetSink: ordered, atomic Parquet parts of `rows_per_part` rows, committed in manifest.py's order; a rerun
 continues at the last part's end. On open a damaged last part is dropped, one in the middle is rewritten in place
-once its rows are back (`replace_part`, which `--retry-errors` uses too).
-"""
+once its rows are back (`replace_part`, which `--retry-errors` uses too)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Committed Parquet parts: names, footers, bytes and xxh3-64 checksums (why xxh3: docs/durability.md).
 
 A footer (key-value metadata ``batchrun``) holds the input positions covered, the counts, the job fingerprint and
-`errors_at` (for --retry-errors, without reading every row); the footers are the resume state.
-"""
+`errors_at` (for --retry-errors, without reading every row); the footers are the resume state."""
 
 from __future__ import annotations
 

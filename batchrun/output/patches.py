@@ -2,8 +2,7 @@
 
 A damaged part is rebuilt once its whole range is back; a part with `--retry-errors` rows is also rewritten with
 what is back at each timed commit and stop. Each rewrite is atomic (ParquetSink.replace_part): the output is
-whole at every moment.
-"""
+whole at every moment."""
 
 from __future__ import annotations
 

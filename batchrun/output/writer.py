@@ -1,10 +1,8 @@
 """OrderedWriter: finished rows, in any order, into the sink in input order, committed on time.
 
-A part is committed at `rows_per_part` rows, or once `commit_interval_s` has passed (checked on every put and
-tick); SIGINT / SIGTERM wait for a commit to end. At each timed commit and at a stop the reorder buffer's rows are
-kept aside too (`Sink.save_ahead`), and a rerun writes them without computing them again: a SIGKILL loses at most
-`commit_interval_s` of finished rows, a SIGTERM none. Rows of committed parts computed again go to a PartPatcher.
-"""
+A part is committed at `rows_per_part` rows or after `commit_interval_s`; SIGINT / SIGTERM wait for a commit.
+Timed commits and stops also keep the reorder buffer's rows aside (`Sink.save_ahead`) for a rerun to write: a
+SIGKILL loses at most `commit_interval_s` of rows, a SIGTERM none. Rows of committed parts go to a PartPatcher."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The end of a batch: its job's output.jsonl split into the output file (status 200) and the error file, with
 the counts and usage; a cancelled or expired batch also gets an error line for each request that did not run.
 Idempotent: the result files' ids are a function of the batch, and only the lines _progress.json records as
-committed are read (a crash may leave a torn line after them).
-"""
+committed are read (a crash may leave a torn line after them)."""
 
 from __future__ import annotations
 

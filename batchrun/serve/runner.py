@@ -1,11 +1,8 @@
 """The two threads behind the API: one checks new batches' input, the other runs batches one at a time, in
 order of creation, each as `batchrun.job.run_job` on its own job folder and the server's one engine.
 
-Each status change (docs/serve.md: A batch's life) is written to batch.json before the next step, so a
-restarted server carries on. A cancel, the completion window's end or the server's shutdown sets the job's
-`stop`; after a kill -9 the same job runs again and resumes after its committed lines: every request is
-answered once.
-"""
+Each status change is written to batch.json before the next step, so a restarted server carries on. A cancel,
+the window's end or shutdown sets the job's `stop`; after a kill -9 the job resumes after its committed lines."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """OpenAI's objects (file, batch, cursor page, error body) field for field, so that the `openai` SDK parses
-ours unchanged. Plain dicts: stored as JSON and served as they are.
-"""
+ours unchanged. Plain dicts: stored as JSON and served as they are."""
 
 from __future__ import annotations
 

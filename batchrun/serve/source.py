@@ -1,8 +1,7 @@
 """The OpenAI batch reader, with each line that failed batchrun.serve.checks replaced by a row error saying
 why. It reads bytes and counts non-blank lines as the checks do, so each problem lands on its own line
 whatever the file holds; and it opens nothing at construction (the plain reader refuses a first line that
-is not JSON).
-"""
+is not JSON)."""
 
 from __future__ import annotations
 

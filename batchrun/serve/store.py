@@ -1,8 +1,7 @@
 """The state folder of `batchrun serve` (its layout: docs/serve.md): uploaded files, each batch's record,
 input and job folder; one server at a time (a flock on STATE/.lock). A file appears under its id only once
 whole (written under a temporary name, then renamed). The records are also kept in memory: the lock makes
-this process their only writer. Internal fields start with "_" and never reach a client.
-"""
+this process their only writer. Internal fields start with "_" and never reach a client."""
 
 from __future__ import annotations
 
