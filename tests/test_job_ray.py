@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Ray's
               pytest.mark.slow, pytest.mark.timeout(300)]
 
 RAY = {"kind": "ray", "replicas": 2, "num_cpus_per_replica": 0.5, "batch_size": 4}
+# one replica where their number is not what a test checks: each replica starts its own process and engine
+RAY_ONE = {**RAY, "replicas": 1}
 ENGINE = {"max_num_seqs": 8, "kv_cache_memory": "64MiB"}
 # Ray's rows are compared with the local run's bit for bit, though the replicas batch them otherwise: batch invariance,
 # the CPU's promise (docs/reproducibility.md), so the model runs on the CPU where there is a GPU too
@@ -106,7 +108,7 @@ def test_jsonl_on_ray_keeps_bad_lines_and_per_row_seeds(ray_cluster, tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n\n")
     job = write_job(tmp_path / "job.yaml", model=MODEL, input={"path": str(tmp_path / "in.jsonl")}, engine=ENGINE,
                     sampling={"max_tokens": 5, "temperature": 0.9, "top_p": 0.9, "seed": 7, "logprobs": 0},
-                    executor=RAY,
+                    executor=RAY_ONE,
                     output={"path": "unused"})
     local, ray_out = run_both(job, tmp_path)
     rows = read_rows(ray_out)
@@ -123,7 +125,7 @@ def test_saved_dataset_shard_on_ray_gives_the_local_rows(ray_cluster, tmp_path):
     msgs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(9)]
     msgs[6] = [{"role": "user"}]  # malformed: no content
     datasets.Dataset.from_dict({"messages": msgs, "topic": list("abcdefghi")}).save_to_disk(str(tmp_path / "ds"))
-    job = write_job(tmp_path / "job.yaml", model=MODEL, executor=RAY, engine=ENGINE, sampling={"max_tokens": 4},
+    job = write_job(tmp_path / "job.yaml", model=MODEL, executor=RAY_ONE, engine=ENGINE, sampling={"max_tokens": 4},
                     input={"path": str(tmp_path / "ds"), "messages_column": "messages", "keep_columns": ["topic"]},
                     output={"path": "unused", "include_prompt": True})
     out = {}
@@ -141,7 +143,7 @@ def test_interrupted_ray_run_resumes_without_redoing_committed_rows(ray_cluster,
     pq.write_table(pa.table({"id": list(range(n)), "prompt": [f"The farmer reads letter {i}" for i in range(n)]}),
                    tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", model=MODEL, input={"path": str(tmp_path / "in.parquet")}, engine=ENGINE,
-                    sampling={"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "logprobs": 0}, executor=RAY,
+                    sampling={"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "logprobs": 0}, executor=RAY_ONE,
                     output={"path": str(tmp_path / "out"), "rows_per_part": 4, "commit_interval_s": 3600})
     # (parts of 4 rows only: on a loaded machine the first row can take longer than the default commit interval)
     # A subprocess joining the module's Ray by address; each finished request waits 0.4 s (the BATCHRUN_*
@@ -180,7 +182,7 @@ def test_an_engine_failure_in_a_replica_exits_1_naming_it(ray_cluster, tmp_path,
 
     monkeypatch.setenv("BATCHRUN_FAKE_FAIL_AFTER", "5")  # BATCHRUN_* variables reach the replicas
     pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(12)]}), tmp_path / "in.parquet")
-    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, executor=RAY,
+    job = write_job(tmp_path / "job.yaml", input={"path": str(tmp_path / "in.parquet")}, executor=RAY_ONE,
                     output={"path": str(tmp_path / "out")})
     res = run_job(plan_job(load_job(job)), quiet=True, llm_factory=FakeLLM)  # the class travels to the replicas
     assert res.exit_code == 1
