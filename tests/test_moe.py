@@ -97,6 +97,20 @@ def test_the_c_sum_has_torchs_bits(dtype, hidden):
     assert got.dtype == dtype and torch.equal(got, TorchOps().moe_combine(outputs, weights, experts))
 
 
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_shared_expert_gate_has_torchs_bits(dtype):
+    """Qwen2-MoE's gated shared expert, out + sigmoid(gate) * shared: the C kernel (the CPU's ops, the native call)
+    against the torch reference, every bit, over gate logits from saturated to near zero."""
+    g = torch.Generator().manual_seed(5)
+    rows, hidden = 300, 37
+    out, shared = ((torch.randn(rows, hidden, generator=g) * 4).to(dtype) for _ in range(2))
+    gate = (torch.randn(rows, 1, generator=g) * torch.logspace(-3, 1.5, rows).unsqueeze(1)).to(dtype)
+    want = TorchOps().moe_add_shared(out, shared, gate)
+    got = CpuKernelOps().moe_add_shared(out.clone(), shared, gate)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_grouped_experts_give_the_per_expert_logits(make_ckpt, arch, monkeypatch):
     """A whole MoE model (Mixtral: renormalised top-2 of 5; Qwen2-MoE: top-3 of 6 not renormalised, a shared expert,

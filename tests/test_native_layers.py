@@ -158,6 +158,7 @@ def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[l
     ("olmo2", {}),  # norms after each block, q/k norms over the whole projection
     ("qwen3_moe", {}),  # sparse MoE blocks: top 2 of 8 renormalised
     ("mixtral", {}),  # top 2 of 5 renormalised, a sliding window
+    ("qwen2_moe", {"mlp_only_layers": None}),  # top 3 of 6 not renormalised, a gated shared expert
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_layers_equal_the_python_loop(make_ckpt, arch, overrides, dtype):
@@ -201,7 +202,7 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
 
 
 def test_other_layers_keep_the_python_loop(make_ckpt):
-    """Qwen2-MoE: a shared expert beside the experts, and a dense layer between the sparse ones."""
+    """Qwen2-MoE with a dense layer between the sparse ones."""
     llm = LLM(str(make_ckpt("qwen2_moe")), device="cpu", kv_cache_memory="16MiB", dtype="float32")
     assert llm.engine.runner.model.native_layers is None
     assert llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids

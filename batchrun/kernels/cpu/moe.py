@@ -1,5 +1,5 @@
-"""A sparse MoE block's router choice and weighted sum (csrc/moe.c), the same calls in the Python path and the
-native call."""
+"""A sparse MoE block's router choice, weighted sum and gated shared expert (csrc/moe.c), the same calls in the
+Python path and the native call."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ _P, _I, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "moe_route": (None, [_P, _I, _I, _I, _B, _B, _P, _P]),
     "moe_combine": (None, [_P, _P, _P, _P, _I, _I, _I, _P, _B]),
+    "moe_add_shared": (None, [_P, _P, _P, _I, _I, _B]),
 }
 
 
@@ -39,4 +40,12 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor)
     out = torch.empty(rows, hidden, dtype=outputs.dtype)
     _library().moe_combine(outputs.data_ptr(), None, weights.data_ptr(), experts.data_ptr(), rows, top_k, hidden,
                            out.data_ptr(), dtype_flag(outputs))
+    return out
+
+
+def add_shared(out: torch.Tensor, shared: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(gate_logits) * shared, in place on contiguous out, shared [N, H] and gate_logits [N, 1]."""
+    rows, hidden = out.shape
+    _library().moe_add_shared(out.data_ptr(), shared.data_ptr(), gate_logits.data_ptr(), rows, hidden,
+                              dtype_flag(out))
     return out

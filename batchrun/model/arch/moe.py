@@ -1,7 +1,7 @@
 """The sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): transformers' router, gated-MLP experts, and
 Qwen2-MoE's gated shared expert. Each expert runs once over its rows (on CUDA all in the grouped GEMM), and expert
 outputs are summed in ascending expert order, as transformers does: a row's result depends on that row only. The
-router and the sum are the ops' (on a CPU the C kernels the native call makes too)."""
+router, the sum and the shared expert's gate are the ops' (on a CPU the C kernels the native call makes too)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,7 @@ class SparseMoE(nn.Module):
         outputs = self._grouped(x, experts, ops) if self.w13 is not None else self._per_expert(x, experts, ops)
         out = ops.moe_combine(outputs, weights, experts)
         if self.shared_expert is not None:
-            # the gate's sigmoid in float64, rounded once: torch's fp32 sigmoid gives a value other bits by where it
-            # falls in the tensor (its vector and scalar exp differ), which would make a row depend on its batch
-            gate = torch.sigmoid(self.shared_expert_gate(x).double()).to(x.dtype)
-            out = out + gate * self.shared_expert(x, ops)
+            out = ops.moe_add_shared(out, self.shared_expert(x, ops), self.shared_expert_gate(x))
         return out
 
     def _per_expert(self, x: torch.Tensor, experts: torch.Tensor, ops: TorchOps) -> torch.Tensor:

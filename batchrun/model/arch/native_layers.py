@@ -135,20 +135,27 @@ def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tens
 
 
 def _mlp_shape(mlp: torch.nn.Module) -> tuple | None:
-    """(experts, top_k, normalize, intermediate size, activation) of an MLP the call runs, else None."""
+    """(experts, top_k, normalize, intermediate size, activation, shared expert's intermediate size) of an MLP the
+    call runs, else None."""
     if type(mlp) is GatedMLP:
-        return 0, 0, False, mlp.inter, mlp.act
-    if type(mlp) is SparseMoE and mlp.shared_expert is None and mlp.experts is not None \
-            and len({(e.inter, e.act) for e in mlp.experts}) == 1:
-        return mlp.num_experts, mlp.top_k, mlp.normalize, mlp.experts[0].inter, mlp.act
-    return None
+        return 0, 0, False, mlp.inter, mlp.act, 0
+    if type(mlp) is not SparseMoE or mlp.experts is None:
+        return None
+    shared = mlp.shared_expert
+    if len({(e.inter, e.act) for e in mlp.experts}) != 1 \
+            or (shared is not None and (type(shared) is not GatedMLP or shared.act != mlp.act)):
+        return None
+    return mlp.num_experts, mlp.top_k, mlp.normalize, mlp.experts[0].inter, mlp.act, shared.inter if shared else 0
 
 
 def _mlp_linears(mlp: torch.nn.Module) -> list[torch.nn.Module]:
-    """gate|up and down of a gated MLP; an MoE block's router, then each expert's gate|up and down."""
+    """gate|up and down of a gated MLP; an MoE block's router, each expert's gate|up and down, then a shared
+    expert's gate|up, down and gate."""
     if type(mlp) is GatedMLP:
         return [mlp.gate_up_proj, mlp.down_proj]
-    return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj))]
+    shared = mlp.shared_expert
+    return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj)),
+            *((shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate) if shared is not None else ())]
 
 
 def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM, dtype: torch.dtype
@@ -177,18 +184,21 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
 
     qkv, o, *mlp_linears = (lin.spec for lin in linears)
     keep: list[object] = list(weights)
+    gate_up, down, router, experts, shared_gate = (decoder.NativeLinear(), decoder.NativeLinear(),
+                                                   decoder.NativeLinear(), None, decoder.NativeLinear())
     if type(mlp) is GatedMLP:
-        gate_up, down, router, experts = *mlp_linears, decoder.NativeLinear(), None
+        gate_up, down = mlp_linears
     else:
-        router, *expert_linears = mlp_linears
+        router, *expert_linears = mlp_linears[: 1 + 2 * mlp.num_experts]
         experts = (decoder.NativeLinear * len(expert_linears))(*expert_linears)
-        gate_up, down = decoder.NativeLinear(), decoder.NativeLinear()
         keep.append(experts)
+        if mlp.shared_expert is not None:  # (in the gated MLP's places)
+            gate_up, down, shared_gate = mlp_linears[1 + 2 * mlp.num_experts :]
     spec = decoder.DecoderLayer(
         qkv, o, gate_up, down, pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
         pointer(attn.k_norm), pointer(pre_ff_norm), pointer(post_ff_norm), kind, attn.window, decoder.ROPES[attn.rope],
         attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0), router,
-        None if experts is None else ctypes.addressof(experts))
+        None if experts is None else ctypes.addressof(experts), shared_gate)
     return spec, min(lin.max_rows for lin in linears), keep
 
 
@@ -240,7 +250,7 @@ class NativeLayers:
             log.info("decoder layers in Python: %s", why)
             return None
         attn = first.self_attn
-        experts, top_k, normalize, inter, act = _mlp_shape(first.mlp)
+        experts, top_k, normalize, inter, act, shared_inter = _mlp_shape(first.mlp)
         residual_dtype = ops.residual_dtype(dtype)
         shape = decoder.DecoderShape(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
@@ -248,9 +258,10 @@ class NativeLayers:
             kv_format=_kv_format(kv_cache),
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
             res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), experts=experts,
-            top_k=top_k, normalize=int(normalize), eps=model.norm.eps, embed_scale=model._embed_multiplier or 0.0)
+            top_k=top_k, normalize=int(normalize), shared_inter=shared_inter, eps=model.norm.eps, embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
-        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * inter, inter,
+        widest = max(inter, shared_inter)
+        widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * widest, widest,
                   *((attn.q_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0)),
                   experts, hidden if experts else 0, top_k * hidden)
         log.info("the forward in one native call for steps of up to %d rows", max_rows)

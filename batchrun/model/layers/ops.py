@@ -98,6 +98,11 @@ class TorchOps:
             out += terms[:, j]
         return out
 
+    def moe_add_shared(self, out: torch.Tensor, shared: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+        """out + sigmoid(gate_logits) * shared (Qwen2-MoE's shared expert); the sigmoid in float64, rounded once:
+        torch's fp32 sigmoid gives other bits by where a value falls in the tensor (vector and scalar exp differ)."""
+        return out + torch.sigmoid(gate_logits.double()).to(out.dtype) * shared
+
 
 class CpuKernelOps(TorchOps):
     """The C kernels, for fp32 and bf16 models on a CPU; a layout a kernel does not take goes to the torch op."""
@@ -135,6 +140,12 @@ class CpuKernelOps(TorchOps):
         if outputs.is_contiguous() and weights.is_contiguous() and experts.is_contiguous():
             return cpu_moe.combine(outputs, weights, experts)
         return super().moe_combine(outputs, weights, experts)
+
+    def moe_add_shared(self, out, shared, gate_logits):
+        if out.dim() == 2 and out.is_contiguous() and shared.is_contiguous() and gate_logits.is_contiguous() \
+                and shared.dtype == gate_logits.dtype == out.dtype and gate_logits.numel() == out.shape[0]:
+            return cpu_moe.add_shared(out, shared, gate_logits)
+        return super().moe_add_shared(out, shared, gate_logits)
 
     def apply_rope(self, q, k, rot):
         if rot.rotary_dim % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] \

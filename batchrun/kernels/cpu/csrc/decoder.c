@@ -45,6 +45,8 @@ extern void moe_route(const void *logits, int64_t rows, int64_t experts, int64_t
                       float *weights, int64_t *chosen);
 extern void moe_combine(const void *outputs, const int64_t *where, const float *weights, const int64_t *chosen,
                         int64_t rows, int64_t top_k, int64_t hidden, void *out, int bf);
+extern void moe_add_shared(void *out, const void *shared, const void *gate_logits, int64_t rows, int64_t hidden,
+                           int bf);
 extern void store_kv_int8(const void *k, const void *v, int64_t stride, const int64_t *slots, int64_t num_tokens,
                           int64_t hkv, int64_t d, void *kc, void *vc, int bf);
 
@@ -75,17 +77,19 @@ typedef struct {
     int64_t kind, window, rope;
     float scale, softcap, residual_scale; /* residual_scale: each block's output times it (Granite; 1: none) */
     /* a sparse MoE block instead of the gated MLP (DecoderShape.experts > 0): the router's linear, and each expert's
-     * gate|up and down at experts[2 e] and experts[2 e + 1] */
+     * gate|up and down at experts[2 e] and experts[2 e + 1]; with DecoderShape.shared_inter, the shared expert's in
+     * gate_up and down and its gate's linear (one output) in shared_gate */
     NativeLinear router;
     const NativeLinear *experts;
+    NativeLinear shared_gate;
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
     int64_t activation, kv_format, amx_lanes, bf, res_fp32, qk_proj;
     /* MoE layers: their experts (0: gated MLPs), each row's top_k of them, renormalised or not; inter is an
-     * expert's intermediate size */
-    int64_t experts, top_k, normalize;
+     * expert's intermediate size, shared_inter the shared expert's (0: none) */
+    int64_t experts, top_k, normalize, shared_inter;
     float eps, embed_scale; /* embed_scale: the embeddings times it, rounded to the model's dtype (0: none) */
 } DecoderShape;
 
@@ -97,7 +101,7 @@ typedef struct {
     void *residual;      /* [rows, hidden] in the residual dtype: the stream, hidden state before the final norm */
     void *x;             /* [rows, hidden]: the embeddings, then each layer's output */
     void *h;             /* [rows, hidden]: each norm's output; the final norm's on return */
-    void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter] */
+    void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter], inter the larger */
     void *q_normed, *k_normed, *v_copy; /* with q/k norms: [rows, q | kv | kv] */
     int64_t rows;
     const int64_t *positions, *slots;
@@ -224,21 +228,21 @@ static int attention_block(const DecoderShape *s, const DecoderLayer *layer, con
            run_linear(&layer->o, t->attn, t->rows, t->x, bf);
 }
 
-/* out [rows] = down(act(gate_up(in))); nonzero where a linear found no scratch memory. */
+/* out [rows] = down(act(gate_up(in))), `inter` wide inside; nonzero where a linear found no scratch memory. */
 static int gated_mlp(const DecoderShape *s, const DecoderStep *t, const NativeLinear *gate_up, const NativeLinear *down,
-                     const void *in, int64_t rows, void *out) {
+                     const void *in, int64_t rows, int64_t inter, void *out) {
     const int bf = (int)s->bf;
     if (run_linear(gate_up, in, rows, t->gate_up, bf)) return 1;
     if (s->activation == ACT_SILU)
-        silu_mul(t->gate_up, t->act, rows, s->inter, bf);
+        silu_mul(t->gate_up, t->act, rows, inter, bf);
     else
-        gelu_tanh_mul(t->gate_up, t->act, rows, s->inter, bf);
+        gelu_tanh_mul(t->gate_up, t->act, rows, inter, bf);
     return run_linear(down, t->act, rows, out, bf);
 }
 
 /* out = the sparse MoE block of `in` (arch/moe.py's calls): the router's linear and moe_route; the pairs (row, its
  * j-th expert) sorted by expert, stable, and each expert's rows gathered and run through its gated MLP, experts in
- * ascending order; moe_combine. Nonzero where a linear found no scratch memory. */
+ * ascending order; moe_combine; then a shared expert's gated output added (moe_add_shared). Nonzero where a linear found no scratch memory. */
 static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
     const int bf = (int)s->bf;
     const int64_t rows = t->rows, top_k = s->top_k, experts = s->experts, pairs = rows * top_k;
@@ -262,17 +266,24 @@ static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const Decod
             memcpy((char *)t->expert_in + i * row_bytes, (const char *)in + t->row_pair[first + i] / top_k * row_bytes,
                    row_bytes);
         const NativeLinear *gate_up = layer->experts + 2 * e;
-        if (gated_mlp(s, t, gate_up, gate_up + 1, t->expert_in, count, (char *)t->expert_out + first * row_bytes))
+        if (gated_mlp(s, t, gate_up, gate_up + 1, t->expert_in, count, s->inter,
+                      (char *)t->expert_out + first * row_bytes))
             return 1;
     }
     moe_combine(t->expert_out, t->pair_row, t->route_weights, t->route_experts, rows, top_k, s->hidden, out, bf);
+    if (!s->shared_inter) return 0;
+    /* the shared expert into expert_in, its gate's logits into router_logits (both free now) */
+    if (gated_mlp(s, t, &layer->gate_up, &layer->down, in, rows, s->shared_inter, t->expert_in) ||
+        run_linear(&layer->shared_gate, in, rows, t->router_logits, bf))
+        return 1;
+    moe_add_shared(out, t->expert_in, t->router_logits, rows, s->hidden, bf);
     return 0;
 }
 
 /* The layer's gated MLP, or its MoE block: nonzero where a linear found no scratch memory. */
 static int mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
     if (s->experts) return moe_mlp(s, layer, t, in, out);
-    return gated_mlp(s, t, &layer->gate_up, &layer->down, in, t->rows, out);
+    return gated_mlp(s, t, &layer->gate_up, &layer->down, in, t->rows, s->inter, out);
 }
 
 /* LAYER_POST_NORM: h = stream + x (layer 0: the embeddings, which the stream holds); stream = h + norm(attention(h));

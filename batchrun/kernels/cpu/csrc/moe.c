@@ -96,3 +96,23 @@ void moe_combine(const void *outputs, const int64_t *where, const float *weights
     for (int64_t r = 0; r < rows; r++)
         BY_DTYPE(bf, combine_row, outputs, where, weights, chosen, r, top_k, hidden, out);
 }
+
+ALWAYS void add_shared_row(void *out, const void *shared, const void *gate_logits, int64_t r, int64_t hidden,
+                           const int bf) {
+    /* the sigmoid in double, to float, to the dtype: torch's sigmoid(x.double()).to(dtype) */
+    const double z = (double)ld1(gate_logits, r, bf);
+    const float g = rnd1((float)(1.0 / (1.0 + exp(-z))), bf);
+    void *o = (void *)at(out, r * hidden, bf);
+    const void *s = at(shared, r * hidden, bf);
+    int64_t i = 0;
+    for (; i + VW <= hidden; i += VW) stv(o, i, ldv(o, i, bf) + rnd(opaque_v(ldv(s, i, bf) * g), bf), bf);
+    for (; i < hidden; i++) st1(o, i, ld1(o, i, bf) + rnd1(opaque1(ld1(s, i, bf) * g), bf), bf);
+}
+
+/* out[r] += sigmoid(gate_logits[r]) * shared[r] (Qwen2-MoE's gated shared expert, out and shared [rows, hidden],
+ * gate_logits [rows]): the sigmoid in double rounded to the dtype, then the product and the sum each rounded to it,
+ * as the torch reference rounds them. */
+void moe_add_shared(void *out, const void *shared, const void *gate_logits, int64_t rows, int64_t hidden, int bf) {
+#pragma omp parallel for if (rows * hidden > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) BY_DTYPE(bf, add_shared_row, out, shared, gate_logits, r, hidden);
+}
