@@ -23,7 +23,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
 
 # The bf16 linear kernels (linears.bf16_kernel()) on which the greedy path through linear_top was measured faster
 # than the whole logits (docs/performance.md); on the others compute_logits keeps the step until it is measured there.
-MEASURED_KERNELS = ("amx",)
+MEASURED_KERNELS = ("amx", "dot")
 
 
 @cache
