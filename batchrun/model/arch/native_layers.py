@@ -258,7 +258,8 @@ class NativeLayers:
             kv_format=_kv_format(kv_cache),
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
             res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), experts=experts,
-            top_k=top_k, normalize=int(normalize), shared_inter=shared_inter, eps=model.norm.eps, embed_scale=model._embed_multiplier or 0.0)
+            top_k=top_k, normalize=int(normalize), shared_inter=shared_inter, eps=model.norm.eps,
+            embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
         widest = max(inter, shared_inter)
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * widest, widest,

@@ -99,8 +99,8 @@ class TorchOps:
         return out
 
     def moe_add_shared(self, out: torch.Tensor, shared: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
-        """out + sigmoid(gate_logits) * shared (Qwen2-MoE's shared expert); the sigmoid in float64, rounded once:
-        torch's fp32 sigmoid gives other bits by where a value falls in the tensor (vector and scalar exp differ)."""
+        """out + sigmoid(gate_logits) * shared (Qwen2-MoE's shared expert; the C kernel adds into out); the sigmoid
+        in float64, rounded once: torch's fp32 sigmoid's bits depend on where a value falls in the tensor."""
         return out + torch.sigmoid(gate_logits.double()).to(out.dtype) * shared
 
 
@@ -143,7 +143,8 @@ class CpuKernelOps(TorchOps):
 
     def moe_add_shared(self, out, shared, gate_logits):
         if out.dim() == 2 and out.is_contiguous() and shared.is_contiguous() and gate_logits.is_contiguous() \
-                and shared.dtype == gate_logits.dtype == out.dtype and gate_logits.numel() == out.shape[0]:
+                and shared.shape == out.shape and gate_logits.numel() == out.shape[0] \
+                and shared.dtype == gate_logits.dtype == out.dtype:
             return cpu_moe.add_shared(out, shared, gate_logits)
         return super().moe_add_shared(out, shared, gate_logits)
 
