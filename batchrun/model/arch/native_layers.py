@@ -184,16 +184,17 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
 
     qkv, o, *mlp_linears = (lin.spec for lin in linears)
     keep: list[object] = list(weights)
-    gate_up, down, router, experts, shared_gate = (decoder.NativeLinear(), decoder.NativeLinear(),
-                                                   decoder.NativeLinear(), None, decoder.NativeLinear())
+    none = decoder.NativeLinear
+    gate_up, down, router, shared_gate, experts = none(), none(), none(), none(), None
     if type(mlp) is GatedMLP:
         gate_up, down = mlp_linears
     else:
-        router, *expert_linears = mlp_linears[: 1 + 2 * mlp.num_experts]
+        router, *rest = mlp_linears
+        expert_linears, shared = rest[: 2 * mlp.num_experts], rest[2 * mlp.num_experts :]
         experts = (decoder.NativeLinear * len(expert_linears))(*expert_linears)
         keep.append(experts)
-        if mlp.shared_expert is not None:  # (in the gated MLP's places)
-            gate_up, down, shared_gate = mlp_linears[1 + 2 * mlp.num_experts :]
+        if shared:  # the shared expert in the gated MLP's places
+            gate_up, down, shared_gate = shared
     spec = decoder.DecoderLayer(
         qkv, o, gate_up, down, pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
         pointer(attn.k_norm), pointer(pre_ff_norm), pointer(post_ff_norm), kind, attn.window, decoder.ROPES[attn.rope],

@@ -242,7 +242,8 @@ static int gated_mlp(const DecoderShape *s, const DecoderStep *t, const NativeLi
 
 /* out = the sparse MoE block of `in` (arch/moe.py's calls): the router's linear and moe_route; the pairs (row, its
  * j-th expert) sorted by expert, stable, and each expert's rows gathered and run through its gated MLP, experts in
- * ascending order; moe_combine; then a shared expert's gated output added (moe_add_shared). Nonzero where a linear found no scratch memory. */
+ * ascending order; moe_combine; then a shared expert's gated output added (moe_add_shared). Nonzero where a linear
+ * found no scratch memory. */
 static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
     const int bf = (int)s->bf;
     const int64_t rows = t->rows, top_k = s->top_k, experts = s->experts, pairs = rows * top_k;
