@@ -84,10 +84,33 @@ def test_top_argmax_takes_the_first_maximum_and_declines_a_nan():
     assert cpu_logits.top_argmax(values, ids, torch.tensor([-1, -1])) is None
 
 
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 49152), (37, 96, 5003), (70, 64, 1001)])
+def test_sampled_tokens_in_one_call_are_the_unfused_draws(rows, k, n):
+    """sample_bf16 draws what sample_rows draws from logits_bf16's logits, every row: greedy rows beside sampled
+    ones, each filter alone, all of them, none; a NaN row takes its first NaN as the argmax does."""
+    weight, packed = _packed(n, k, rows)
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(rows, k, generator=g) * 3).to(BF)
+    x[rows // 2, 1] = float("nan")
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.1
+    temperature[::4] = 0.0
+    top_k = torch.randint(0, 50, (rows,), generator=g)
+    top_p = torch.rand(rows, generator=g).clamp(min=0.2)
+    min_p = torch.rand(rows, generator=g) * 0.2
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    logits = cpu_logits.logits_bf16(x, packed, weight, REFINE_TOP)
+    for filters in [(None, None, None), (top_k, None, None), (None, top_p, None), (None, None, min_p),
+                    (top_k, top_p, min_p)]:
+        fused = cpu_logits.sample_bf16(x, packed, weight, REFINE_TOP, temperature, *filters, u)
+        assert torch.equal(fused, cpu_sampling.sample_rows(logits, temperature, *filters, u))
+    assert fused[rows // 2] == 0 and (rows == 1 or fused.unique().numel() > 1)
+
+
 @pytest.fixture(autouse=True)
 def measured_here(monkeypatch):
-    """The fused path on this CPU's kernel too, measured or not (its exactness holds on every kernel)."""
+    """The fused paths on this CPU's kernel too, measured or not (their exactness holds on every kernel)."""
     monkeypatch.setattr(cpu_logits, "MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
+    monkeypatch.setattr(cpu_logits, "SAMPLED_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +197,28 @@ def test_greedy_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monk
     monkeypatch.setattr(CausalLM, "greedy_tokens", lambda self, hidden: None)
     unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert fused == unfused
+
+
+def test_sampled_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, monkeypatch):
+    """Seeded sampled chat answers (temperature with top-p, top-k with min-p, greedy rows beside them) with the
+    sampled rows drawn in the lm_head's call and with it off (CausalLM.sampled_tokens declining): token for token
+    the same; the fused path served the decode steps. Logprobs or penalties keep the whole logits."""
+    from test_real_model import QUESTIONS, chat_text
+
+    llm = smollm2_bf16
+    prompts = [chat_text(llm.get_tokenizer(), q) for q in QUESTIONS[:12]]
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=i) if i % 3 == 0 else
+              SamplingParams(max_tokens=40, temperature=1.2, top_k=20, min_p=0.05, seed=i) if i % 3 == 1 else
+              SamplingParams(max_tokens=40, temperature=0.0) for i in range(len(prompts))]
+    calls = []
+    fused = cpu_logits.sample_bf16
+    monkeypatch.setattr(cpu_logits, "sample_bf16", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len(calls) >= 30
+    calls.clear()
+    with_logprobs = [SamplingParams(max_tokens=4, temperature=0.8, seed=1, logprobs=2),
+                     SamplingParams(max_tokens=4, temperature=0.8, seed=1, repetition_penalty=1.2)]
+    llm.generate(prompts[:2], with_logprobs)
+    assert calls == []
+    monkeypatch.setattr(CausalLM, "sampled_tokens", lambda *a: None)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

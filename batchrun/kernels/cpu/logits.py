@@ -1,5 +1,5 @@
 """The lm_head's selection kernels (csrc/logits.c): each row's largest logits with the logits never written whole,
-their fp32 refinement, the greedy token from them."""
+their fp32 refinement, the greedy token from them, a sampled token from each row in cache."""
 
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "top_argmax": (ctypes.c_int, [_P, _P, _P, _I, _I, _P]),
     "greedy_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
     "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P]),
+    "sample_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
 }
 
 
 # The bf16 linear kernels (linears.bf16_kernel()) on which the greedy path through linear_top was measured faster
 # than the whole logits (docs/performance.md); on the others compute_logits keeps the step until it is measured there.
 MEASURED_KERNELS = ("amx", "dot")
+# The same for the sampled rows' path (sample_bf16) against logits_bf16 and the sampler.
+SAMPLED_MEASURED_KERNELS = ("dot",)
 
 
 @cache
@@ -34,6 +37,11 @@ def _library() -> ctypes.CDLL | None:
 def greedy_measured() -> bool:
     """Whether this CPU's bf16 linear kernel is one the fused greedy path was measured on (MEASURED_KERNELS)."""
     return linears.bf16_kernel() in MEASURED_KERNELS
+
+
+def sampled_measured() -> bool:
+    """Whether this CPU's bf16 linear kernel is one the fused sampled path was measured on."""
+    return linears.bf16_kernel() in SAMPLED_MEASURED_KERNELS
 
 
 def linear_top(x: torch.Tensor, packed: torch.Tensor, n: int, top: int
@@ -100,3 +108,19 @@ def logits_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top
                               y.data_ptr(), out.data_ptr()) < 0:
         raise MemoryError("logits_bf16: no memory for its scratch")
     return out
+
+
+def sample_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top: int, temperature: torch.Tensor,
+                top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                u: torch.Tensor) -> torch.Tensor:
+    """sampling.sample_rows(logits_bf16(x, packed, weight, top), ...) in one call, the logits never written whole:
+    each row's int64 token, the same bits."""
+    rows = x.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    filters = [None if t is None else t.contiguous() for t in (top_k, top_p, min_p)]
+    if _library().sample_bf16(x.data_ptr(), rows, packed.data_ptr(), weight.data_ptr(), weight.shape[0],
+                              weight.shape[1], top, temperature.contiguous().data_ptr(),
+                              *(None if t is None else t.data_ptr() for t in filters), u.contiguous().data_ptr(),
+                              tokens.data_ptr()) < 0:
+        raise MemoryError("sample_bf16: no memory for its scratch")
+    return tokens

@@ -19,6 +19,7 @@ from batchrun.kernels.cpu import sampling as cpu_sampling
 from batchrun.model.layers.context import ForwardContext
 from batchrun.model.layers.ops import Rotary, TorchOps
 from batchrun.model.quant.linear import QuantLinear
+from batchrun.model.sampling.batch import SamplingBatch
 
 
 class RMSNorm(nn.Module):
@@ -448,6 +449,16 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
         # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
         return cpu_logits.greedy_bf16(hidden, *head, REFINE_TOP + 1)
+
+    def sampled_tokens(self, hidden: torch.Tensor, batch: SamplingBatch, u: torch.Tensor) -> torch.Tensor | None:
+        """Each row's token as sampler.draw takes it from compute_logits(hidden) with its uniform u (no penalties,
+        bans or grammar), int64, the logits never written whole; None where greedy_tokens' path does not hold or
+        this one was not measured (SAMPLED_MEASURED_KERNELS)."""
+        head = self._fused_head(hidden) if cpu_logits.sampled_measured() else None
+        if head is None:
+            return None
+        return cpu_logits.sample_bf16(hidden, *head, REFINE_TOP, batch.temperature, batch.top_k, batch.top_p,
+                                      batch.min_p, u)
 
     def _fused_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """greedy_head for contiguous bf16 hidden states [rows, hidden] on a CPU, else None."""

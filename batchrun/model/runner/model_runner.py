@@ -22,7 +22,9 @@ from batchrun.model.layers.ops import select_ops
 from batchrun.model.runner.block_tables import BlockTableRows, decode_slots, int32_tensor, int64_tensor
 from batchrun.model.runner.host_decode import HostDecode
 from batchrun.model.runner.pooling import pool_rows
+from batchrun.model.sampling.batch import SamplingBatch
 from batchrun.model.sampling.prompt_logprobs import score_prompts
+from batchrun.model.sampling.sampler import uniform
 from batchrun.model.sampling.step import argmax_output, plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
@@ -277,7 +279,10 @@ class ModelRunner:
             plan = plan_sampling(out.sampling, self.model.config.vocab_size, self.device, num_drafts)
         planned = time.perf_counter() - t0
         argmax = plan is not None and plan.argmax_only and not out.prompt_logprobs and not out.pooling
-        logits, hidden, tokens = self._forward(out, argmax)
+        # sampled rows drawn in the lm_head's call: no draft rows, nothing but the draws asked
+        draw = plan.batch if (plan is not None and not argmax and plan.draws_only and num_drafts is None
+                              and not out.prompt_logprobs and not out.pooling) else None
+        logits, hidden, tokens = self._forward(out, argmax, draw)
         if tokens is not None:
             t1 = time.perf_counter()
             result = argmax_output(tokens, len(out.sampling))
@@ -318,10 +323,11 @@ class ModelRunner:
         """Block moves, then the forward: fp32 logits of each sampling sequence, in order, then its draft rows'."""
         return self._forward(out)[0]
 
-    def _forward(self, out: SchedulerOutput, argmax: bool = False
+    def _forward(self, out: SchedulerOutput, argmax: bool = False, draw: SamplingBatch | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | list[int] | None]:
         """compute_logits' logits, the step's hidden states (None: no forward), and with `argmax` each row's argmax
-        where found without the logits (greedy_tokens, or host_decode: a list, no hidden states; logits None)."""
+        where found without the logits (greedy_tokens, or host_decode: a list, no hidden states; logits None), with
+        `draw` each row's draw (sampled_tokens)."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -360,6 +366,8 @@ class ModelRunner:
         rows = hidden if logits_idx is None else hidden[logits_idx]
         if argmax and tokens is None:  # (a NaN the native call met is met here again: the logits' own path)
             tokens = self.model.greedy_tokens(rows)
+        elif draw is not None:
+            tokens = self.model.sampled_tokens(rows, draw, uniform(draw.seeds, draw.counters))
         logits = self.model.compute_logits(rows) if tokens is None else None
         t2 = time.perf_counter()
         # (on CUDA the forward is queued, not run, by t1: the logits' time then holds most of it)

@@ -43,12 +43,17 @@ class SamplingPlan:
     drafts: SamplingBatch | None = None
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether every logits row's answer is its argmax alone: each request one greedy draw in order, no
+    def draws_only(self) -> bool:
+        """Whether each request's answer is one token drawn in order with its temperature and filters alone: no
         penalties, bans, logprobs, grammars or beams, and greedy drafts."""
         b = self.batch
-        return (self.rows is None and b is not None and b.all_greedy and not b.want_logprobs and b.repetition is None
+        return (self.rows is None and b is not None and not b.want_logprobs and b.repetition is None
                 and b.banned is None and not self.grammars and not self.beams and self.drafts is None)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every logits row's answer is its argmax alone: draws_only, every row greedy."""
+        return self.draws_only and self.batch.all_greedy
 
 
 def argmax_output(tokens: torch.Tensor | list[int], num_sampling: int) -> StepOutput:

@@ -1,13 +1,17 @@
 /* The lm_head's selection kernels: the lm_head with each row's largest outputs found as they pass (linear_bf16_top:
  * the [rows, vocab] logits are never written), the fp32 refinement of a row's top candidates (refine_logits) and
- * the greedy token from them (top_argmax). */
+ * the greedy token from them (top_argmax), a sampled token from the row in cache (sample_bf16). */
 #include "common.h"
 
 /* linears.c */
 extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
                        bf16 *y);
 extern int f32_linear_panel(void);
+/* sampling.c */
 extern void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top);
+extern void logits_top_row(const bf16 *x, float *o, int64_t vocab, int64_t k, int64_t *idx);
+extern int64_t sample_logits_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p,
+                                 float min_p, double u);
 
 #define TOP_SCRATCH_BYTES (1024 * 1024) /* one chunk's outputs, all rows: within a core's L2 */
 
@@ -212,4 +216,50 @@ int logits_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *wei
     }
     free(buf);
     return status;
+}
+
+/* A thread's row of logits (fp32 [n]) and its top ids (at most 64), kept between calls. */
+static __thread float *row_logits;
+static __thread int64_t *row_top, row_cap;
+
+/* tokens[r]: row r of logits_bf16's fp32 logits drawn as sample_rows draws it (temperature[r] 0: the first maximum;
+ * top_k, top_p, min_p NULL: off for every row), that row built in a thread's buffer from linear_bf16's bf16 outputs
+ * (widened, its `top` largest found by logits_top_row, refined by dot_row): the same bits, the [rows, n] fp32 logits
+ * never written. 0 when done, -1 without memory. */
+int sample_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
+                int64_t top, const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
+                const double *u, int64_t *tokens) {
+    static __thread bf16 *y;
+    static __thread size_t y_bytes;
+    if (rows <= 0) return 0;
+    const size_t bytes = sizeof(bf16) * rows * n;
+    if (y_bytes < bytes) {
+        free(y);
+        y = malloc(bytes);
+        y_bytes = y != NULL ? bytes : 0;
+        if (y == NULL) return -1;
+    }
+    if (linear_bf16(x, rows, packed, n, k, NULL, y)) return -1;
+    const bf16 *outputs = y; /* the caller's thread's: the parallel region's threads have their own */
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (rows * n > PAR_MIN_WORK) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        if (row_cap < n) {
+            free(row_logits), free(row_top);
+            row_logits = malloc(sizeof(float) * n);
+            row_top = malloc(sizeof(int64_t) * 64);
+            row_cap = row_logits && row_top ? n : 0;
+        }
+        if (row_cap < n || top > 64 || top > n) {
+            failed = 1;
+            continue;
+        }
+        logits_top_row(outputs + r * n, row_logits, n, top, row_top);
+        for (int64_t j = 0; j < top; j++)
+            row_logits[row_top[j]] = dot_row(x + r * k, weight + row_top[j] * k, k, 1);
+        tokens[r] = sample_logits_row(row_logits, n, temperature[r], top_k ? top_k[r] : 0, top_p ? top_p[r] : 1.0f,
+                                      min_p ? min_p[r] : 0.0f, u[r]);
+        failed |= tokens[r] < 0;
+    }
+    return failed ? -1 : 0;
 }

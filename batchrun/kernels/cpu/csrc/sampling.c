@@ -8,55 +8,57 @@ static inline int evicts_before(const float *val, const int64_t *idx, int64_t j,
     return ranks_before(val[lo], idx[lo], val[j], idx[j]);
 }
 
-/* out = bf16 logits widened to fp32, top[r, 0..k) the indices of row r's k largest (ties the earlier), by value
- * descending then index, found in the same pass: mostly one vector compare against the smallest kept. */
+/* o = one row of bf16 logits x widened to fp32, idx[0..k) the indices of its k <= 64 largest (ties the earlier), by
+ * value descending then index, found in the same pass: mostly one vector compare against the smallest kept. */
+void logits_top_row(const bf16 *x, float *o, int64_t vocab, int64_t k, int64_t *idx) {
+    float val[64];
+    int64_t kk = k < vocab ? k : vocab, lo = 0;
+    for (int64_t j = 0; j < kk; j++) {
+        val[j] = o[j] = bf16_to_f(x[j]);
+        idx[j] = j;
+    }
+    for (int64_t j = 1; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+    int64_t i = kk;
+    for (; i < vocab; i++) { /* up to a multiple of VW */
+        if (i % VW == 0) break;
+        const float v = o[i] = bf16_to_f(x[i]);
+        if (v > val[lo]) {
+            val[lo] = v, idx[lo] = i;
+            for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+        }
+    }
+    for (; i + VW <= vocab; i += VW) {
+        const vf v = vload_bf16(x + i);
+        vstore(o + i, v);
+        if (!any_above_or_nan(v, val[lo])) continue; /* a NaN never goes in: the lane loop passes it */
+        for (int64_t t = i; t < i + VW; t++) {
+            if (o[t] > val[lo]) {
+                val[lo] = o[t], idx[lo] = t;
+                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+            }
+        }
+    }
+    for (; i < vocab; i++) {
+        const float v = o[i] = bf16_to_f(x[i]);
+        if (v > val[lo]) {
+            val[lo] = v, idx[lo] = i;
+            for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
+        }
+    }
+    for (int64_t j = 1; j < kk; j++) /* in the rows' order (ranks_before) */
+        for (int64_t i = j; i > 0 && evicts_before(val, idx, i - 1, i); i--) {
+            const float v = val[i];
+            const int64_t t = idx[i];
+            val[i] = val[i - 1], idx[i] = idx[i - 1];
+            val[i - 1] = v, idx[i - 1] = t;
+        }
+    for (int64_t j = kk; j < k; j++) idx[j] = idx[0]; /* vocab < k: repeat a kept index */
+}
+
+/* out = bf16 logits [rows, vocab] widened to fp32, top [rows, k] each row's logits_top_row. */
 void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top) {
 #pragma omp parallel for if (rows * vocab > PAR_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *x = in + r * vocab;
-        float *o = out + r * vocab, val[64];
-        int64_t *idx = top + r * k, kk = k < vocab ? k : vocab, lo = 0;
-        for (int64_t j = 0; j < kk; j++) {
-            val[j] = o[j] = bf16_to_f(x[j]);
-            idx[j] = j;
-        }
-        for (int64_t j = 1; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
-        int64_t i = kk;
-        for (; i < vocab; i++) { /* up to a multiple of VW */
-            if (i % VW == 0) break;
-            const float v = o[i] = bf16_to_f(x[i]);
-            if (v > val[lo]) {
-                val[lo] = v, idx[lo] = i;
-                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
-            }
-        }
-        for (; i + VW <= vocab; i += VW) {
-            const vf v = vload_bf16(x + i);
-            vstore(o + i, v);
-            if (!any_above_or_nan(v, val[lo])) continue; /* a NaN never goes in: the lane loop passes it */
-            for (int64_t t = i; t < i + VW; t++) {
-                if (o[t] > val[lo]) {
-                    val[lo] = o[t], idx[lo] = t;
-                    for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
-                }
-            }
-        }
-        for (; i < vocab; i++) {
-            const float v = o[i] = bf16_to_f(x[i]);
-            if (v > val[lo]) {
-                val[lo] = v, idx[lo] = i;
-                for (int64_t j = 0; j < kk; j++) lo = evicts_before(val, idx, j, lo) ? j : lo;
-            }
-        }
-        for (int64_t j = 1; j < kk; j++) /* in the rows' order (ranks_before) */
-            for (int64_t i = j; i > 0 && evicts_before(val, idx, i - 1, i); i--) {
-                const float v = val[i];
-                const int64_t t = idx[i];
-                val[i] = val[i - 1], idx[i] = idx[i - 1];
-                val[i - 1] = v, idx[i - 1] = t;
-            }
-        for (int64_t j = kk; j < k; j++) idx[j] = idx[0]; /* vocab < k: repeat a kept index */
-    }
+    for (int64_t r = 0; r < rows; r++) logits_top_row(in + r * vocab, out + r * vocab, vocab, k, top + r * k);
 }
 
 /* ---- structured outputs' token mask ----------------------------------------------------------------- */
@@ -324,6 +326,13 @@ static int64_t sample_row(const float *x, int64_t vocab, float temperature, int6
     return draw_kept(e, vocab, 1.0f, idx, ncand, total, select, top_k, top_p, min_p, u, threshold);
 }
 
+/* One row of fp32 logits drawn as sample_rows draws it: its token, or -1 when the thread could not get its buffers. */
+int64_t sample_logits_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          double u) {
+    float t;
+    return sample_buffers(vocab) ? -1 : sample_row(x, vocab, temperature, top_k, top_p, min_p, u, &t);
+}
+
 /* draw_kept on given weights w >= 0, for tests. */
 int sample_weights(const float *w, int64_t rows, int64_t vocab, const int64_t *top_k, const float *top_p,
                    const float *min_p, const double *u, int64_t *out, float *threshold) {
@@ -350,13 +359,9 @@ int sample_rows(const float *logits, int64_t stride, int64_t rows, int64_t vocab
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) if (rows * vocab > PAR_MIN_WORK) reduction(| : failed)
     for (int64_t r = 0; r < rows; r++) {
-        if (sample_buffers(vocab)) {
-            failed = 1;
-            continue;
-        }
-        float t;
-        out[r] = sample_row(logits + r * stride, vocab, temperature[r], top_k ? top_k[r] : 0, top_p ? top_p[r] : 1.0f,
-                            min_p ? min_p[r] : 0.0f, u[r], &t);
+        out[r] = sample_logits_row(logits + r * stride, vocab, temperature[r], top_k ? top_k[r] : 0,
+                                   top_p ? top_p[r] : 1.0f, min_p ? min_p[r] : 0.0f, u[r]);
+        failed |= out[r] < 0;
     }
     return failed;
 }
