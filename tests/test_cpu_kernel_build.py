@@ -16,7 +16,7 @@ FAMILIES = {"attention": attention, "elementwise": elementwise, "sampling": samp
 
 def _exported(c_source: str) -> set[str]:
     """The functions a C file defines outside `static` (a definition's type starts its line)."""
-    return set(re.findall(r"^(?:int|void|float)\s+\**(\w+)\(", c_source, flags=re.M))
+    return set(re.findall(r"^(?:int|int64_t|void|float)\s+\**(\w+)\(", c_source, flags=re.M))
 
 
 def test_each_family_module_declares_the_kernels_of_its_c_file():

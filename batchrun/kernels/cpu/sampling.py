@@ -12,6 +12,9 @@ from batchrun.kernels import cpu as cpu_kernels
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "logits_top": (None, [_P, _P, _I, _I, _I, _P]),
+    "logits_top_row": (None, [_P, _P, _I, _I, _P]),  # (logits.c's sample_bf16 calls these two per row)
+    "sample_logits_row": (ctypes.c_int64, [_P, _I, ctypes.c_float, _I, ctypes.c_float, ctypes.c_float,
+                                           ctypes.c_double]),
     "apply_token_bitmask": (None, [_P, _I, _P, _I, _P, _I, _I]),
     "sample_rows": (_INT, [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "sample_weights": (_INT, [_P, _I, _I, _P, _P, _P, _P, _P, _P]),
