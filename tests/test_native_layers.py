@@ -159,6 +159,7 @@ def _generate(path, greedy_served: list[int] | None = None, **engine) -> tuple[l
     ("qwen3_moe", {}),  # sparse MoE blocks: top 2 of 8 renormalised
     ("mixtral", {}),  # top 2 of 5 renormalised, a sliding window
     ("qwen2_moe", {"mlp_only_layers": None}),  # top 3 of 6 not renormalised, a gated shared expert
+    ("qwen2_moe", {}),  # and a dense layer between the sparse ones, wider than the shared expert
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_layers_equal_the_python_loop(make_ckpt, arch, overrides, dtype):
@@ -201,11 +202,17 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
     assert served and on == off
 
 
-def test_other_layers_keep_the_python_loop(make_ckpt):
-    """Qwen2-MoE with a dense layer between the sparse ones."""
+def test_other_layers_keep_the_python_loop(make_ckpt, caplog):
+    """Layers the call does not describe (a norm's epsilon unlike the others') leave the model to the Python loop,
+    and the log says why."""
     llm = LLM(str(make_ckpt("qwen2_moe")), device="cpu", kv_cache_memory="16MiB", dtype="float32")
-    assert llm.engine.runner.model.native_layers is None
-    assert llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    model = runner.model
+    assert model.native_layers is not None
+    model.layers[1].post_attention_layernorm.eps *= 10
+    with caplog.at_level("INFO"):
+        assert NativeLayers.build(model, runner.backend, runner.ops, runner.kv_cache) is None
+    assert "layers of different shapes" in caplog.text
 
 
 def test_steps_past_the_row_limit_take_the_python_loop(tiny_llama_path):

@@ -25,14 +25,15 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
                 ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("pre_ff_norm", _P),
                 ("post_ff_norm", _P), ("kind", _I), ("window", _I), ("rope", _I), ("scale", _F), ("softcap", _F),
-                ("residual_scale", _F), ("router", NativeLinear), ("experts", _P), ("shared_gate", NativeLinear)]
+                ("residual_scale", _F), ("router", NativeLinear), ("experts", _P), ("shared_gate", NativeLinear),
+                ("inter", _I)]
 
 
 class DecoderShape(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I), ("rot", _I),
                 ("block_size", _I), ("activation", _I), ("kv_format", _I), ("amx_lanes", _I), ("bf", _I),
                 ("res_fp32", _I), ("qk_proj", _I), ("experts", _I), ("top_k", _I), ("normalize", _I),
-                ("shared_inter", _I), ("eps", _F), ("embed_scale", _F)]
+                ("eps", _F), ("embed_scale", _F)]
 
 
 class DecoderStep(ctypes.Structure):

@@ -135,17 +135,17 @@ def _why_not(model: CausalLM, backend: object, ops: object, kv_cache: torch.Tens
 
 
 def _mlp_shape(mlp: torch.nn.Module) -> tuple | None:
-    """(experts, top_k, normalize, intermediate size, activation, shared expert's intermediate size) of an MLP the
-    call runs, else None."""
+    """(activation, the gated MLP's or shared expert's intermediate size (0: none), and for a sparse block (experts,
+    top_k, normalize, an expert's intermediate size), else None) of an MLP the call runs; None where it runs none."""
     if type(mlp) is GatedMLP:
-        return 0, 0, False, mlp.inter, mlp.act, 0
+        return mlp.act, mlp.inter, None
     if type(mlp) is not SparseMoE or mlp.experts is None:
         return None
     shared = mlp.shared_expert
     if len({(e.inter, e.act) for e in mlp.experts}) != 1 \
             or (shared is not None and (type(shared) is not GatedMLP or shared.act != mlp.act)):
         return None
-    return mlp.num_experts, mlp.top_k, mlp.normalize, mlp.experts[0].inter, mlp.act, shared.inter if shared else 0
+    return mlp.act, shared.inter if shared else 0, (mlp.num_experts, mlp.top_k, mlp.normalize, mlp.experts[0].inter)
 
 
 def _mlp_linears(mlp: torch.nn.Module) -> list[torch.nn.Module]:
@@ -170,9 +170,9 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
                                                          for name in _BLOCK_NORMS[kind])
     norms = [n for n in (input_norm, post_norm, pre_ff_norm, post_ff_norm) if n is not None] \
         + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
-    if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, _mlp_shape(mlp), attn.qk_norm) != \
+    if (type(layer), attn.num_heads, attn.num_kv_heads, attn.head_dim, _mlp_shape(mlp)[0], attn.qk_norm) != \
             (type(first), first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-             _mlp_shape(first.mlp), first.self_attn.qk_norm) \
+             _mlp_shape(first.mlp)[0], first.self_attn.qk_norm) \
             or any(norm.eps != model.norm.eps or norm.offset for norm in norms):
         return "layers of different shapes"
     linears = [_native_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, *_mlp_linears(mlp))]
@@ -199,7 +199,7 @@ def _layer_spec(layer: torch.nn.Module, first: torch.nn.Module, model: CausalLM,
         qkv, o, gate_up, down, pointer(input_norm), pointer(post_norm), pointer(attn.q_norm),
         pointer(attn.k_norm), pointer(pre_ff_norm), pointer(post_ff_norm), kind, attn.window, decoder.ROPES[attn.rope],
         attn.scale, attn.softcap, getattr(layer, "residual_scale", 1.0), router,
-        None if experts is None else ctypes.addressof(experts), shared_gate)
+        None if experts is None else ctypes.addressof(experts), shared_gate, _mlp_shape(mlp)[1])
     return spec, min(lin.max_rows for lin in linears), keep
 
 
@@ -247,22 +247,27 @@ class NativeLayers:
             keep += spec[2]
         if why is None and not specs:
             why = "no layers"
+        shapes = [_mlp_shape(layer.mlp) for layer in model.layers] if why is None else []
+        sparse = {shape[2] for shape in shapes if shape[2] is not None}
+        if len(sparse) > 1:
+            why = "sparse blocks of different shapes"
         if why is not None:
             log.info("decoder layers in Python: %s", why)
             return None
         attn = first.self_attn
-        experts, top_k, normalize, inter, act, shared_inter = _mlp_shape(first.mlp)
+        act = shapes[0][0]
+        experts, top_k, normalize, expert_inter = sparse.pop() if sparse else (0, 0, False, 0)
         residual_dtype = ops.residual_dtype(dtype)
         shape = decoder.DecoderShape(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            inter=inter, rot=model.cos.shape[-1], block_size=kv_cache.shape[3], activation=decoder.ACTIVATIONS[act],
+            inter=expert_inter, rot=model.cos.shape[-1], block_size=kv_cache.shape[3], activation=decoder.ACTIVATIONS[act],
             kv_format=_kv_format(kv_cache),
             amx_lanes=backend.amx_lanes, bf=int(dtype == torch.bfloat16),
             res_fp32=int(residual_dtype == torch.float32), qk_proj=int(attn.qk_norm == "proj"), experts=experts,
-            top_k=top_k, normalize=int(normalize), shared_inter=shared_inter, eps=model.norm.eps,
+            top_k=top_k, normalize=int(normalize), eps=model.norm.eps,
             embed_scale=model._embed_multiplier or 0.0)
         hidden = model.config.hidden_size
-        widest = max(inter, shared_inter)
+        widest = max(expert_inter, *(shape[1] for shape in shapes))
         widths = (hidden, hidden, attn.q_size + 2 * attn.kv_size, attn.q_size, 2 * widest, widest,
                   *((attn.q_size, attn.kv_size, attn.kv_size) if attn.qk_norm else (0, 0, 0)),
                   experts, hidden if experts else 0, top_k * hidden)

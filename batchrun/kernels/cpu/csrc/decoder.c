@@ -76,20 +76,21 @@ typedef struct {
     const void *pre_ff_norm, *post_ff_norm;
     int64_t kind, window, rope;
     float scale, softcap, residual_scale; /* residual_scale: each block's output times it (Granite; 1: none) */
-    /* a sparse MoE block instead of the gated MLP (DecoderShape.experts > 0): the router's linear, and each expert's
-     * gate|up and down at experts[2 e] and experts[2 e + 1]; with DecoderShape.shared_inter, the shared expert's in
-     * gate_up and down and its gate's linear (one output) in shared_gate */
+    /* a sparse MoE block instead of the gated MLP where experts is set: the router's linear, and each expert's
+     * gate|up and down at experts[2 e] and experts[2 e + 1]; with inter, the shared expert's in gate_up and down and
+     * its gate's linear (one output) in shared_gate */
     NativeLinear router;
     const NativeLinear *experts;
     NativeLinear shared_gate;
+    int64_t inter; /* gate_up and down's intermediate size: the gated MLP's, or the shared expert's (0: none) */
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, rot, block_size;
     int64_t activation, kv_format, amx_lanes, bf, res_fp32, qk_proj;
-    /* MoE layers: their experts (0: gated MLPs), each row's top_k of them, renormalised or not; inter is an
-     * expert's intermediate size, shared_inter the shared expert's (0: none) */
-    int64_t experts, top_k, normalize, shared_inter;
+    /* MoE layers: their experts (0: none), each row's top_k of them, renormalised or not; inter is an expert's
+     * intermediate size */
+    int64_t experts, top_k, normalize;
     float eps, embed_scale; /* embed_scale: the embeddings times it, rounded to the model's dtype (0: none) */
 } DecoderShape;
 
@@ -101,7 +102,7 @@ typedef struct {
     void *residual;      /* [rows, hidden] in the residual dtype: the stream, hidden state before the final norm */
     void *x;             /* [rows, hidden]: the embeddings, then each layer's output */
     void *h;             /* [rows, hidden]: each norm's output; the final norm's on return */
-    void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter], inter the larger */
+    void *qkv, *attn, *gate_up, *act; /* the workspace: [rows, q + 2 kv | q | 2 inter | inter], inter the widest */
     void *q_normed, *k_normed, *v_copy; /* with q/k norms: [rows, q | kv | kv] */
     int64_t rows;
     const int64_t *positions, *slots;
@@ -272,9 +273,9 @@ static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const Decod
             return 1;
     }
     moe_combine(t->expert_out, t->pair_row, t->route_weights, t->route_experts, rows, top_k, s->hidden, out, bf);
-    if (!s->shared_inter) return 0;
+    if (!layer->inter) return 0;
     /* the shared expert into expert_in, its gate's logits into router_logits (both free now) */
-    if (gated_mlp(s, t, &layer->gate_up, &layer->down, in, rows, s->shared_inter, t->expert_in) ||
+    if (gated_mlp(s, t, &layer->gate_up, &layer->down, in, rows, layer->inter, t->expert_in) ||
         run_linear(&layer->shared_gate, in, rows, t->router_logits, bf))
         return 1;
     moe_add_shared(out, t->expert_in, t->router_logits, rows, s->hidden, bf);
@@ -283,8 +284,8 @@ static int moe_mlp(const DecoderShape *s, const DecoderLayer *layer, const Decod
 
 /* The layer's gated MLP, or its MoE block: nonzero where a linear found no scratch memory. */
 static int mlp(const DecoderShape *s, const DecoderLayer *layer, const DecoderStep *t, const void *in, void *out) {
-    if (s->experts) return moe_mlp(s, layer, t, in, out);
-    return gated_mlp(s, t, &layer->gate_up, &layer->down, in, t->rows, s->inter, out);
+    if (layer->experts) return moe_mlp(s, layer, t, in, out);
+    return gated_mlp(s, t, &layer->gate_up, &layer->down, in, t->rows, layer->inter, out);
 }
 
 /* LAYER_POST_NORM: h = stream + x (layer 0: the embeddings, which the stream holds); stream = h + norm(attention(h));
