@@ -202,17 +202,20 @@ def test_the_same_tokens_with_the_call_off(tiny_llama_path, monkeypatch):
     assert served and on == off
 
 
-def test_other_layers_keep_the_python_loop(make_ckpt, caplog):
+def test_other_layers_keep_the_python_loop(make_ckpt, monkeypatch):
     """Layers the call does not describe (a norm's epsilon unlike the others') leave the model to the Python loop,
     and the log says why."""
+    from batchrun.model.arch import native_layers
+
     llm = LLM(str(make_ckpt("qwen2_moe")), device="cpu", kv_cache_memory="16MiB", dtype="float32")
     runner = llm.engine.runner
     model = runner.model
     assert model.native_layers is not None
     model.layers[1].post_attention_layernorm.eps *= 10
-    with caplog.at_level("INFO"):
-        assert NativeLayers.build(model, runner.backend, runner.ops, runner.kv_cache) is None
-    assert "layers of different shapes" in caplog.text
+    logged = []
+    monkeypatch.setattr(native_layers.log, "info", lambda message, *args: logged.append(message % args))
+    assert NativeLayers.build(model, runner.backend, runner.ops, runner.kv_cache) is None
+    assert logged == ["decoder layers in Python: layers of different shapes"]
 
 
 def test_steps_past_the_row_limit_take_the_python_loop(tiny_llama_path):
