@@ -106,11 +106,34 @@ def test_sampled_tokens_in_one_call_are_the_unfused_draws(rows, k, n):
     assert fused[rows // 2] == 0 and (rows == 1 or fused.unique().numel() > 1)
 
 
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 49152), (61, 576, 49152), (300, 96, 5003), (7, 64, 1001)])
+def test_fp32_greedy_is_the_argmax_of_the_whole_linear(rows, k, n):
+    """greedy_f32 takes torch's argmax of linear_f32's outputs, computed a vocabulary chunk at a time (300 rows of
+    5003 outputs: several chunks): equal outputs the first, a NaN output (a later chunk's) the row's token."""
+    g = torch.Generator().manual_seed(n + rows)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    weight[n - 3] = weight[n - 7]  # two equal outputs in every row, at the end of the vocabulary
+    weight[n // 3] = weight[n // 3].abs() * 4  # most rows' maximum earlier
+    packed = cpu_linears.pack_linear(weight)
+    x = torch.randn(rows, k, generator=g).abs()
+    if rows > 2:
+        x[1] = weight[n - 7] * 40  # row 1's maximum: the tie at the end, the first of the two taken
+        x[2] = 0  # every output 0: the first id
+    want = argmax_rows(cpu_linears.linear_f32(x, packed, n))
+    assert torch.equal(cpu_logits.greedy_f32(x, packed, n), want)
+    assert rows <= 2 or (want[1] == n - 7 and want[2] == 0)
+    weight[n - 2, 0] = float("nan")
+    packed = cpu_linears.pack_linear(weight)
+    got = cpu_logits.greedy_f32(x, packed, n)
+    assert torch.equal(got, argmax_rows(cpu_linears.linear_f32(x, packed, n))) and (got == n - 2).all()
+
+
 @pytest.fixture(autouse=True)
 def measured_here(monkeypatch):
     """The fused paths on this CPU's kernel too, measured or not (their exactness holds on every kernel)."""
     monkeypatch.setattr(cpu_logits, "MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
     monkeypatch.setattr(cpu_logits, "SAMPLED_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
+    monkeypatch.setattr(cpu_logits, "F32_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +245,22 @@ def test_sampled_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, mon
     assert calls == []
     monkeypatch.setattr(CausalLM, "sampled_tokens", lambda *a: None)
     assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_fp32_greedy_generation_unchanged_and_takes_the_fused_path(tiny_llama_path, monkeypatch):
+    """An fp32 model on the panels: greedy answers the same token for token with the lm_head's argmax found a chunk
+    of the vocabulary at a time (greedy_f32) and with it off; it served the decode steps."""
+    from batchrun.model.layers.linear import PackedLinear
+
+    monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
+    llm = LLM(str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    assert type(llm.engine.runner.model.lm_head) is PackedLinear
+    prompts = ["the cat sat on the mat and then " * 3, "hello there", "one two three four five six", "x"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    calls = []
+    greedy = cpu_logits.greedy_f32
+    monkeypatch.setattr(cpu_logits, "greedy_f32", lambda *a: calls.append(a[0].shape[0]) or greedy(*a))
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len(calls) >= 20
+    monkeypatch.setattr(cpu_logits, "F32_MEASURED_KERNELS", ())
+    assert fused == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

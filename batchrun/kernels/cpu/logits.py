@@ -1,5 +1,5 @@
 """The lm_head's selection kernels (csrc/logits.c): each row's largest logits with the logits never written whole,
-their fp32 refinement, the greedy token from them, a sampled token from each row in cache."""
+their fp32 refinement, the greedy token from them, a sampled token from each row in cache; fp32 models' greedy token."""
 
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "greedy_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
     "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P]),
     "sample_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
+    "greedy_f32": (ctypes.c_int, [_P, _I, _P, _I, _I, _P]),
 }
 
 
 # The bf16 linear kernels (linears.bf16_kernel()) on which the greedy path through linear_top was measured faster
 # than the whole logits (docs/performance.md); on the others compute_logits keeps the step until it is measured there.
 MEASURED_KERNELS = ("amx", "dot")
-# The same for the sampled rows' path (sample_bf16) against logits_bf16 and the sampler.
+# The same for the sampled rows' path (sample_bf16) against logits_bf16 and the sampler, and for fp32 models' greedy
+# path (greedy_f32) against the whole fp32 logits and their argmax.
 SAMPLED_MEASURED_KERNELS = ("dot",)
+F32_MEASURED_KERNELS = ("dot",)
 
 
 @cache
@@ -42,6 +45,11 @@ def greedy_measured() -> bool:
 def sampled_measured() -> bool:
     """Whether this CPU's bf16 linear kernel is one the fused sampled path was measured on."""
     return linears.bf16_kernel() in SAMPLED_MEASURED_KERNELS
+
+
+def f32_measured() -> bool:
+    """Whether this CPU's kind (by its bf16 linear kernel) is one the fp32 greedy path was measured on."""
+    return linears.bf16_kernel() in F32_MEASURED_KERNELS
 
 
 def linear_top(x: torch.Tensor, packed: torch.Tensor, n: int, top: int
@@ -123,4 +131,14 @@ def sample_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top
                               *(None if t is None else t.data_ptr() for t in filters), u.contiguous().data_ptr(),
                               tokens.data_ptr()) < 0:
         raise MemoryError("sample_bf16: no memory for its scratch")
+    return tokens
+
+
+def greedy_f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 x [rows, k] and an fp32 weight [n, k] packed for linear_f32 (no bias) -> each row's argmax of
+    linear_f32(x) (int64, torch's argmax: the first maximum, a NaN the largest), the outputs never written whole."""
+    x = x.contiguous()
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    if _library().greedy_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), n, x.shape[1], tokens.data_ptr()):
+        raise MemoryError("greedy_f32: no memory for its scratch")
     return tokens

@@ -17,6 +17,7 @@ from batchrun.kernels.cpu import elementwise
 from batchrun.kernels.cpu import logits as cpu_logits
 from batchrun.kernels.cpu import sampling as cpu_sampling
 from batchrun.model.layers.context import ForwardContext
+from batchrun.model.layers.linear import PackedLinear
 from batchrun.model.layers.ops import Rotary, TorchOps
 from batchrun.model.quant.linear import QuantLinear
 from batchrun.model.sampling.batch import SamplingBatch
@@ -440,15 +441,26 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return self(input_ids, ctx), None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of compute_logits(hidden), int64, from the lm_head's REFINE_TOP + 1 largest bf16
-        outputs (the top REFINE_TOP refined as compute_logits refines them), the logits never written whole. None
-        where that does not hold (no bf16 panels, a scale or cap, a NaN) or was not measured (MEASURED_KERNELS)."""
+        """Each row's argmax of compute_logits(hidden), int64, the logits never written whole: in bf16 from the
+        lm_head's REFINE_TOP + 1 largest outputs (the top REFINE_TOP refined as compute_logits refines them), in fp32
+        _greedy_f32. None where that does not hold (no panels, a scale or cap, a bf16 NaN) or was not measured."""
         head = self._fused_head(hidden)
         if head is None:
-            return None
+            return self._greedy_f32(hidden)
         # the first maximum, as argmax over the row: every other logit is at most the last value, at a later id;
         # None where a logit is NaN (compute_logits' argmax takes it as the largest: its own path)
         return cpu_logits.greedy_bf16(hidden, *head, REFINE_TOP + 1)
+
+    def _greedy_f32(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """An fp32 model's greedy_tokens: the argmax of its lm_head on the fp32 panels, a chunk of the vocabulary at
+        a time (greedy_f32), where measured (F32_MEASURED_KERNELS) and no scale or cap follows; else None."""
+        head = self.lm_head
+        if not (type(head) is PackedLinear and head.packed.dtype == torch.float32 and head.bias is None
+                and hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.device.type == "cpu"
+                and self.logits_divisor is None and self.final_softcap is None and cpu_kernels.available()
+                and cpu_logits.f32_measured()):
+            return None
+        return cpu_logits.greedy_f32(hidden, head.packed, head.out_features)
 
     def sampled_tokens(self, hidden: torch.Tensor, batch: SamplingBatch, u: torch.Tensor) -> torch.Tensor | None:
         """Each row's token as sampler.draw takes it from compute_logits(hidden) with its uniform u (no penalties,

@@ -349,7 +349,7 @@ class ModelRunner:
                 self.timers.forward_s += seconds  # (the greedy lm_head's time with it)
                 self.model_time_s += seconds
                 return None, None, tokens
-        elif host is not None:
+        if host is not None:  # (also where the call found no greedy tokens: an fp32 model's, a NaN's step again)
             hidden = host.hidden(out.seqs, self.kv_cache)
         if hidden is None:
             ids, ctx, logits_idx = self.prepare(out)

@@ -1,12 +1,15 @@
 /* The lm_head's selection kernels: the lm_head with each row's largest outputs found as they pass (linear_bf16_top:
  * the [rows, vocab] logits are never written), the fp32 refinement of a row's top candidates (refine_logits) and
- * the greedy token from them (top_argmax), a sampled token from the row in cache (sample_bf16). */
+ * the greedy token from them (top_argmax), a sampled token from the row in cache (sample_bf16), and the fp32
+ * lm_head's greedy token a chunk of the vocabulary at a time (greedy_f32). */
 #include "common.h"
 
 /* linears.c */
 extern int linear_bf16(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, const bf16 *bias,
                        bf16 *y);
 extern int f32_linear_panel(void);
+extern void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
+                       const float *bias, float *y);
 /* sampling.c */
 extern void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top);
 extern void logits_top_row(const bf16 *x, float *o, int64_t vocab, int64_t k, int64_t *idx);
@@ -262,4 +265,66 @@ int sample_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *wei
         failed |= tokens[r] < 0;
     }
     return failed ? -1 : 0;
+}
+
+/* Row y [w] (chunk c0 of its row) into the row's running argmax as torch's argmax over the whole row takes it: the
+ * first maximum, or the first NaN (*nan, -1: none yet); *best the maximum so far at *at (-1: none yet). */
+static void argmax_chunk(const float *y, int64_t w, int64_t c0, float *best, int64_t *at, int64_t *nan) {
+    if (*nan >= 0) return;
+    vf mv = vsplat(-INFINITY);
+    vi seen_nan = {0};
+    int64_t i = 0;
+    for (; i + VW <= w; i += VW) {
+        const vf v = vload(y + i);
+        mv = vselect(v > mv, v, mv);
+        seen_nan |= v != v;
+    }
+    float m = -INFINITY;
+    int any_nan = 0;
+    for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m, any_nan |= seen_nan[j];
+    for (; i < w; i++) m = y[i] > m ? y[i] : m, any_nan |= y[i] != y[i];
+    if (any_nan) {
+        for (i = 0; y[i] == y[i]; i++) {}
+        *nan = c0 + i;
+    } else if (*at < 0 || m > *best) {
+        for (i = 0; y[i] != m; i++) {}
+        *best = m, *at = c0 + i;
+    }
+}
+
+/* tokens[r]: the argmax of row r of linear_f32(x, packed) (x [rows, k] contiguous, n outputs, no bias) as torch's
+ * argmax takes it (the first maximum; the first NaN where the row has one), the outputs made a chunk of the
+ * vocabulary at a time into a scratch within L2, never whole: each output the bits linear_f32 gives it. 0 when done,
+ * 1 without memory. */
+int greedy_f32(const float *x, int64_t rows, const float *packed, int64_t n, int64_t k, int64_t *tokens) {
+    static __thread float *scratch;
+    static __thread size_t scratch_bytes;
+    const int64_t panel = f32_linear_panel();
+    if (rows <= 0) return 0;
+    if (panel <= 0) return 1;
+    int64_t width = TOP_SCRATCH_BYTES / (sizeof(float) * rows) / panel * panel;
+    if (width < panel) width = panel;
+    if (width > n) width = n;
+    const size_t bytes = sizeof(float) * rows * width;
+    if (scratch_bytes < bytes) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_bytes = scratch != NULL ? bytes : 0;
+        if (scratch == NULL) return 1;
+    }
+    char *state = malloc((sizeof(float) + 2 * sizeof(int64_t)) * rows);
+    if (state == NULL) return 1;
+    int64_t *at = (int64_t *)state, *nan = at + rows;
+    float *best = (float *)(nan + rows);
+    for (int64_t r = 0; r < rows; r++) at[r] = nan[r] = -1, best[r] = -INFINITY;
+    const float *y = scratch; /* the caller's thread's: the parallel region's threads have their own */
+    for (int64_t c0 = 0; c0 < n; c0 += width) {
+        const int64_t w = n - c0 < width ? n - c0 : width;
+        linear_f32(x, k, rows, packed + c0 * k, w, k, NULL, scratch);
+#pragma omp parallel for if (rows * w > PAR_MIN_WORK)
+        for (int64_t r = 0; r < rows; r++) argmax_chunk(y + r * w, w, c0, best + r, at + r, nan + r);
+    }
+    for (int64_t r = 0; r < rows; r++) tokens[r] = nan[r] >= 0 ? nan[r] : at[r];
+    free(state);
+    return 0;
 }
