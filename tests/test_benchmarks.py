@@ -155,9 +155,10 @@ def test_profile_breaks_down_steps(capsys):
     assert profile.main(["--quick", "--ops"]) == 0
     out = capsys.readouterr().out
     assert "steps with prefill: " in out and "decode-only steps: " in out
-    # both op tables ran (the tiny model's linears are batchrun's C kernel in the default float32 batch-invariant
-    # mode, which torch's profiler does not see: the tables hold the torch ops around them)
-    assert out.count("Self CPU time total") == 2 and "aten::index_select" in out
+    # both op tables ran (the C kernels are ctypes calls, which torch's profiler does not see: each table holds the
+    # torch ops around them)
+    prefill, decode = out.split("one prefill step:")[1].split("ten decode steps:")
+    assert out.count("Self CPU time total") == 2 and "aten::" in prefill and "aten::" in decode
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C kernels (a C compiler)")
@@ -170,8 +171,8 @@ def test_profile_times_the_c_kernels_inside_the_steps(capsys, monkeypatch):
     out = capsys.readouterr().out
     share = float(out.split("% of it in the C kernels")[0].rsplit(" ", 1)[1])
     assert 0 < share < 100
-    # the layers in one native call; the lm_head on the C kernel, timed by shape; the library's functions restored
-    assert "decoder_forward" in out and "linear_f32" in out and "G multiply-adds/s" in out
+    # the layers in one native call; the lm_head on the C kernel (with its argmax), timed by shape
+    assert "decoder_forward" in out and ("linear_f32" in out or "greedy_f32" in out) and "G multiply-adds/s" in out
     # the time between the calls, by where it falls: "<call> -> <call>   x ms a step"
     between = out.split("outside them, ")[1].splitlines()[1:]
     assert between and all(" -> " in line and line.endswith("ms a step") for line in between)

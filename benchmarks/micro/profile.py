@@ -89,6 +89,11 @@ def op_tables(plan: Plan) -> None:
     print("ten decode steps:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+# The C functions timed as linears by shape, and where their rows, outputs and inputs are among the arguments
+LINEAR_ARGS = {"linear_bf16": (1, 3, 4), "linear_f32": (2, 4, 5), "greedy_f32": (1, 3, 4), "greedy_bf16": (1, 4, 5),
+               "logits_bf16": (1, 4, 5), "sample_bf16": (1, 4, 5)}
+
+
 def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
     """The C kernels' share of the step: every function of the CPU kernel library timed, around each call, over
     `steps` steps taken after `warm_steps` (the batch still full); the rest of the step's time is Python and torch
@@ -117,8 +122,8 @@ def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
         def call(*args: Any) -> Any:
             t = time.perf_counter()
             label = name
-            if name in ("linear_bf16", "linear_f32"):  # (x, [ldx,] rows, packed, n, k, ...)
-                rows, n, k = (args[1], args[3], args[4]) if name == "linear_bf16" else (args[2], args[4], args[5])
+            if name in LINEAR_ARGS:  # a linear, or the lm_head with its selection: its rows, n, k by position
+                rows, n, k = (args[i] for i in LINEAR_ARGS[name])
                 label = f"{name} {n}"
             gaps[(last["name"], label)] += t - last["at"]
             result = fn(*args)
