@@ -134,6 +134,23 @@ ALWAYS vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (
 /* Whether (v, i) ranks before (w, j) in a row of logits: the larger value, of equal ones the smaller id (the order
  * the top-k kernels keep, the first maximum first). */
 ALWAYS int ranks_before(float v, int64_t i, float w, int64_t j) { return v > w || (v == w && i < j); }
+/* The largest of x[0..n) (-inf where there is none), *any_nan whether one is NaN: a row's one pass before its
+ * argmax or its draw. */
+ALWAYS float row_max(const float *x, int64_t n, int *any_nan) {
+    vf mv = vsplat(-INFINITY);
+    vi nan = {0};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf v = vload(x + i);
+        mv = vselect(v > mv, v, mv);
+        nan |= v != v;
+    }
+    float m = -INFINITY;
+    *any_nan = 0;
+    for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m, *any_nan |= nan[j];
+    for (; i < n; i++) m = x[i] > m ? x[i] : m, *any_nan |= x[i] != x[i];
+    return m;
+}
 /* Whether a lane of v is above x or NaN (x not NaN): one compare into a mask, where a loop over the lanes of a
  * vector compare would not be folded into one. */
 ALWAYS int any_above_or_nan(vf v, float x) {

@@ -18,6 +18,23 @@ extern int64_t sample_logits_row(const float *x, int64_t vocab, float temperatur
 
 #define TOP_SCRATCH_BYTES (1024 * 1024) /* one chunk's outputs, all rows: within a core's L2 */
 
+/* The outputs of a vocabulary chunk: whole panels whose outputs for all rows fit TOP_SCRATCH_BYTES, at least one. */
+static int64_t chunk_width(int64_t rows, size_t element, int64_t panel, int64_t n) {
+    int64_t width = TOP_SCRATCH_BYTES / (int64_t)(element * rows) / panel * panel;
+    if (width < panel) width = panel;
+    return width > n ? n : width;
+}
+
+/* *buf holding at least `bytes` (grown, kept between calls: the caller's thread's), or NULL without memory. */
+static void *grown(void **buf, size_t *cap, size_t bytes) {
+    if (*cap < bytes) {
+        free(*buf);
+        *buf = malloc(bytes);
+        *cap = *buf != NULL ? bytes : 0;
+    }
+    return *buf;
+}
+
 /* A kept list: val/idx in the row's order (ranks_before), `count` of at most `top` kept. (v, i) goes in its place
  * when it ranks before the last kept one or the list has room. */
 static void top_insert(float *val, int64_t *idx, int64_t *count, int64_t top, float v, int64_t i) {
@@ -74,21 +91,14 @@ static Kept kept_at(char *base, int64_t rows, int64_t top) {
  * own lists, merged at the end. 1 without memory (nothing written). */
 int linear_bf16_top(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k, int64_t top, float *values,
                     int64_t *ids, int64_t *nan) {
-    static __thread bf16 *scratch;
-    static __thread size_t scratch_bytes;
+    static __thread void *buffer;
+    static __thread size_t buffer_bytes;
     const int64_t panel = f32_linear_panel(), threads = omp_get_max_threads();
     if (rows <= 0) return 0;
     if (panel <= 0 || top <= 0 || top > n) return 1;
-    int64_t width = TOP_SCRATCH_BYTES / (2 * rows) / panel * panel;
-    if (width < panel) width = panel;
-    if (width > n) width = n;
-    const size_t bytes = sizeof(bf16) * rows * width;
-    if (scratch_bytes < bytes) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_bytes = scratch != NULL ? bytes : 0;
-        if (scratch == NULL) return 1;
-    }
+    const int64_t width = chunk_width(rows, sizeof(bf16), panel, n);
+    bf16 *scratch = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * width);
+    if (scratch == NULL) return 1;
     const bf16 *y = scratch; /* the caller's thread's: the parallel region's threads have their own */
     /* each thread's lists on lines of their own */
     const size_t list_bytes = (sizeof(float) + sizeof(int64_t)) * rows * top + 2 * sizeof(int64_t) * rows;
@@ -232,16 +242,11 @@ static __thread int64_t *row_top, row_cap;
 int sample_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
                 int64_t top, const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
                 const double *u, int64_t *tokens) {
-    static __thread bf16 *y;
-    static __thread size_t y_bytes;
+    static __thread void *buffer;
+    static __thread size_t buffer_bytes;
     if (rows <= 0) return 0;
-    const size_t bytes = sizeof(bf16) * rows * n;
-    if (y_bytes < bytes) {
-        free(y);
-        y = malloc(bytes);
-        y_bytes = y != NULL ? bytes : 0;
-        if (y == NULL) return -1;
-    }
+    bf16 *y = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * n);
+    if (y == NULL) return -1;
     if (linear_bf16(x, rows, packed, n, k, NULL, y)) return -1;
     const bf16 *outputs = y; /* the caller's thread's: the parallel region's threads have their own */
     int failed = 0;
@@ -271,18 +276,9 @@ int sample_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *wei
  * first maximum, or the first NaN (*nan, -1: none yet); *best the maximum so far at *at (-1: none yet). */
 static void argmax_chunk(const float *y, int64_t w, int64_t c0, float *best, int64_t *at, int64_t *nan) {
     if (*nan >= 0) return;
-    vf mv = vsplat(-INFINITY);
-    vi seen_nan = {0};
-    int64_t i = 0;
-    for (; i + VW <= w; i += VW) {
-        const vf v = vload(y + i);
-        mv = vselect(v > mv, v, mv);
-        seen_nan |= v != v;
-    }
-    float m = -INFINITY;
-    int any_nan = 0;
-    for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m, any_nan |= seen_nan[j];
-    for (; i < w; i++) m = y[i] > m ? y[i] : m, any_nan |= y[i] != y[i];
+    int any_nan;
+    const float m = row_max(y, w, &any_nan);
+    int64_t i;
     if (any_nan) {
         for (i = 0; y[i] == y[i]; i++) {}
         *nan = c0 + i;
@@ -297,21 +293,14 @@ static void argmax_chunk(const float *y, int64_t w, int64_t c0, float *best, int
  * vocabulary at a time into a scratch within L2, never whole: each output the bits linear_f32 gives it. 0 when done,
  * 1 without memory. */
 int greedy_f32(const float *x, int64_t rows, const float *packed, int64_t n, int64_t k, int64_t *tokens) {
-    static __thread float *scratch;
-    static __thread size_t scratch_bytes;
+    static __thread void *buffer;
+    static __thread size_t buffer_bytes;
     const int64_t panel = f32_linear_panel();
     if (rows <= 0) return 0;
     if (panel <= 0) return 1;
-    int64_t width = TOP_SCRATCH_BYTES / (sizeof(float) * rows) / panel * panel;
-    if (width < panel) width = panel;
-    if (width > n) width = n;
-    const size_t bytes = sizeof(float) * rows * width;
-    if (scratch_bytes < bytes) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_bytes = scratch != NULL ? bytes : 0;
-        if (scratch == NULL) return 1;
-    }
+    const int64_t width = chunk_width(rows, sizeof(float), panel, n);
+    float *scratch = grown(&buffer, &buffer_bytes, sizeof(float) * rows * width);
+    if (scratch == NULL) return 1;
     char *state = malloc((sizeof(float) + 2 * sizeof(int64_t)) * rows);
     if (state == NULL) return 1;
     int64_t *at = (int64_t *)state, *nan = at + rows;

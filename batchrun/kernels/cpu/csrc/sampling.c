@@ -261,18 +261,9 @@ static int64_t draw_kept(const float *e, int64_t vocab, float emax, int32_t *idx
 /* One row's token (T = 0: the first maximum, or the first NaN, as torch's argmax). */
 static int64_t sample_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                           double u, float *threshold) {
-    vf mv = vsplat(-INFINITY);
-    vi nan = {0};
-    int64_t i = 0;
-    for (; i + VW <= vocab; i += VW) {
-        const vf v = vload(x + i);
-        mv = vselect(v > mv, v, mv);
-        nan |= v != v;
-    }
-    float m = -INFINITY;
-    int any_nan = 0;
-    for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m, any_nan |= nan[j];
-    for (; i < vocab; i++) m = x[i] > m ? x[i] : m, any_nan |= x[i] != x[i];
+    int any_nan;
+    const float m = row_max(x, vocab, &any_nan);
+    int64_t i;
     *threshold = 0.0f;
     if (temperature <= 0.0f || m == -INFINITY || any_nan) {
         for (i = 0; i < vocab; i++)
