@@ -17,7 +17,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "refine_logits": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _B]),
     "top_argmax": (ctypes.c_int, [_P, _P, _P, _I, _I, _P]),
     "greedy_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
-    "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P]),
+    "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
     "sample_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "greedy_f32": (ctypes.c_int, [_P, _I, _P, _I, _I, _P]),
 }
@@ -110,10 +110,9 @@ def greedy_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top
 def logits_bf16(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, top: int) -> torch.Tensor:
     """compute_logits' three calls in one: fp32 logits [rows, n] from bf16 x, the lm_head's panels and weight."""
     rows, n = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.bfloat16)
     out = torch.empty(rows, n, dtype=torch.float32)
     if _library().logits_bf16(x.data_ptr(), rows, packed.data_ptr(), weight.data_ptr(), n, weight.shape[1], top,
-                              y.data_ptr(), out.data_ptr()) < 0:
+                              out.data_ptr()) < 0:
         raise MemoryError("logits_bf16: no memory for its scratch")
     return out
 

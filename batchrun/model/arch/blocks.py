@@ -21,6 +21,7 @@ from batchrun.model.layers.linear import PackedLinear
 from batchrun.model.layers.ops import Rotary, TorchOps
 from batchrun.model.quant.linear import QuantLinear
 from batchrun.model.sampling.batch import SamplingBatch
+from batchrun.model.sampling.sampler import uniform
 
 
 class RMSNorm(nn.Module):
@@ -462,15 +463,15 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             return None
         return cpu_logits.greedy_f32(hidden, head.packed, head.out_features)
 
-    def sampled_tokens(self, hidden: torch.Tensor, batch: SamplingBatch, u: torch.Tensor) -> torch.Tensor | None:
-        """Each row's token as sampler.draw takes it from compute_logits(hidden) with its uniform u (no penalties,
-        bans or grammar), int64, the logits never written whole; None where greedy_tokens' path does not hold or
-        this one was not measured (SAMPLED_MEASURED_KERNELS)."""
+    def sampled_tokens(self, hidden: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """Each row's token as sampler.sample draws it from compute_logits(hidden) (no penalties, bans or grammar),
+        int64, the logits never written whole; None where greedy_tokens' path does not hold or this one was not
+        measured (SAMPLED_MEASURED_KERNELS)."""
         head = self._fused_head(hidden) if cpu_logits.sampled_measured() else None
         if head is None:
             return None
         return cpu_logits.sample_bf16(hidden, *head, REFINE_TOP, batch.temperature, batch.top_k, batch.top_p,
-                                      batch.min_p, u)
+                                      batch.min_p, uniform(batch.seeds, batch.counters))
 
     def _fused_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """greedy_head for contiguous bf16 hidden states [rows, hidden] on a CPU, else None."""

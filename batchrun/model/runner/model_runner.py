@@ -24,7 +24,6 @@ from batchrun.model.runner.host_decode import HostDecode
 from batchrun.model.runner.pooling import pool_rows
 from batchrun.model.sampling.batch import SamplingBatch
 from batchrun.model.sampling.prompt_logprobs import score_prompts
-from batchrun.model.sampling.sampler import uniform
 from batchrun.model.sampling.step import argmax_output, plan_sampling, sample_step
 
 log = logging.getLogger(__name__)
@@ -367,7 +366,7 @@ class ModelRunner:
         if argmax and tokens is None:  # (a NaN the native call met is met here again: the logits' own path)
             tokens = self.model.greedy_tokens(rows)
         elif draw is not None:
-            tokens = self.model.sampled_tokens(rows, draw, uniform(draw.seeds, draw.counters))
+            tokens = self.model.sampled_tokens(rows, draw)
         logits = self.model.compute_logits(rows) if tokens is None else None
         t2 = time.perf_counter()
         # (on CUDA the forward is queued, not run, by t1: the logits' time then holds most of it)

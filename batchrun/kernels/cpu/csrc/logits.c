@@ -11,7 +11,6 @@ extern int f32_linear_panel(void);
 extern void linear_f32(const float *x, int64_t ldx, int64_t rows, const float *packed, int64_t n, int64_t k,
                        const float *bias, float *y);
 /* sampling.c */
-extern void logits_top(const bf16 *in, float *out, int64_t rows, int64_t vocab, int64_t k, int64_t *top);
 extern void logits_top_row(const bf16 *x, float *o, int64_t vocab, int64_t k, int64_t *idx);
 extern int64_t sample_logits_row(const float *x, int64_t vocab, float temperature, int64_t top_k, float top_p,
                                  float min_p, double u);
@@ -209,62 +208,67 @@ int greedy_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *wei
     return status;
 }
 
-/* out [rows, n]: compute_logits' fp32 logits from bf16 x [rows, k], the lm_head packed for linear_bf16 (no bias) and
- * its plain bf16 weight [n, k]: linear_bf16 into y (bf16 [rows, n]), widened by logits_top, which finds each row's
- * `top` largest, those refined in fp32 by refine_logits and written back; the calls the Python path makes, in one.
- * 0 when done, -1 without memory. */
-int logits_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
-                int64_t top, bf16 *y, float *out) {
-    if (rows <= 0) return 0;
-    char *buf = malloc((sizeof(float) + sizeof(int64_t)) * rows * top);
-    if (buf == NULL) return -1;
-    float *refined = (float *)buf;
-    int64_t *ids = (int64_t *)(refined + rows * top);
-    const int status = linear_bf16(x, rows, packed, n, k, NULL, y) ? -1 : 0;
-    if (status == 0) {
-        logits_top(y, out, rows, n, top, ids);
-        refine_logits(x, rows, k, weight, ids, top, top, refined, top, 1);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < top; j++) out[r * n + ids[r * top + j]] = refined[r * top + j];
-    }
-    free(buf);
-    return status;
+/* The lm_head's bf16 outputs [rows, n]: linear_bf16 of x into the caller's thread's kept buffer; NULL without memory. */
+static const bf16 *lm_outputs(const bf16 *x, int64_t rows, const bf16 *packed, int64_t n, int64_t k) {
+    static __thread void *buffer;
+    static __thread size_t buffer_bytes;
+    bf16 *y = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * n);
+    return y == NULL || linear_bf16(x, rows, packed, n, k, NULL, y) ? NULL : y;
 }
 
-/* A thread's row of logits (fp32 [n]) and its top ids (at most 64), kept between calls. */
+/* One row's compute_logits fp32 logits o [n] from its lm_head outputs y [n] (bf16) and its x [k]: widened, the `top`
+ * largest found (logits_top_row, their ids into idx) and refined in fp32 by dot_row. */
+static void logits_row(const bf16 *y, const bf16 *x, const bf16 *weight, int64_t n, int64_t k, int64_t top, float *o,
+                       int64_t *idx) {
+    logits_top_row(y, o, n, top, idx);
+    for (int64_t j = 0; j < top; j++) o[idx[j]] = dot_row(x, weight + idx[j] * k, k, 1);
+}
+
+/* out [rows, n]: compute_logits' fp32 logits from bf16 x [rows, k], the lm_head packed for linear_bf16 (no bias) and
+ * its plain bf16 weight [n, k], each row by logits_row: the calls the Python path makes (the lm_head, logits_top,
+ * refine_logits), in one. 0 when done, -1 without memory or with `top` outside [1, min(n, 64)]. */
+int logits_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
+                int64_t top, float *out) {
+    if (rows <= 0) return 0;
+    if (top < 1 || top > 64 || top > n) return -1;
+    const bf16 *y = lm_outputs(x, rows, packed, n, k);
+    if (y == NULL) return -1;
+#pragma omp parallel for if (rows * n > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t idx[64];
+        logits_row(y + r * n, x + r * k, weight, n, k, top, out + r * n, idx);
+    }
+    return 0;
+}
+
+/* A thread's row of logits (fp32 [n]), kept between calls. */
 static __thread float *row_logits;
-static __thread int64_t *row_top, row_cap;
+static __thread int64_t row_cap;
 
 /* tokens[r]: row r of logits_bf16's fp32 logits drawn as sample_rows draws it (temperature[r] 0: the first maximum;
- * top_k, top_p, min_p NULL: off for every row), that row built in a thread's buffer from linear_bf16's bf16 outputs
- * (widened, its `top` largest found by logits_top_row, refined by dot_row): the same bits, the [rows, n] fp32 logits
- * never written. 0 when done, -1 without memory. */
+ * top_k, top_p, min_p NULL: off for every row), the row built by logits_row in a thread's buffer: the same bits, the
+ * [rows, n] fp32 logits never written. 0 when done, -1 as logits_bf16. */
 int sample_bf16(const bf16 *x, int64_t rows, const bf16 *packed, const bf16 *weight, int64_t n, int64_t k,
                 int64_t top, const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
                 const double *u, int64_t *tokens) {
-    static __thread void *buffer;
-    static __thread size_t buffer_bytes;
     if (rows <= 0) return 0;
-    bf16 *y = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * n);
+    if (top < 1 || top > 64 || top > n) return -1;
+    const bf16 *y = lm_outputs(x, rows, packed, n, k);
     if (y == NULL) return -1;
-    if (linear_bf16(x, rows, packed, n, k, NULL, y)) return -1;
-    const bf16 *outputs = y; /* the caller's thread's: the parallel region's threads have their own */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) if (rows * n > PAR_MIN_WORK) reduction(| : failed)
     for (int64_t r = 0; r < rows; r++) {
         if (row_cap < n) {
-            free(row_logits), free(row_top);
+            free(row_logits);
             row_logits = malloc(sizeof(float) * n);
-            row_top = malloc(sizeof(int64_t) * 64);
-            row_cap = row_logits && row_top ? n : 0;
+            row_cap = row_logits != NULL ? n : 0;
         }
-        if (row_cap < n || top > 64 || top > n) {
+        if (row_cap < n) {
             failed = 1;
             continue;
         }
-        logits_top_row(outputs + r * n, row_logits, n, top, row_top);
-        for (int64_t j = 0; j < top; j++)
-            row_logits[row_top[j]] = dot_row(x + r * k, weight + row_top[j] * k, k, 1);
+        int64_t idx[64];
+        logits_row(y + r * n, x + r * k, weight, n, k, top, row_logits, idx);
         tokens[r] = sample_logits_row(row_logits, n, temperature[r], top_k ? top_k[r] : 0, top_p ? top_p[r] : 1.0f,
                                       min_p ? min_p[r] : 0.0f, u[r]);
         failed |= tokens[r] < 0;
