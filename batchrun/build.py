@@ -124,6 +124,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     generates = args.runner != "pooling" and not loaded.model.pooling_only
     room = few_rows_room(loaded.model, memory, device, batch_invariant, generates)
     prepare_cpu_linears(loaded.model, device, dtype, batch_invariant, room, generates)
+    if generates:
+        keep_lm_screen(loaded.model, memory)
     runner.enable_native_layers()
     if device.type == "cpu":
         keep_freed_host_memory()
@@ -273,6 +275,20 @@ def few_rows_room(model: torch.nn.Module, memory: MemoryPlan | None, device: tor
              "no room for a second copy of the bf16 weights: one copy, on batchrun's panels", extra / 2**30,
              memory.spare / 2**30)
     return room
+
+
+def keep_lm_screen(model: torch.nn.Module, memory: MemoryPlan | None) -> None:
+    """An fp32 lm_head's bf16 screen (CausalLM.keep_lm_screen) where the model takes one and it fits beside the
+    weights, the pools and the working set."""
+    extra = model.lm_screen_bytes() if hasattr(model, "lm_screen_bytes") else 0
+    if extra == 0:
+        return
+    if memory is not None and memory.spare < extra:
+        log.info("no room for the lm_head's bf16 screen (%.2f GiB): the fp32 greedy tokens read the whole lm_head",
+                 extra / 2**30)
+        return
+    model.keep_lm_screen()
+    log.info("keeping a bf16 screen of the fp32 lm_head for the greedy tokens (%.2f GiB)", extra / 2**30)
 
 
 def scheduler_config(args: EngineArgs, n_params: int, shape: CacheShape, device: torch.device) -> SchedulerConfig:

@@ -128,12 +128,45 @@ def test_fp32_greedy_is_the_argmax_of_the_whole_linear(rows, k, n):
     assert torch.equal(got, argmax_rows(cpu_linears.linear_f32(x, packed, n))) and (got == n - 2).all()
 
 
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 49152), (66, 576, 49152), (300, 96, 5003), (9, 63, 1001)])
+def test_screened_fp32_greedy_is_greedy_f32(rows, k, n):
+    """greedy_f32_screened gives greedy_f32's tokens: outputs bf16 cannot tell apart decided in fp32 (equal ones by
+    the first), rows the screen cannot bound (every output equal, NaN, infinite, too large) by greedy_f32; the
+    screen's norms at least the weight's (odd k: the screen on the widening kernel)."""
+    g = torch.Generator().manual_seed(n + rows)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    weight[n // 3] = weight[n // 3].abs() * 4  # most rows' maximum earlier
+    weight[n - 3] = weight[n - 7]  # two equal outputs
+    weight[n // 2] = weight[n // 2].abs() * 8
+    weight[n // 2 + 1] = weight[n // 2] * (1 + 2**-12)  # the same in bf16, larger in fp32 on positive rows
+    # 30 more outputs closer than bf16 tells apart, which rows 7 to 36 aim at: the screen's order is not fp32's
+    weight[n // 2 + 2:n // 2 + 32] = weight[n // 2] * (1 + 2**-9 * torch.randn(30, k, generator=g))
+    packed = cpu_linears.pack_linear(weight)
+    screen = cpu_logits.lm_screen(packed, n, k)
+    assert screen is not None and (screen[1].double() >= torch.linalg.vector_norm(weight.double(), dim=1)).all()
+    x = torch.randn(rows, k, generator=g).abs()
+    if rows > 6:
+        x[1] = weight[n - 7] * 40  # the tie at the end: the first of the two
+        x[2] = 0  # every output 0: past the screen's list, the first id
+        x[3] = weight[n // 2] * 40  # one of the outputs bf16 cannot tell apart
+        x[4, 0], x[5, 0], x[6] = float("nan"), float("inf"), x[6] * 1e31
+        x[7:37] = weight[n // 2] * 40 * (1 + 0.01 * torch.randn(x[7:37].shape, generator=g))
+    want = cpu_logits.greedy_f32(x, packed, n)
+    assert torch.equal(cpu_logits.greedy_f32_screened(x, screen, packed, n), want)
+    assert rows <= 6 or (want[1:3].tolist() == [n - 7, 0] and n // 2 < want[3] < n // 2 + 32)
+    if rows > 36:  # the screen's own argmax is not the token on some of rows 7 to 36
+        bf16_argmax = argmax_rows(cpu_linears.linear_bf16(x.to(BF), screen[0], n).float())
+        assert (bf16_argmax != want)[7:37].any()
+    assert torch.equal(want, argmax_rows(cpu_linears.linear_f32(x, packed, n)))
+
+
 @pytest.fixture(autouse=True)
 def measured_here(monkeypatch):
     """The fused paths on this CPU's kernel too, measured or not (their exactness holds on every kernel)."""
     monkeypatch.setattr(cpu_logits, "MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
     monkeypatch.setattr(cpu_logits, "SAMPLED_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
     monkeypatch.setattr(cpu_logits, "F32_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
+    monkeypatch.setattr(cpu_logits, "SCREEN_MEASURED_KERNELS", (cpu_linears.bf16_kernel(),))
 
 
 @pytest.fixture(scope="module")
@@ -248,19 +281,27 @@ def test_sampled_generation_unchanged_and_takes_the_fused_path(smollm2_bf16, mon
 
 
 def test_fp32_greedy_generation_unchanged_and_takes_the_fused_path(tiny_llama_path, monkeypatch):
-    """An fp32 model on the panels: greedy answers the same token for token with the lm_head's argmax found a chunk
-    of the vocabulary at a time (greedy_f32) and with it off; it served the decode steps."""
+    """An fp32 model on the panels: greedy answers the same token for token through the lm_head's bf16 screen
+    (greedy_f32_screened, which served the decode steps), with the lm_head's argmax found a chunk of the vocabulary
+    at a time (greedy_f32) and with both off; without a measured screen none is kept."""
     from batchrun.model.layers.linear import PackedLinear
 
     monkeypatch.setenv("BATCHRUN_F32_LINEAR", "1")
     llm = LLM(str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory="16MiB")
-    assert type(llm.engine.runner.model.lm_head) is PackedLinear
+    model = llm.engine.runner.model
+    assert type(model.lm_head) is PackedLinear and model.lm_screen is not None
     prompts = ["the cat sat on the mat and then " * 3, "hello there", "one two three four five six", "x"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     calls = []
-    greedy = cpu_logits.greedy_f32
-    monkeypatch.setattr(cpu_logits, "greedy_f32", lambda *a: calls.append(a[0].shape[0]) or greedy(*a))
-    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert len(calls) >= 20
+    for name in ("greedy_f32", "greedy_f32_screened"):
+        kernel = getattr(cpu_logits, name)
+        monkeypatch.setattr(cpu_logits, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
+    screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls.count("greedy_f32_screened") >= 20 and "greedy_f32" not in calls
+    screen, model.lm_screen = model.lm_screen, None
+    assert screened == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert "greedy_f32" in calls
     monkeypatch.setattr(cpu_logits, "F32_MEASURED_KERNELS", ())
-    assert fused == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert screened == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(cpu_logits, "SCREEN_MEASURED_KERNELS", ())
+    assert model.lm_screen_bytes() == 0 and screen[0].numel() * 2 + screen[1].numel() * 4 > 0

@@ -53,6 +53,12 @@ def bf16_kernel() -> str:
     return "amx" if lib.amx_linears() else "dot" if lib.dot_linears() else "widened"
 
 
+def panel_view(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Panels packed by pack_linear (fp32, or bf16 on the widening kernel) as a view [panels, panel width, k]: row
+    j of panel p is the weight's row p * width + j (zero past its n), no copy."""
+    return packed.view(-1, k, _library().f32_linear_panel()).transpose(1, 2)
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 or bf16 weight [N, K] packed for linear_f32 or linear_bf16, in its dtype."""
     n, k = weight.shape

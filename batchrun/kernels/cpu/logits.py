@@ -20,6 +20,7 @@ SIGNATURES: dict[str, cpu_kernels.Signature] = {
     "logits_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P]),
     "sample_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "greedy_f32": (ctypes.c_int, [_P, _I, _P, _I, _I, _P]),
+    "greedy_f32_screened": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _I, _P]),
 }
 
 
@@ -30,6 +31,8 @@ MEASURED_KERNELS = ("amx", "dot")
 # path (greedy_f32) against the whole fp32 logits and their argmax.
 SAMPLED_MEASURED_KERNELS = ("dot",)
 F32_MEASURED_KERNELS = ("dot",)
+# The same for fp32 models' greedy path through a bf16 screen (greedy_f32_screened) against greedy_f32.
+SCREEN_MEASURED_KERNELS = ("dot",)
 
 
 @cache
@@ -50,6 +53,11 @@ def sampled_measured() -> bool:
 def f32_measured() -> bool:
     """Whether this CPU's kind (by its bf16 linear kernel) is one the fp32 greedy path was measured on."""
     return linears.bf16_kernel() in F32_MEASURED_KERNELS
+
+
+def screen_measured() -> bool:
+    """Whether this CPU's kind is one the screened fp32 greedy path was measured on (SCREEN_MEASURED_KERNELS)."""
+    return linears.bf16_kernel() in SCREEN_MEASURED_KERNELS
 
 
 def linear_top(x: torch.Tensor, packed: torch.Tensor, n: int, top: int
@@ -140,4 +148,36 @@ def greedy_f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     tokens = torch.empty(x.shape[0], dtype=torch.int64)
     if _library().greedy_f32(x.data_ptr(), x.shape[0], packed.data_ptr(), n, x.shape[1], tokens.data_ptr()):
         raise MemoryError("greedy_f32: no memory for its scratch")
+    return tokens
+
+
+def lm_screen(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """greedy_f32_screened's screen of an fp32 weight [n, k] on the panels: the weight rounded to bf16 and packed
+    for linear_bf16, and each row's norm rounded up (fp32 [n]); None where a norm is not finite. Made a group of
+    panels at a time: no fp32 copy of the weight."""
+    panels = linears.panel_view(packed, k)
+    plain = torch.empty(panels.shape[0] * panels.shape[1], k, dtype=torch.bfloat16)
+    norms = torch.empty(plain.shape[0], dtype=torch.float64)
+    group = max(1, (1 << 24) // (panels.shape[1] * k * 8))  # 16 MiB of float64 at a time
+    for start in range(0, panels.shape[0], group):
+        chunk = panels[start:start + group]
+        rows = slice(start * panels.shape[1], (start + chunk.shape[0]) * panels.shape[1])
+        plain[rows] = chunk.flatten(0, 1)
+        norms[rows] = torch.linalg.vector_norm(chunk.double(), dim=2).flatten()
+    norms = norms[:n].float()
+    if not torch.isfinite(norms).all():
+        return None
+    norms = torch.nextafter(norms, torch.tensor(float("inf")))  # at least the float64 norm, which is within it
+    return linears.pack_linear(plain[:n]), norms
+
+
+def greedy_f32_screened(x: torch.Tensor, screen: tuple[torch.Tensor, torch.Tensor], packed: torch.Tensor,
+                        n: int) -> torch.Tensor:
+    """greedy_f32's tokens, found through lm_screen's bf16 copy: only the outputs its bound leaves are computed in
+    fp32 (a row it cannot bound takes greedy_f32)."""
+    x = x.contiguous()
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    if _library().greedy_f32_screened(x.data_ptr(), x.shape[0], screen[0].data_ptr(), screen[1].data_ptr(),
+                                      packed.data_ptr(), n, x.shape[1], tokens.data_ptr()):
+        raise MemoryError("greedy_f32_screened: no memory for its scratch")
     return tokens

@@ -301,6 +301,8 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         self._embed_multiplier: float | None = None
         # the step's forward in one native call where it applies (native_layers.py; set by the runner, else None)
         self.native_layers = None
+        # an fp32 lm_head's bf16 screen for greedy_tokens (keep_lm_screen; None: greedy_f32 reads the whole head)
+        self.lm_screen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @abstractmethod
     def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
@@ -454,14 +456,33 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def _greedy_f32(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """An fp32 model's greedy_tokens: the argmax of its lm_head on the fp32 panels, a chunk of the vocabulary at
-        a time (greedy_f32), where measured (F32_MEASURED_KERNELS) and no scale or cap follows; else None."""
-        head = self.lm_head
-        if not (type(head) is PackedLinear and head.packed.dtype == torch.float32 and head.bias is None
-                and hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.device.type == "cpu"
-                and self.logits_divisor is None and self.final_softcap is None and cpu_kernels.available()
-                and cpu_logits.f32_measured()):
+        a time (greedy_f32; through the bf16 screen where kept), where measured (F32_MEASURED_KERNELS) and no scale
+        or cap follows; else None."""
+        if not (self._f32_head() and hidden.dtype == torch.float32 and hidden.dim() == 2
+                and hidden.device.type == "cpu" and cpu_logits.f32_measured()):
             return None
+        head = self.lm_head
+        if self.lm_screen is not None:
+            return cpu_logits.greedy_f32_screened(hidden, self.lm_screen, head.packed, head.out_features)
         return cpu_logits.greedy_f32(hidden, head.packed, head.out_features)
+
+    def _f32_head(self) -> bool:
+        """Whether the lm_head is fp32 panels with no bias, scale or cap after it (greedy_f32's path)."""
+        head = self.lm_head
+        return (type(head) is PackedLinear and head.packed.dtype == torch.float32 and head.bias is None
+                and self.logits_divisor is None and self.final_softcap is None and cpu_kernels.available())
+
+    def lm_screen_bytes(self) -> int:
+        """Bytes keep_lm_screen would keep: where the fp32 greedy path holds and its screen was measured, else 0."""
+        if not (self._f32_head() and cpu_logits.f32_measured() and cpu_logits.screen_measured()):
+            return 0
+        return self.lm_head.packed.numel() * 2 + self.lm_head.out_features * 4
+
+    def keep_lm_screen(self) -> None:
+        """Keep the lm_head's bf16 screen (cpu_logits.lm_screen): greedy_tokens then computes in fp32 only the
+        outputs it cannot rule out, the same tokens."""
+        head = self.lm_head
+        self.lm_screen = cpu_logits.lm_screen(head.packed, head.out_features, head.in_features)
 
     def sampled_tokens(self, hidden: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
         """Each row's token as sampler.sample draws it from compute_logits(hidden) (no penalties, bans or grammar),

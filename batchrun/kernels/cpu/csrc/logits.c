@@ -321,3 +321,189 @@ int greedy_f32(const float *x, int64_t rows, const float *packed, int64_t n, int
     free(state);
     return 0;
 }
+
+/* The bf16 screen's bound on |bf16 output - linear_f32's output| for a row x and an output j: slope ||w_j|| with
+ * slope SCREEN_SLOPE(k) ||x|| (x and w_j each rounded to bf16: 2u + u^2 of sum |x_i w_ji|, u = 2^-9, at most ||x||
+ * ||w_j|| by Cauchy-Schwarz; each chain's k roundings 2.2 k 2^-24, past its 1 / (1 - k 2^-24) while k <= 2^20;
+ * times 1 + 2^-10 for the bound's own float arithmetic) plus sqrt(k) 2^-126 (x's flushed denormals); plus |y_j| / 510
+ * (the output's rounding to bf16: u / (1 - u)) and SCREEN_TINY (flushed products and sums, 2k 2^-126). */
+#define SCREEN_U (1.0 / 512.0)
+#define SCREEN_SLOPE(k) ((2.0 * SCREEN_U + SCREEN_U * SCREEN_U + 2.2 * (double)(k) / 16777216.0) * (1.0 + 1.0 / 1024.0))
+#define SCREEN_OUT (1.0f / 510.0f)
+#define SCREEN_TINY 1e-27f
+#define SCREEN_MAX_X 1e30
+#define SCREEN_MAX_K (1 << 20)
+#define SCREEN_KEEP 32 /* candidates a row keeps per thread: past them the row takes greedy_f32 */
+
+/* A thread's screen state, per row: the largest lower bound so far, and the outputs whose upper bound reaches it. */
+typedef struct {
+    float *floor, *upper;
+    int64_t *idx, *count;
+} Screen;
+
+static Screen screen_at(char *base, int64_t rows) {
+    Screen s = {(float *)base, NULL, NULL, NULL};
+    s.upper = s.floor + rows;
+    s.idx = (int64_t *)(s.upper + rows * SCREEN_KEEP);
+    s.count = s.idx + rows * SCREEN_KEEP;
+    return s;
+}
+
+/* Output i (value a, bound e) into a row's kept candidates; count -1 marks a row past SCREEN_KEEP. */
+static void screen_keep(float a, float e, int64_t i, float floor, float *upper, int64_t *idx, int64_t *count) {
+    if (*count < 0 || a + e < floor) return;
+    if (*count == SCREEN_KEEP) { /* drop those the floor has passed */
+        int64_t kept = 0;
+        for (int64_t j = 0; j < SCREEN_KEEP; j++)
+            if (upper[j] >= floor) upper[kept] = upper[j], idx[kept++] = idx[j];
+        *count = kept;
+        if (kept == SCREEN_KEEP) {
+            *count = -1;
+            return;
+        }
+    }
+    upper[*count] = a + e;
+    idx[(*count)++] = i;
+}
+
+/* One row's outputs y [width] (from c0) against their bounds (slope s times norms [width], |y| / 510, tiny): the
+ * floor raised to the largest lower bound, then each output whose upper bound reaches it kept. */
+static void screen_scan(const bf16 *y, const float *norms, int64_t width, int64_t c0, float s, float *floor,
+                        float *upper, int64_t *idx, int64_t *count) {
+    const vf slope = vsplat(s), out = vsplat(SCREEN_OUT), tiny = vsplat(SCREEN_TINY);
+    const vi magnitude = (vi){0} + 0x7fffffff;
+    vf lower = vsplat(-INFINITY);
+    int64_t i = 0;
+    for (; i + VW <= width; i += VW) {
+        const vf a = vload_bf16(y + i), e = slope * vload(norms + i) + (vf)((vi)a & magnitude) * out + tiny;
+        lower = vselect(a - e > lower, a - e, lower);
+    }
+    float f = *floor;
+    for (int j = 0; j < VW; j++) f = lower[j] > f ? lower[j] : f;
+    for (int64_t t = i; t < width; t++) {
+        const float a = bf16_to_f(y[t]), e = s * norms[t] + fabsf(a) * SCREEN_OUT + SCREEN_TINY;
+        f = a - e > f ? a - e : f;
+    }
+    *floor = f;
+    const float below = nextafterf(f, -INFINITY); /* a + e > below: a + e >= f */
+    for (i = 0; i + VW <= width; i += VW) {
+        const vf a = vload_bf16(y + i), e = slope * vload(norms + i) + (vf)((vi)a & magnitude) * out + tiny;
+        if (any_above_or_nan(a + e, below))
+            for (int j = 0; j < VW; j++) screen_keep(a[j], e[j], c0 + i + j, f, upper, idx, count);
+    }
+    for (; i < width; i++) {
+        const float a = bf16_to_f(y[i]);
+        screen_keep(a, s * norms[i] + fabsf(a) * SCREEN_OUT + SCREEN_TINY, c0 + i, f, upper, idx, count);
+    }
+}
+
+/* Output j of linear_f32 for row x, read from its panels: the same chain over k in order from zero. */
+static float panel_output(const float *x, const float *packed, int64_t j, int64_t k, int64_t panel) {
+    const float *w = packed + j / panel * k * panel + j % panel;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; i++) acc = fmaf(x[i], w[i * panel], acc);
+    return acc;
+}
+
+/* Row r's token from its candidates in every thread's lists: the first maximum of their exact outputs (an output
+ * not kept has an upper bound below some lower bound, so below the row's maximum); -1 where a list overflowed. */
+static int64_t screened_token(const char *lists, size_t per_thread, int64_t threads, int64_t rows, int64_t r,
+                              const float *x, const float *packed, int64_t k, int64_t panel) {
+    float floor = -INFINITY, best = -INFINITY;
+    int64_t token = -1;
+    for (int64_t t = 0; t < threads; t++) {
+        const Screen st = screen_at((char *)lists + t * per_thread, rows);
+        if (st.count[r] < 0) return -1;
+        floor = st.floor[r] > floor ? st.floor[r] : floor;
+    }
+    for (int64_t t = 0; t < threads; t++) {
+        const Screen st = screen_at((char *)lists + t * per_thread, rows);
+        for (int64_t j = 0; j < st.count[r]; j++) {
+            const int64_t i = st.idx[r * SCREEN_KEEP + j];
+            if (st.upper[r * SCREEN_KEEP + j] < floor) continue;
+            const float v = panel_output(x, packed, i, k, panel);
+            if (token < 0 || ranks_before(v, i, best, token)) best = v, token = i;
+        }
+    }
+    return token;
+}
+
+/* tokens[r]: greedy_f32's token for row r of fp32 x [rows, k] (contiguous), found by a bf16 screen: x rounded to
+ * bf16 through the lm_head's bf16 panels `screen` (packed for linear_bf16, n outputs) a chunk of the vocabulary at
+ * a time; each output's bound (SCREEN_SLOPE with the row's norm and norms[j] >= ||w_j||) leaves the outputs that
+ * may be the row's maximum, whose exact outputs (panel_output on the fp32 panels `packed`) give the token. Rows
+ * the screen cannot take (not finite, too large, more candidates than kept) take greedy_f32. norms: each finite.
+ * 0 when done, 1 without memory. */
+int greedy_f32_screened(const float *x, int64_t rows, const bf16 *screen, const float *norms, const float *packed,
+                        int64_t n, int64_t k, int64_t *tokens) {
+    static __thread void *buffer;
+    static __thread size_t buffer_bytes;
+    const int64_t panel = f32_linear_panel(), threads = omp_get_max_threads();
+    if (rows <= 0) return 0;
+    if (panel <= 0) return 1;
+    if (k > SCREEN_MAX_K) return greedy_f32(x, rows, packed, n, k, tokens);
+    const int64_t width = chunk_width(rows, sizeof(bf16), panel, n);
+    /* the bf16 rows, then one chunk's outputs */
+    char *base = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * (k + width));
+    const size_t list_bytes = (sizeof(float) + sizeof(int64_t)) * rows * (SCREEN_KEEP + 1);
+    const size_t per_thread = (list_bytes + 63) / 64 * 64;
+    char *lists = malloc(per_thread * threads + sizeof(float) * rows + sizeof(int64_t) * rows);
+    if (base == NULL || lists == NULL) {
+        free(lists);
+        return 1;
+    }
+    bf16 *xb = (bf16 *)base, *scratch = xb + rows * k;
+    float *slope = (float *)(lists + per_thread * threads);
+    int64_t *exact = (int64_t *)(slope + rows), exact_rows = 0;
+#pragma omp parallel for if (rows * k > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < k; i++) sum += (double)x[r * k + i] * x[r * k + i], xb[r * k + i] = f_to_bf16(x[r * k + i]);
+        const double norm = sqrt(sum);
+        /* a row the bound does not cover (NaN, infinite, too large) takes greedy_f32: slope NaN marks it */
+        slope[r] = norm <= SCREEN_MAX_X ? nextafterf((float)(SCREEN_SLOPE(k) * norm + sqrt((double)k) * 0x1p-126),
+                                                     INFINITY) : NAN;
+    }
+    for (int64_t t = 0; t < threads; t++) {
+        const Screen st = screen_at(lists + t * per_thread, rows);
+        for (int64_t r = 0; r < rows; r++) st.floor[r] = -INFINITY, st.count[r] = 0;
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += width) {
+        const int64_t w = n - c0 < width ? n - c0 : width, panels = (w + panel - 1) / panel;
+        if (linear_bf16(xb, rows, screen + c0 * k, w, k, NULL, scratch)) {
+            free(lists);
+            return 1;
+        }
+        const bf16 *y = scratch; /* the caller's thread's: the parallel region's threads have their own */
+#pragma omp parallel if (rows * w > PAR_MIN_WORK)
+        {
+            const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t lo = panels * me / team * panel, hi_panel = panels * (me + 1) / team * panel;
+            const int64_t hi = hi_panel < w ? hi_panel : w;
+            const Screen st = screen_at(lists + me * per_thread, rows);
+            for (int64_t r = 0; r < rows && lo < hi; r++)
+                if (slope[r] == slope[r])
+                    screen_scan(y + r * w + lo, norms + c0 + lo, hi - lo, c0 + lo, slope[r], st.floor + r,
+                                st.upper + r * SCREEN_KEEP, st.idx + r * SCREEN_KEEP, st.count + r);
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 4) if (rows * k > PAR_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++)
+        tokens[r] = slope[r] == slope[r] ? screened_token(lists, per_thread, threads, rows, r, x + r * k, packed, k,
+                                                          panel) : -1;
+    for (int64_t r = 0; r < rows; r++)
+        if (tokens[r] < 0) exact[exact_rows++] = r;
+    int status = 0;
+    if (exact_rows) { /* those rows gathered, through greedy_f32 (a row's outputs never depend on the others) */
+        float *gathered = malloc(sizeof(float) * exact_rows * k);
+        int64_t *got = malloc(sizeof(int64_t) * exact_rows);
+        status = gathered == NULL || got == NULL;
+        for (int64_t i = 0; !status && i < exact_rows; i++) memcpy(gathered + i * k, x + exact[i] * k, sizeof(float) * k);
+        status = status || greedy_f32(gathered, exact_rows, packed, n, k, got);
+        for (int64_t i = 0; !status && i < exact_rows; i++) tokens[exact[i]] = got[i];
+        free(gathered);
+        free(got);
+    }
+    free(lists);
+    return status;
+}
