@@ -271,6 +271,22 @@ def test_linears_benchmark_times_each_kernel_against_onednn_and_a_git_baseline(c
     assert sorted(ln.split()[0] for ln in lines) == ["bfloat16", "bfloat16", "float32", "float32"]
 
 
+@pytest.mark.skipif(not cpu_linears.has_panel_linears(), reason="needs the C kernels built for a CPU with AVX-512, or AVX2 and FMA")
+def test_lm_screen_benchmark_reports_the_bound_and_both_kernels(capsys):
+    """benchmarks.micro.lm_screen on one short reply: the bound leaves at least one output a row, no actual error
+    reaches its bound, and a timing line per row count (both kernels' tokens equal; no timing is asserted)."""
+    from benchmarks.micro import lm_screen
+
+    assert lm_screen.main(["--prompts", "1", "--tokens", "4", "--rows", "1,5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = [ln for ln in lines if "outputs the bound leaves" in ln]
+    assert len(report) == 1 and report[0].startswith("4 rows")
+    mean = float(report[0].split("mean ")[1].split(",")[0])
+    ratio = float(report[0].split("error / bound ")[1])
+    assert mean >= 1 and 0 <= ratio < 1
+    assert [ln.split()[0] for ln in lines if "greedy_f32_screened" in ln] == ["1", "5"]
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler for the CPU kernels")
 def test_attention_benchmark_runs_against_a_git_baseline(capsys):
     """benchmarks.micro.kernels with --baseline HEAD: the baseline's paged_attention is built and timed on decode and

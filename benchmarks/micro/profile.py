@@ -91,7 +91,7 @@ def op_tables(plan: Plan) -> None:
 
 # The C functions timed as linears by shape, and where their rows, outputs and inputs are among the arguments
 LINEAR_ARGS = {"linear_bf16": (1, 3, 4), "linear_f32": (2, 4, 5), "greedy_f32": (1, 3, 4), "greedy_bf16": (1, 4, 5),
-               "logits_bf16": (1, 4, 5), "sample_bf16": (1, 4, 5)}
+               "logits_bf16": (1, 4, 5), "sample_bf16": (1, 4, 5), "greedy_f32_screened": (1, 5, 6)}
 
 
 def kernel_times(plan: Plan, warm_steps: int = 30, steps: int = 60) -> None:
