@@ -335,17 +335,18 @@ int greedy_f32(const float *x, int64_t rows, const float *packed, int64_t n, int
 #define SCREEN_MAX_K (1 << 20)
 #define SCREEN_KEEP 32 /* candidates a row keeps per thread: past them the row takes greedy_f32 */
 
-/* A thread's screen state, per row: the largest lower bound so far, and the outputs whose upper bound reaches it. */
+/* A thread's screen state, per row: the largest lower bound so far, and the outputs whose upper bound reaches it
+ * (their ids and upper bounds, `count` of them). */
 typedef struct {
-    float *floor, *upper;
     int64_t *idx, *count;
+    float *floor, *upper;
 } Screen;
 
 static Screen screen_at(char *base, int64_t rows) {
-    Screen s = {(float *)base, NULL, NULL, NULL};
-    s.upper = s.floor + rows;
-    s.idx = (int64_t *)(s.upper + rows * SCREEN_KEEP);
+    Screen s = {(int64_t *)base, NULL, NULL, NULL};
     s.count = s.idx + rows * SCREEN_KEEP;
+    s.floor = (float *)(s.count + rows);
+    s.upper = s.floor + rows;
     return s;
 }
 
@@ -447,18 +448,19 @@ int greedy_f32_screened(const float *x, int64_t rows, const bf16 *screen, const 
     char *base = grown(&buffer, &buffer_bytes, sizeof(bf16) * rows * (k + width));
     const size_t list_bytes = (sizeof(float) + sizeof(int64_t)) * rows * (SCREEN_KEEP + 1);
     const size_t per_thread = (list_bytes + 63) / 64 * 64;
-    char *lists = malloc(per_thread * threads + sizeof(float) * rows + sizeof(int64_t) * rows);
+    char *lists = malloc(per_thread * threads + (sizeof(int64_t) + sizeof(float)) * rows);
     if (base == NULL || lists == NULL) {
         free(lists);
         return 1;
     }
     bf16 *xb = (bf16 *)base, *scratch = xb + rows * k;
-    float *slope = (float *)(lists + per_thread * threads);
-    int64_t *exact = (int64_t *)(slope + rows), exact_rows = 0;
+    int64_t *exact = (int64_t *)(lists + per_thread * threads), exact_rows = 0;
+    float *slope = (float *)(exact + rows);
 #pragma omp parallel for if (rows * k > PAR_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * k;
         double sum = 0.0;
-        for (int64_t i = 0; i < k; i++) sum += (double)x[r * k + i] * x[r * k + i], xb[r * k + i] = f_to_bf16(x[r * k + i]);
+        for (int64_t i = 0; i < k; i++) sum += (double)row[i] * row[i], xb[r * k + i] = f_to_bf16(row[i]);
         const double norm = sqrt(sum);
         /* a row the bound does not cover (NaN, infinite, too large) takes greedy_f32: slope NaN marks it */
         slope[r] = norm <= SCREEN_MAX_X ? nextafterf((float)(SCREEN_SLOPE(k) * norm + sqrt((double)k) * 0x1p-126),
@@ -498,7 +500,8 @@ int greedy_f32_screened(const float *x, int64_t rows, const bf16 *screen, const 
         float *gathered = malloc(sizeof(float) * exact_rows * k);
         int64_t *got = malloc(sizeof(int64_t) * exact_rows);
         status = gathered == NULL || got == NULL;
-        for (int64_t i = 0; !status && i < exact_rows; i++) memcpy(gathered + i * k, x + exact[i] * k, sizeof(float) * k);
+        for (int64_t i = 0; !status && i < exact_rows; i++)
+            memcpy(gathered + i * k, x + exact[i] * k, sizeof(float) * k);
         status = status || greedy_f32(gathered, exact_rows, packed, n, k, got);
         for (int64_t i = 0; !status && i < exact_rows; i++) tokens[exact[i]] = got[i];
         free(gathered);
