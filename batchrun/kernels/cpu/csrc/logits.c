@@ -367,34 +367,39 @@ static void screen_keep(float a, float e, int64_t i, float floor, float *upper, 
     idx[(*count)++] = i;
 }
 
-/* One row's outputs y [width] (from c0) against their bounds (slope s times norms [width], |y| / 510, tiny): the
- * floor raised to the largest lower bound, then each output whose upper bound reaches it kept. */
+/* The bounds of outputs a (VW of them, or one) with norms[j] >= ||w_j|| and the row's slope s: s ||w_j|| + |a| / 510
+ * + SCREEN_TINY. */
+ALWAYS vf screen_bounds(vf a, const float *norms, float s) {
+    return vsplat(s) * vload(norms) + (vf)((vi)a & ((vi){0} + 0x7fffffff)) * SCREEN_OUT + SCREEN_TINY;
+}
+ALWAYS float screen_bound(float a, float norm, float s) { return s * norm + fabsf(a) * SCREEN_OUT + SCREEN_TINY; }
+
+/* One row's outputs y [width] (from c0) against their bounds (the row's slope s, norms [width]): the floor raised to
+ * the largest lower bound, then each output whose upper bound reaches it kept. */
 static void screen_scan(const bf16 *y, const float *norms, int64_t width, int64_t c0, float s, float *floor,
                         float *upper, int64_t *idx, int64_t *count) {
-    const vf slope = vsplat(s), out = vsplat(SCREEN_OUT), tiny = vsplat(SCREEN_TINY);
-    const vi magnitude = (vi){0} + 0x7fffffff;
     vf lower = vsplat(-INFINITY);
     int64_t i = 0;
     for (; i + VW <= width; i += VW) {
-        const vf a = vload_bf16(y + i), e = slope * vload(norms + i) + (vf)((vi)a & magnitude) * out + tiny;
+        const vf a = vload_bf16(y + i), e = screen_bounds(a, norms + i, s);
         lower = vselect(a - e > lower, a - e, lower);
     }
     float f = *floor;
     for (int j = 0; j < VW; j++) f = lower[j] > f ? lower[j] : f;
     for (int64_t t = i; t < width; t++) {
-        const float a = bf16_to_f(y[t]), e = s * norms[t] + fabsf(a) * SCREEN_OUT + SCREEN_TINY;
+        const float a = bf16_to_f(y[t]), e = screen_bound(a, norms[t], s);
         f = a - e > f ? a - e : f;
     }
     *floor = f;
     const float below = nextafterf(f, -INFINITY); /* a + e > below: a + e >= f */
     for (i = 0; i + VW <= width; i += VW) {
-        const vf a = vload_bf16(y + i), e = slope * vload(norms + i) + (vf)((vi)a & magnitude) * out + tiny;
+        const vf a = vload_bf16(y + i), e = screen_bounds(a, norms + i, s);
         if (any_above_or_nan(a + e, below))
             for (int j = 0; j < VW; j++) screen_keep(a[j], e[j], c0 + i + j, f, upper, idx, count);
     }
     for (; i < width; i++) {
         const float a = bf16_to_f(y[i]);
-        screen_keep(a, s * norms[i] + fabsf(a) * SCREEN_OUT + SCREEN_TINY, c0 + i, f, upper, idx, count);
+        screen_keep(a, screen_bound(a, norms[i], s), c0 + i, f, upper, idx, count);
     }
 }
 
