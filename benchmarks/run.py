@@ -53,6 +53,7 @@ from benchmarks.harness.plans import (
     headline_workload,
     quick_plans,
     select_plans,
+    why_not_here,
 )
 from benchmarks.harness.runner import ROOT, Runner
 from benchmarks.harness.scenarios import run_scenarios
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = quick_plans(keys) if args.model else [QUICK]
     else:
         plans = [PLANS[k] for k in keys]
+    skipped = {p.key: why for p in plans if (why := why_not_here(p))}
+    plans = [p for p in plans if p.key not in skipped]
     if args.no_hf:
         plans = [dataclasses.replace(p, static_batches=(), cb_requests_per_step=()) for p in plans]
     out: Path = args.out
@@ -400,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "command": cmd.strip(), "started": started,
                            "repeat": max(1, args.repeat), "rounds": max(1, args.rounds), "env": environment(),
-                           "models": {}}
+                           "models": {}, "skipped": skipped}
     t0 = time.perf_counter()
     runner.log(f"benchmark ({res['mode']}), results into {out}")
+    for key, why in skipped.items():
+        runner.log(f"[{key}] not run on this machine: {why}")
     # the MFU denominators: a large matmul in each dtype the plans use
     peaks: dict[str, Any] = {}
     for dtype in dict.fromkeys(["float32", *(p.dtype for p in plans)]):

@@ -18,16 +18,11 @@ as batchrun does.
 from __future__ import annotations
 
 import json
-import logging
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.paths import cache_dir
-
-log = logging.getLogger(__name__)
+from benchmarks.harness.models import made_once
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4: [PAD] is BertConfig's pad_token_id 0
 BERT_TOKENIZER = "bert-wordpiece-tokenizer"  # its folder under bench-models
@@ -67,29 +62,15 @@ EMBED_SHAPES: dict[str, EmbedShape] = {
 }
 
 
-def _made_once(name: str, marker: str, make: Callable[[Path], Any]) -> Path:
-    """$BATCHRUN_CACHE/bench-models/NAME, made by `make(folder)` on first use (a temp folder, then rename)."""
-    path = cache_dir() / "bench-models" / name
-    if (path / marker).is_file():
-        return path
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    log.info("making %s in %s (once)", name, path)
-    make(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
-
-
 def embed_checkpoint(name: str) -> Path:
     """The sentence-transformers folder of EMBED_SHAPES[name], made on first use."""
-    return _made_once(name, "modules.json", lambda tmp: make_embed_checkpoint(tmp, EMBED_SHAPES[name]))
+    return made_once(name, "modules.json", lambda tmp: make_embed_checkpoint(tmp, EMBED_SHAPES[name]))
 
 
 def bert_tokenizer_path() -> Path:
     """The BERT tokenizer's folder (bert_tokenizer, saved once): the BERT checkpoints' tokenizer, and what the
     embedding texts' lengths are counted with."""
-    return _made_once(BERT_TOKENIZER, "tokenizer.json", lambda tmp: bert_tokenizer().save_pretrained(tmp))
+    return made_once(BERT_TOKENIZER, "tokenizer.json", lambda tmp: bert_tokenizer().save_pretrained(tmp))
 
 
 def make_embed_checkpoint(path: Path, shape: EmbedShape, seed: int = 0) -> Path:

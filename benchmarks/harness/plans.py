@@ -67,6 +67,8 @@ class Plan:
     baseline_target: float = 0.0  # the decode tok/s over the baseline's that the row aims at
     weight_bytes_per_param: float = 0.0  # bytes a decode step streams per weight (0: the dtype's), for the roofline
     lm_head_bytes_per_param: float = 0.0  # the same for batchrun's lm_head (0: the dtype's; int8: quantize_lm_head)
+    # the memory the hungriest system's row needs: a machine with less available skips the plan, saying why
+    memory_gib: float = 0.0
 
 
 # vLLM's prompt-lookup speculative decoding set like batchrun's default on a CPU (batchrun/engine/ngram.py):
@@ -109,6 +111,16 @@ EMBED_QWEN3 = dict(checkpoint="qwen3-embedding-0.6b", note="Qwen3-Embedding-0.6B
 LLAMA1B = dict(builtin="", num_requests=48, prompt=PROMPT, output=OUTPUT, static_batches=(), cb_requests_per_step=(),
                scenarios=(), dtype="bfloat16", checkpoint="llama-3.2-1b", speculation_variants=False)
 
+# The 8B-class row: Llama-3.1-8B's shape, random bf16 weights (15.0 GiB, one copy held), 16 prompts of about 80 tokens,
+# 512 greedy tokens each with EOS ignored; drafts off as on the 1B row. OpenVINO GenAI is left out: the harness
+# exports its IR in fp32 (benchmarks/peers/openvino/env.py), twice the checkpoint, 30 GiB here.
+LLAMA8B = dict(builtin="", num_requests=16, prompt=LengthDist(80, 0.3, 48, 128), output=LengthDist(512, 0.0, 512, 512),
+               static_batches=(), cb_requests_per_step=(), scenarios=(), dtype="bfloat16", checkpoint="llama-3.1-8b",
+               speculation_variants=False, openvino=False, op_profile=0, memory_gib=21.0,
+               batchrun_kwargs={"num_speculative_tokens": 0},
+               note="Llama-3.1-8B's shape, random bf16 weights: 16 prompts, 512 greedy tokens each (EOS ignored). "
+                    "OpenVINO GenAI not run (its fp32 IR of this model is 30 GiB).")
+
 PLANS: dict[str, Plan] = {
     "tiny": Plan("tiny", "tiny-llama", 128, PROMPT, OUTPUT),
     # The small model costs far more per token than the tiny one: half the requests, and the scenarios (batchrun
@@ -141,7 +153,9 @@ PLANS: dict[str, Plan] = {
     # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
     # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
     "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
-    # The same row quantized, each beside its peers on the same format; asked for by name
+    # The size of model a CPU machine can only just hold: its weights set every step's pace (docs/memory.md)
+    "llama8b-bf16": Plan("llama8b-bf16", **LLAMA8B),
+    # The 1B row quantized, each beside its peers on the same format; asked for by name
     # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
     # int8 weights: batchrun's symmetric int8 in groups of 128 (W8A8 where VNNI runs it), lm_head int8 as OpenVINO's
     # exports keep it (quantize_lm_head); OpenVINO's
@@ -205,8 +219,8 @@ PLANS: dict[str, Plan] = {
 }
 # What `--model all` (make bench) runs, in this order: the work users bring first, then random text with EOS
 # ignored on the same real model (a second view); the other plans are asked for by name.
-DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "smollm2-bf16",
-                 "smollm2")
+DEFAULT_PLANS = ("chat-bf16", "chat-fp32", "chat-bf16-sampled", "chat-bf16-n4", "llama1b-bf16", "llama8b-bf16",
+                 "smollm2-bf16", "smollm2")
 # The quantized rows with the bf16 row they are compared with: `--model quant` (make bench BENCH_PLANS=quant).
 QUANT_PLANS = ("llama1b-bf16", "llama1b-int8", "llama1b-int4", "llama1b-kv8")
 # The loglikelihood row (`--model loglik`): many minutes on 2 cores (every peer computes each choice's whole prompt),
@@ -264,6 +278,30 @@ def select_plans(spec: str) -> tuple[str, ...]:
     for k in (k.strip() for k in spec.split(",") if k.strip()):
         keys.extend(PLAN_GROUPS.get(k, (k,)))
     return tuple(dict.fromkeys(keys))
+
+
+def why_not_here(plan: Plan) -> str | None:
+    """Why this machine cannot run the plan (None: it can): less memory available than the plan's memory_gib, or
+    too little disk for its random-weight checkpoint where that is not made yet."""
+    import shutil
+
+    from batchrun.model.runner.memory import available_memory
+    from batchrun.paths import cache_dir
+
+    if plan.memory_gib:
+        memory = available_memory()
+        if memory.free < plan.memory_gib * 2**30:
+            return f"needs {plan.memory_gib:.0f} GiB of memory, this machine has {memory.detail}"
+    if plan.checkpoint:
+        from benchmarks.harness.models import SHAPES, checkpoint_bytes
+
+        folder = cache_dir() / "bench-models"
+        if plan.checkpoint in SHAPES and not (folder / plan.checkpoint / "config.json").is_file():
+            need = checkpoint_bytes(plan.checkpoint) + 2**30
+            folder.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(folder).free < need:
+                return f"its checkpoint needs {need / 2**30:.1f} GiB of disk in {folder}"
+    return None
 
 
 def _vocab_for_prompts(path: Path, shape: ModelShape) -> int:

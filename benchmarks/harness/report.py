@@ -487,6 +487,7 @@ def markdown(res: dict[str, Any]) -> str:
                   if p.get("measured_as", dt) != dt else "")
                for dt, p in res.get("peaks", {"float32": peak}).items()],
              *([f"- vLLM CPU: {res['vllm']['error']}"] if res.get("vllm", {}).get("error") else []),
+             *[f"- Not run on this machine: {key} ({why})" for key, why in res.get("skipped", {}).items()],
              f"- Load average at start / end: {env['loadavg_start']} / {env.get('loadavg_end', 'n/a')}"
              + (" (other processes were running: figures are noisy)" if env.get("contended") else ""),
              "- Every system runs in its own process; fp32 unless the model's heading says bf16; greedy; EOS ignored and exact output lengths; model "

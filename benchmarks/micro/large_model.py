@@ -30,91 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import models
 from benchmarks.harness.cli_args import parser
 
 GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
-    # meta-llama/Llama-3.1-8B's config.json (its shapes and rope; the weights here are random)
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "llama-3.1-8b": models.SHAPES["llama-3.1-8b"],
     # a few hundred MB: big enough that a second copy of the weights shows in the peak, small enough for a test
     "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=32768, max_position_embeddings=4096, tie_word_embeddings=False),
 }
-SHARD_BYTES = 2 * GIB
-INIT_STD = 0.02
-
-
-def _tensors(shape: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of a Llama checkpoint of this shape, in Hugging Face's names and order."""
-    h, inter, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * (h // heads)
-    out = [("model.embed_tokens.weight", (shape["vocab_size"], h))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,))]
-    out.append(("model.norm.weight", (h,)))
-    if not shape.get("tie_word_embeddings"):
-        out.append(("lm_head.weight", (shape["vocab_size"], h)))
-    return out
-
-
-def write_checkpoint(folder: Path, shape: dict[str, Any], seed: int = 0) -> Path:
-    """A Llama checkpoint of `shape` with random bf16 weights in `folder` (config, tokenizer, safetensors shards
-    of about SHARD_BYTES and their index), written a shard at a time. Kept when it is already there."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from batchrun.model.weights.builtin import train_tokenizer
-
-    if (folder / "model.safetensors.index.json").is_file():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
-    config = transformers.LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                      torch_dtype="bfloat16")
-    config.architectures = ["LlamaForCausalLM"]
-    gen = torch.Generator().manual_seed(seed)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, dims in _tensors(shape):
-        nbytes = 2 * int(torch.Size(dims).numel())
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, dims))
-        size += nbytes
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, dims in names:
-            if len(dims) == 1:
-                t = torch.ones(dims, dtype=torch.bfloat16)
-            else:  # row chunks: never the whole tensor in fp32
-                t = torch.empty(dims, dtype=torch.bfloat16)
-                step = max(1, (64 * 2**20) // (4 * dims[1]))
-                for r in range(0, dims[0], step):
-                    t[r : r + step] = torch.randn(min(step, dims[0] - r), dims[1], generator=gen) * INIT_STD
-            tensors[name] = t
-            weight_map[name] = file
-            total += t.numel() * 2
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        del tensors
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+write_checkpoint = models.write_checkpoint
 
 
 def write_job(folder: Path, model: Path, requests: int, max_tokens: int) -> Path:
