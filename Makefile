@@ -36,6 +36,7 @@ demo: setup
 
 # BENCH_PLANS: the plans (or groups) to run; `make bench BENCH_PLANS=quant` runs issue 33's quantized 1B rows
 # with the bf16 one they are compared with (docs/benchmarks.md). The default set leaves them out: it is long already.
+# Its 8B-class row needs 21 GiB of free memory and 16 GiB of disk; a machine with less skips it and says why.
 # BENCH_THREADS: the threads every system runs with (default 2), e.g. `make bench BENCH_THREADS=1` for core scaling.
 BENCH_PLANS ?= all
 BENCH_THREADS ?= 2

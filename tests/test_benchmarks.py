@@ -403,6 +403,50 @@ def _quant_rows(monkeypatch, tmp_path, tiny_llama_path, key: str) -> tuple[_Capt
     return cap, m
 
 
+def test_bench_shapes_are_the_real_models_parameter_counts():
+    """The random-weight checkpoints hold exactly the real models' tensors: Llama-3.2-1B's 1,235,814,400 parameters
+    (tied lm_head) and Llama-3.1-8B's 8,030,261,248."""
+    from benchmarks.harness.models import SHAPES, checkpoint_bytes, tensors
+
+    counts = {k: sum(math.prod(dims) for _, dims in tensors(SHAPES[k])) for k in SHAPES}
+    assert counts == {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}
+    assert checkpoint_bytes("llama-3.1-8b") == 2 * counts["llama-3.1-8b"]
+    names = [name for name, _ in tensors(SHAPES["llama-3.2-1b"])]
+    assert "lm_head.weight" not in names and names[-1] == "model.norm.weight"
+
+
+def test_a_plan_the_machine_cannot_hold_is_skipped_and_the_report_says_why(monkeypatch, tmp_path):
+    import shutil
+
+    import batchrun.paths
+    from batchrun.model.runner import memory
+    from benchmarks.harness import plans
+    from benchmarks.harness.report import markdown
+
+    plan = plans.PLANS["llama8b-bf16"]
+    assert "llama8b-bf16" in plans.DEFAULT_PLANS and not plan.openvino and plan.vllm
+    assert (plan.checkpoint, plan.num_requests, plan.output.lo, plan.output.hi) == ("llama-3.1-8b", 16, 512, 512)
+    gib = 2**30
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.Available(8 * gib, 16 * gib, "8 GiB free"))
+    assert plans.why_not_here(plan) == "needs 21 GiB of memory, this machine has 8 GiB free"
+    assert plans.why_not_here(plans.PLANS["chat-bf16"]) is None  # no memory asked for, a built-in model
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.Available(64 * gib, 64 * gib, "64 GiB free"))
+    monkeypatch.setattr(batchrun.paths, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * gib, 90 * gib, 10 * gib))
+    assert plans.why_not_here(plan) == f"its checkpoint needs 16.0 GiB of disk in {tmp_path / 'bench-models'}"
+    (tmp_path / "bench-models" / "llama-3.1-8b").mkdir()
+    (tmp_path / "bench-models" / "llama-3.1-8b" / "config.json").write_text("{}")
+    assert plans.why_not_here(plan) is None  # made already: no disk needed
+
+    res = {"mode": "full", "command": "x", "started": "now", "peak": {"matmul_n": 1, "peak_flops": 1, "median_flops": 1,
+                                                                    "samples": 1},
+           "env": {"cpu": "c", "threads": 2, "torch": "t", "transformers": "t", "python": "p", "loadavg_start": "0"},
+           "models": {}, "skipped": {"llama8b-bf16": "needs 21 GiB of memory, this machine has 8 GiB free"}}
+    assert "- Not run on this machine: llama8b-bf16 (needs 21 GiB of memory, this machine has 8 GiB free)" \
+        in markdown(res)
+
+
 def test_quant_plans_are_asked_for_by_name_and_leave_the_default_set_alone():
     from benchmarks.harness.plans import DEFAULT_PLANS, PLANS, select_plans
 
