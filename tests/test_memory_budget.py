@@ -285,7 +285,8 @@ def test_a_model_too_large_in_bf16_runs_quantized_where_that_fits(bf16_ckpt, mon
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory):
     """0.29 GiB of bf16 weights (benchmarks.micro.large_model's small shape), written shard by shard."""
-    from benchmarks.micro.large_model import SHAPES, write_checkpoint
+    from benchmarks.harness.models import write_checkpoint
+    from benchmarks.micro.large_model import SHAPES
 
     return write_checkpoint(tmp_path_factory.mktemp("large") / "small-bf16", SHAPES["small"])
 

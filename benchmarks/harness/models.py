@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,8 @@ GIB = 2**30
 SHARD_BYTES = 2 * GIB
 INIT_STD = 0.02
 
-# Llama shapes, each as its config.json gives it (the weights are random).
+# Llama shapes: layers, widths, heads, vocabulary and rope as the real models' config.json give them (the weights are
+# random).
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B: 1.24B parameters, 2.5 GB in bf16, tied embeddings
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -79,14 +81,7 @@ def tensors(shape: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 
 def checkpoint_bytes(name: str) -> int:
     """The bf16 weights' bytes of SHAPES[name]."""
-    return sum(2 * _numel(dims) for _, dims in tensors(SHAPES[name]))
-
-
-def _numel(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
+    return sum(2 * math.prod(dims) for _, dims in tensors(SHAPES[name]))
 
 
 def write_checkpoint(folder: Path, shape: dict[str, Any], seed: int = 0) -> Path:
@@ -111,7 +106,7 @@ def write_checkpoint(folder: Path, shape: dict[str, Any], seed: int = 0) -> Path
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in tensors(shape):
-        nbytes = 2 * _numel(dims)
+        nbytes = 2 * math.prod(dims)
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0

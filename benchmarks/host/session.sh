@@ -58,11 +58,11 @@ if part linears; then
   start=$(date +%s)
   for t in $(printf '%s\n' 2 "$CORES" | sort -nu); do
     # the 8B's two layers and lm_head, then the 1B's four layers and tied lm_head: weights streamed, as in a step
-    for shape in "--layers 2 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 --vocab 128256" \
-                 "--layers 4 --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --head-dim 64 --vocab 128256"; do
+    for shape in "--layers 2 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128" \
+                 "--layers 4 --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --head-dim 64"; do
       # shellcheck disable=SC2086
       on_cores "$t" timeout "${LINEAR_TIMEOUT:-120}" $PY -m benchmarks.micro.linears --threads "$t" \
-        --dtypes bfloat16 --rows 1,16,128,512,2048 --repeats 3 $shape
+        --dtypes bfloat16 --rows 1,16,128,512,2048 --repeats 3 --vocab 128256 $shape
     done
   done 2>&1 | tee "$OUT/linears.log"
   echo "linears: $(($(date +%s) - start))s" | tee -a "$OUT/linears.log"
@@ -73,7 +73,8 @@ if part rows; then
   $PY -c "from benchmarks.harness.models import bench_checkpoint; print(bench_checkpoint('llama-3.2-1b'))"
   for t in $(counts); do
     echo "== $t threads, cores 0-$((t - 1))"
-    on_cores "$t" env BENCH_THREADS="$t" timeout "${ROW_TIMEOUT:-150}" $PY -m benchmarks.micro.profile --model llama1b-bf16
+    on_cores "$t" env BENCH_THREADS="$t" timeout "${ROW_TIMEOUT:-150}" $PY -m benchmarks.micro.profile \
+      --model llama1b-bf16
   done 2>&1 | tee "$OUT/rows.log"
   echo "rows: $(($(date +%s) - start))s" | tee -a "$OUT/rows.log"
 fi

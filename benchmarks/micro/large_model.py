@@ -40,7 +40,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=32768, max_position_embeddings=4096, tie_word_embeddings=False),
 }
-write_checkpoint = models.write_checkpoint
 
 
 def write_job(folder: Path, model: Path, requests: int, max_tokens: int) -> Path:
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default=None,
                     help="also generate with batchrun's model.quantization set to this (int8, int4, ...)")
     args = ap.parse_args(argv)
-    model = write_checkpoint(args.dir / f"{args.shape}-bf16", SHAPES[args.shape])
+    model = models.write_checkpoint(args.dir / f"{args.shape}-bf16", SHAPES[args.shape])
     report = {"shape": args.shape, **run(model, args.dir / "job", args.requests, args.max_tokens)}
     if args.vllm or args.quantization:
         report["generate"] = {"batchrun": generate("batchrun", model, args.dir / "job", args.max_tokens)}

@@ -58,7 +58,8 @@ def step_breakdown(plan: Plan) -> None:
         steps += 1
     wall = time.perf_counter() - t0
     generated = eng.metrics.generation_tokens
-    print(f"{plan.checkpoint or plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, {generated / wall:.1f} gen tok/s, {steps} steps")
+    print(f"{plan.checkpoint or plan.builtin}: {len(wl)} requests, wall {wall:.2f} s, "
+          f"{generated / wall:.1f} gen tok/s, {steps} steps")
     print(f"  steps with prefill: {len(pre)}, {sum(r[0] for r in pre):.2f} s (model {sum(r[1] for r in pre):.2f} s)")
     n = sum(len(v) for v in dec.values())
     m = eng.metrics
