@@ -418,9 +418,8 @@ def test_bench_shapes_are_the_real_models_parameter_counts():
 def test_a_plan_the_machine_cannot_hold_is_skipped_and_the_report_says_why(monkeypatch, tmp_path):
     import shutil
 
-    import batchrun.paths
     from batchrun.model.runner import memory
-    from benchmarks.harness import plans
+    from benchmarks.harness import models, plans
     from benchmarks.harness.report import markdown
 
     plan = plans.PLANS["llama8b-bf16"]
@@ -432,7 +431,7 @@ def test_a_plan_the_machine_cannot_hold_is_skipped_and_the_report_says_why(monke
     assert plans.why_not_here(plans.PLANS["chat-bf16"]) is None  # no memory asked for, a built-in model
 
     monkeypatch.setattr(memory, "available_memory", lambda: memory.Available(64 * gib, 64 * gib, "64 GiB free"))
-    monkeypatch.setattr(batchrun.paths, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * gib, 90 * gib, 10 * gib))
     assert plans.why_not_here(plan) == f"its checkpoint needs 16.0 GiB of disk in {tmp_path / 'bench-models'}"
     (tmp_path / "bench-models" / "llama-3.1-8b").mkdir()

@@ -41,9 +41,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def bench_dir() -> Path:
+    """$BATCHRUN_CACHE/bench-models: where every bench checkpoint is made."""
+    return cache_dir() / "bench-models"
+
+
 def made_once(name: str, marker: str, make: Callable[[Path], Any]) -> Path:
-    """$BATCHRUN_CACHE/bench-models/NAME, made by `make(folder)` on first use (a temp folder, then rename)."""
-    path = cache_dir() / "bench-models" / name
+    """bench_dir() / NAME, made by `make(folder)` on first use (a temp folder, then rename)."""
+    path = bench_dir() / name
     if (path / marker).is_file():
         return path
     tmp = path.with_name(path.name + ".tmp")
@@ -82,6 +87,14 @@ def tensors(shape: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 def checkpoint_bytes(name: str) -> int:
     """The bf16 weights' bytes of SHAPES[name]."""
     return sum(2 * math.prod(dims) for _, dims in tensors(SHAPES[name]))
+
+
+def bytes_to_make(name: str) -> int:
+    """The disk bench_checkpoint(name) still needs: 0 when it is made (or not one of SHAPES), else its weights' bytes
+    and 1 GiB for the rest."""
+    if name not in SHAPES or (bench_dir() / name / "config.json").is_file():
+        return 0
+    return checkpoint_bytes(name) + GIB
 
 
 def write_checkpoint(folder: Path, shape: dict[str, Any], seed: int = 0) -> Path:

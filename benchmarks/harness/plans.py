@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,24 +284,19 @@ def select_plans(spec: str) -> tuple[str, ...]:
 def why_not_here(plan: Plan) -> str | None:
     """Why this machine cannot run the plan (None: it can): less memory available than the plan's memory_gib, or
     too little disk for its random-weight checkpoint where that is not made yet."""
-    import shutil
-
     from batchrun.model.runner.memory import available_memory
-    from batchrun.paths import cache_dir
+    from benchmarks.harness.models import bench_dir, bytes_to_make
 
     if plan.memory_gib:
         memory = available_memory()
         if memory.free < plan.memory_gib * 2**30:
             return f"needs {plan.memory_gib:.0f} GiB of memory, this machine has {memory.detail}"
-    if plan.checkpoint:
-        from benchmarks.harness.models import SHAPES, checkpoint_bytes
-
-        folder = cache_dir() / "bench-models"
-        if plan.checkpoint in SHAPES and not (folder / plan.checkpoint / "config.json").is_file():
-            need = checkpoint_bytes(plan.checkpoint) + 2**30
-            folder.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(folder).free < need:
-                return f"its checkpoint needs {need / 2**30:.1f} GiB of disk in {folder}"
+    need = bytes_to_make(plan.checkpoint) if plan.checkpoint else 0
+    if need:
+        folder = bench_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(folder).free < need:
+            return f"its checkpoint needs {need / 2**30:.1f} GiB of disk in {folder}"
     return None
 
 
