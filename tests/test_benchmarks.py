@@ -596,6 +596,22 @@ def test_report_gives_quantized_rows_their_ratio_to_the_bf16_row():
     assert "| 1.50x (1.80x) |" in line
 
 
+def test_shares_table_marks_a_forward_the_op_profile_did_not_split():
+    from benchmarks.harness.report import shares_table
+
+    split = {"schedule": 0.01, "forward: linears": 0.6, "forward: attention": 0.2, "forward: elementwise": 0.1,
+             "forward: other": 0.05, "logits": 0.04}
+    models = {k: {"key": k, "model": "m", "dtype": "bfloat16", "workload": {"decoding": "greedy"},
+                  "derived": {**_derived(10.0, None), "time_shares": sh}}
+              for k, sh in (("split", split), ("whole", {"schedule": 0.01, "forward": 0.94, "logits": 0.05}))}
+    lines = shares_table({"models": models})
+    whole = lines[3].split(" | ")
+    assert whole[1:6] == ["1.0%", "94.0%¹", "-", "-", "-"]  # not shown as "forward: other"
+    assert lines[2].split(" | ")[1:6] == ["1.0%", "60.0%", "20.0%", "10.0%", "5.0%"]
+    assert lines[-1].startswith("¹ The whole forward")
+    assert sum("¹" in x for x in shares_table({"models": {"split": models["split"]}})) == 0
+
+
 # ---- the loglikelihood rows: items, scoring as the clients do it, the report --------------------------------
 
 

@@ -404,15 +404,20 @@ def shares_table(res: dict[str, Any]) -> list[str]:
             "logits", "sampling", "outputs", "other"]
     lines = ["| row | " + " | ".join(keys) + " | decode step (rows, ms, floor ms / at ISA peak) | of bandwidth "
              "| of matmul peak | prefill step (tokens, ms, floor ms / at ISA peak) |", "|---|" + "---:|" * (len(keys) + 4)]
+    unsplit = False
     for m in _generation(res):
         d = m["derived"]
         sh = d.get("time_shares") or {}
-        if "forward" in sh:  # no op profile: the forward whole
-            sh = {**sh, "forward: other": sh["forward"]}
+        cells = {k: _pct(sh[k]) for k in keys if k in sh}
+        if "forward" in sh:  # no op-profile pass: the forward whole, in the first forward column
+            cells["forward: linears"] = _pct(sh["forward"]) + "¹"
+            unsplit = True
         rf, pf = d.get("roofline"), d.get("prefill_roofline")
-        lines.append(f"| {_row_name(m)} | " + " | ".join(_pct(sh.get(k)) if k in sh else "-" for k in keys)
+        lines.append(f"| {_row_name(m)} | " + " | ".join(cells.get(k, "-") for k in keys)
                      + f" | {_step(rf)} | {_pct(rf and rf['bandwidth_share'])} | {_pct(rf and rf['peak_share'])}"
                      + f" | {_step(pf)} |")
+    if unsplit:
+        lines += ["", "¹ The whole forward, not split by op: the plan runs no op-profile pass (`Plan.op_profile` 0)."]
     return lines
 
 
