@@ -154,7 +154,7 @@ PLANS: dict[str, Plan] = {
     # Where the weights set the pace: Llama-3.2-1B's shape, random bf16 weights, random text with EOS ignored;
     # drafts off on both sides (random weights repeat themselves, so drafts would be accepted as on no real text).
     "llama1b-bf16": Plan("llama1b-bf16", **LLAMA1B, batchrun_kwargs={"num_speculative_tokens": 0}),
-    # The size of model a CPU machine can only just hold: its weights set every step's pace (docs/memory.md)
+    # The size of model a CPU machine can only just hold, one copy of its weights (docs/memory.md)
     "llama8b-bf16": Plan("llama8b-bf16", **LLAMA8B),
     # The 1B row quantized, each beside its peers on the same format; asked for by name
     # (--model llama1b-bf16,llama1b-int8,llama1b-int4,llama1b-kv8: the bf16 row gives the ratios to batchrun's own).
@@ -285,18 +285,18 @@ def why_not_here(plan: Plan) -> str | None:
     """Why this machine cannot run the plan (None: it can): less memory available than the plan's memory_gib, or
     too little disk for its random-weight checkpoint where that is not made yet."""
     from batchrun.model.runner.memory import available_memory
-    from benchmarks.harness.models import bench_dir, bytes_to_make
+    from benchmarks.harness.models import GIB, bench_dir, bytes_to_make
 
     if plan.memory_gib:
         memory = available_memory()
-        if memory.free < plan.memory_gib * 2**30:
+        if memory.free < plan.memory_gib * GIB:
             return f"needs {plan.memory_gib:.0f} GiB of memory, this machine has {memory.detail}"
     need = bytes_to_make(plan.checkpoint) if plan.checkpoint else 0
     if need:
         folder = bench_dir()
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free < need:
-            return f"its checkpoint needs {need / 2**30:.1f} GiB of disk in {folder}"
+            return f"its checkpoint needs {need / GIB:.1f} GiB of disk in {folder}"
     return None
 
 

@@ -33,7 +33,6 @@ from typing import Any
 from benchmarks.harness import models
 from benchmarks.harness.cli_args import parser
 
-GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": models.SHAPES["llama-3.1-8b"],
     # a few hundred MB: big enough that a second copy of the weights shows in the peak, small enough for a test
@@ -142,14 +141,14 @@ def run(model: Path, work: Path, requests: int, max_tokens: int, env: dict[str, 
     engine = metrics.get("engine", {})
     block_size = EngineArgs.__dataclass_fields__["block_size"].default  # the job leaves it at the default
     kv = engine.get("kv_blocks_total", 0) * engine.get("kv_bytes_per_token", 0) * block_size
-    bound = 1.15 * weights + kv + GIB
+    bound = 1.15 * weights + kv + models.GIB
     log_lines = [ln for ln in stderr.splitlines()
                  if any(what in ln for what in ("few-row copy", "KV cache sized", "KV cache:", "needs"))]
     return {"exit_code": proc.returncode, "wall_s": round(wall, 1), "requests": requests,
             "generated_tokens_per_s": metrics.get("generated_tokens_per_s"),
-            "weights_gib": round(weights / GIB, 2), "checkpoint_files": len(weight_files(model)),
-            "kv_pool_gib": round(kv / GIB, 2), "peak_rss_gib": round(peak / GIB, 2),
-            "bound_gib": round(bound / GIB, 2), "within_bound": peak <= bound, "engine_log": log_lines,
+            "weights_gib": round(weights / models.GIB, 2), "checkpoint_files": len(weight_files(model)),
+            "kv_pool_gib": round(kv / models.GIB, 2), "peak_rss_gib": round(peak / models.GIB, 2),
+            "bound_gib": round(bound / models.GIB, 2), "within_bound": peak <= bound, "engine_log": log_lines,
             "stderr_tail": stderr.splitlines()[-3:] if proc.returncode else []}
 
 
