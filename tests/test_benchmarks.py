@@ -417,6 +417,7 @@ def test_bench_shapes_are_the_real_models_parameter_counts():
 
 def test_a_plan_the_machine_cannot_hold_is_skipped_and_the_report_says_why(monkeypatch, tmp_path):
     import shutil
+    from types import SimpleNamespace
 
     from batchrun.model.runner import memory
     from benchmarks.harness import models, plans
@@ -425,14 +426,14 @@ def test_a_plan_the_machine_cannot_hold_is_skipped_and_the_report_says_why(monke
     plan = plans.PLANS["llama8b-bf16"]
     assert "llama8b-bf16" in plans.DEFAULT_PLANS and not plan.openvino and plan.vllm
     assert (plan.checkpoint, plan.num_requests, plan.output.lo, plan.output.hi) == ("llama-3.1-8b", 16, 512, 512)
-    gib = 2**30
+    gib = models.GIB
     monkeypatch.setattr(memory, "available_memory", lambda: memory.Available(8 * gib, 16 * gib, "8 GiB free"))
     assert plans.why_not_here(plan) == "needs 21 GiB of memory, this machine has 8 GiB free"
     assert plans.why_not_here(plans.PLANS["chat-bf16"]) is None  # no memory asked for, a built-in model
 
     monkeypatch.setattr(memory, "available_memory", lambda: memory.Available(64 * gib, 64 * gib, "64 GiB free"))
     monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * gib, 90 * gib, 10 * gib))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10 * gib))
     assert plans.why_not_here(plan) == f"its checkpoint needs 16.0 GiB of disk in {tmp_path / 'bench-models'}"
     (tmp_path / "bench-models" / "llama-3.1-8b").mkdir()
     (tmp_path / "bench-models" / "llama-3.1-8b" / "config.json").write_text("{}")
